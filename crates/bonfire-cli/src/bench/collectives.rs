@@ -1,0 +1,326 @@
+//! `bonfire bench collectives`: the nccl-tests table for bonfire's collectives.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use bonfire::collectives::{Algorithm, Collective, CommConfig, Communicator, Element};
+use bonfire::topology::{DType, ReduceOp};
+use clap::ValueEnum;
+use half::{bf16, f16};
+
+use crate::size;
+
+/// How the ranks of the benchmark talk.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+pub(crate) enum TransportKind {
+    /// Ranks are threads of this process; frames move as shared buffers.
+    Inproc,
+}
+
+/// The collective to time.
+#[derive(Copy, Clone, Debug, ValueEnum)]
+pub(crate) enum Op {
+    /// All-reduce (busbw = algbw x 2(n-1)/n).
+    AllReduce,
+    /// Reduce-scatter; the size is the input (busbw = algbw x (n-1)/n).
+    ReduceScatter,
+    /// All-gather; the size is the output (busbw = algbw x (n-1)/n).
+    AllGather,
+    /// Broadcast from rank 0 (busbw = algbw).
+    Broadcast,
+    /// Reduce to rank 0 (busbw = algbw).
+    Reduce,
+}
+
+impl Op {
+    fn collective(self, reduce: ReduceOp) -> Collective {
+        match self {
+            Op::AllReduce => Collective::AllReduce(reduce),
+            Op::ReduceScatter => Collective::ReduceScatter {
+                op: reduce,
+                counts: None,
+            },
+            Op::AllGather => Collective::AllGather { counts: None },
+            Op::Broadcast => Collective::Broadcast { root: 0 },
+            Op::Reduce => Collective::Reduce {
+                op: reduce,
+                root: 0,
+            },
+        }
+    }
+
+    /// nccl-tests' bus-bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::ReduceScatter | Op::AllGather => (n - 1.0) / n,
+            Op::Broadcast | Op::Reduce => 1.0,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all-reduce",
+            Op::ReduceScatter => "reduce-scatter",
+            Op::AllGather => "all-gather",
+            Op::Broadcast => "broadcast",
+            Op::Reduce => "reduce",
+        }
+    }
+}
+
+/// Arguments of `bonfire bench collectives`.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// How ranks talk.
+    #[arg(long, value_enum, default_value_t = TransportKind::Inproc)]
+    transport: TransportKind,
+    /// Number of ranks.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    nproc: u16,
+    /// The collective.
+    #[arg(long, value_enum, default_value_t = Op::AllReduce)]
+    op: Op,
+    /// The reduction, for reducing collectives.
+    #[arg(long, default_value = "sum")]
+    reduce_op: ReduceOp,
+    /// Buffer sizes, comma-separated (binary units: 64K, 4M, 1G). All-gather: the output;
+    /// reduce-scatter: the input; otherwise the buffer.
+    #[arg(long, value_delimiter = ',', default_value = "1K,16K,256K,4M,64M", value_parser = size::parse)]
+    sizes: Vec<usize>,
+    /// Force an algorithm (auto, ring, recursive-doubling, halving-doubling, tree, hierarchical).
+    #[arg(long, default_value = "auto")]
+    algorithm: Algorithm,
+    /// Element type (f32, f64, f16, bf16, i32, i64, u8).
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Timed iterations per size [default: enough to move about 256 MiB, from 5 to 2000].
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Untimed iterations before timing [default: a tenth of the timed ones, at least 2].
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// The largest frame; larger transfers are pipelined in frames of this size.
+    #[arg(long, value_parser = size::parse)]
+    chunk: Option<usize>,
+}
+
+pub(crate) fn run(args: Args) -> Result<(), String> {
+    match args.dtype {
+        DType::F32 => bench::<f32>(&args),
+        DType::F64 => bench::<f64>(&args),
+        DType::F16 => bench::<f16>(&args),
+        DType::BF16 => bench::<bf16>(&args),
+        DType::I32 => bench::<i32>(&args),
+        DType::I64 => bench::<i64>(&args),
+        DType::U8 => bench::<u8>(&args),
+    }
+}
+
+/// One row of the table.
+struct Row {
+    bytes: usize,
+    count: usize,
+    algorithm: Algorithm,
+    seconds: f64,
+    memcpy_gbps: f64,
+}
+
+fn bench<T: Element>(args: &Args) -> Result<(), String> {
+    let n = usize::from(args.nproc);
+    let mut config = CommConfig::default();
+    if let Some(chunk) = args.chunk {
+        config.chunk_bytes = chunk.max(1);
+    }
+    let comms = match args.transport {
+        TransportKind::Inproc => Communicator::in_process(n, config.clone()),
+    };
+    let comms: Vec<Communicator> = comms
+        .into_iter()
+        .map(|c| c.with_algorithm(args.algorithm))
+        .collect();
+    let collective = args.op.collective(args.reduce_op);
+    let elem = T::DTYPE.size();
+
+    let reduction = match args.op {
+        Op::AllReduce | Op::ReduceScatter | Op::Reduce => format!(" ({})", args.reduce_op),
+        Op::AllGather | Op::Broadcast => String::new(),
+    };
+    println!(
+        "# bonfire bench collectives: {}{reduction}, {n} ranks, {} transport, {}, algorithm {}, chunk {}",
+        args.op.name(),
+        transport_name(args.transport),
+        T::DTYPE,
+        args.algorithm,
+        size::format(config.chunk_bytes),
+    );
+    println!(
+        "# {:>10} {:>11} {:>19} {:>6} {:>11} {:>11} {:>11} {:>12} {:>13}",
+        "size",
+        "count",
+        "algorithm",
+        "iters",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "memcpy(GB/s)",
+        "busbw/memcpy"
+    );
+    for &requested in &args.sizes {
+        // Per-rank element count; the size is the whole (gathered / scattered) buffer.
+        let count = match args.op {
+            Op::AllGather => requested / (elem * n),
+            _ => requested / elem,
+        };
+        let bytes = match args.op {
+            Op::AllGather => count * elem * n,
+            _ => count * elem,
+        };
+        let algorithm = comms[0]
+            .resolve_algorithm::<T>(&collective, count)
+            .map_err(|e| e.to_string())?;
+        let iters = args
+            .iters
+            .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(5, 2000));
+        let warmup = args.warmup.unwrap_or((iters / 10).max(2));
+        let memcpy_gbps = memcpy_bandwidth(bytes);
+        let seconds = time_collective::<T>(&comms, &collective, count, iters, warmup)?;
+        print_row(
+            args.op,
+            n,
+            iters,
+            &Row {
+                bytes,
+                count,
+                algorithm,
+                seconds,
+                memcpy_gbps,
+            },
+        );
+    }
+    println!(
+        "# time: the slowest rank's mean over the timed iterations. algbw = size / time; busbw = algbw x {:.3} ({}, as nccl-tests);",
+        args.op.bus_factor(n),
+        match args.op {
+            Op::AllReduce => "2(n-1)/n",
+            Op::ReduceScatter | Op::AllGather => "(n-1)/n",
+            Op::Broadcast | Op::Reduce => "1",
+        }
+    );
+    println!(
+        "# memcpy: one thread copying the same number of bytes between two buffers of this process, best of 5, in the same run."
+    );
+    Ok(())
+}
+
+fn transport_name(t: TransportKind) -> &'static str {
+    match t {
+        TransportKind::Inproc => "in-process",
+    }
+}
+
+fn print_row(op: Op, n: usize, iters: usize, row: &Row) {
+    let algbw = row.bytes as f64 / row.seconds / 1e9;
+    let busbw = algbw * op.bus_factor(n);
+    println!(
+        "  {:>10} {:>11} {:>19} {:>6} {:>11} {:>11} {:>11} {:>12} {:>13}",
+        size::format(row.bytes),
+        row.count,
+        row.algorithm.name(),
+        iters,
+        significant(row.seconds * 1e6),
+        significant(algbw),
+        significant(busbw),
+        significant(row.memcpy_gbps),
+        significant(if row.memcpy_gbps > 0.0 {
+            busbw / row.memcpy_gbps
+        } else {
+            0.0
+        }),
+    );
+}
+
+/// `x` with four significant digits (at most six decimals), so small bandwidths keep their
+/// ratios.
+fn significant(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let decimals = (3 - x.abs().log10().floor() as i32).clamp(0, 6) as usize;
+    format!("{x:.decimals$}")
+}
+
+/// Runs `warmup + iters` calls on every rank and returns the slowest rank's mean time per call.
+fn time_collective<T: Element>(
+    comms: &[Communicator],
+    collective: &Collective,
+    count: usize,
+    iters: usize,
+    warmup: usize,
+) -> Result<f64, String> {
+    let threads: Vec<_> = comms
+        .iter()
+        .cloned()
+        .map(|comm| {
+            let collective = collective.clone();
+            std::thread::spawn(move || -> Result<f64, String> {
+                let mut buf = vec![T::zeroed(); count];
+                let call = |buf: Vec<T>| {
+                    comm.run(collective.clone(), buf)
+                        .wait()
+                        .map_err(|e| e.to_string())
+                };
+                for _ in 0..warmup {
+                    buf = refill(call(buf)?, count);
+                }
+                comm.barrier().wait().map_err(|e| e.to_string())?;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    buf = refill(call(buf)?, count);
+                }
+                let mine = start.elapsed().as_secs_f64();
+                let slowest = comm
+                    .all_reduce(vec![mine], ReduceOp::Max)
+                    .wait()
+                    .map_err(|e| e.to_string())?;
+                Ok(slowest[0] / iters as f64)
+            })
+        })
+        .collect();
+    let mut seconds = 0.0;
+    for t in threads {
+        seconds = t
+            .join()
+            .map_err(|_| "a benchmark rank panicked".to_string())??;
+    }
+    Ok(seconds)
+}
+
+/// The buffer for the next call: reduce-scatter returns a segment, all-gather the whole.
+fn refill<T: Element>(mut buf: Vec<T>, count: usize) -> Vec<T> {
+    buf.resize(count, T::zeroed());
+    buf
+}
+
+/// This machine's single-thread copy bandwidth for `bytes`, in GB/s: the best of five trials,
+/// since a shared machine only ever slows a trial down.
+fn memcpy_bandwidth(bytes: usize) -> f64 {
+    if bytes == 0 {
+        return 0.0;
+    }
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let reps = ((64usize << 20) / bytes).clamp(3, 20_000);
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..reps {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&mut dst);
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (bytes * reps) as f64 / best / 1e9
+}

@@ -1,0 +1,37 @@
+//! The `bonfire` command: `bench` today; `launch`, `train` and `doctor` as they land.
+
+mod bench;
+mod size;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Distributed training for Burn.
+#[derive(Parser)]
+#[command(name = "bonfire", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure bonfire against the machine it runs on.
+    #[command(subcommand)]
+    Bench(bench::Bench),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(bench) => bench.run(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! Byte sizes on the command line: `4096`, `64K`, `1MiB`, `2G` (binary units).
+
+/// Parses a byte size.
+pub(crate) fn parse(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let value: usize = digits
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (examples: 4096, 64K, 1MiB, 2G)"))?;
+    let scale: usize = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => {
+            return Err(format!(
+                "`{s}` has an unknown unit `{unit}` (use K, M or G)"
+            ));
+        }
+    };
+    value
+        .checked_mul(scale)
+        .ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// Formats a byte size the way [`parse`] reads it.
+pub(crate) fn format(bytes: usize) -> String {
+    const UNITS: [(usize, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (scale, name) in UNITS {
+        if bytes >= scale && bytes.is_multiple_of(scale) {
+            return format!("{} {name}", bytes / scale);
+        }
+    }
+    format!("{bytes} B")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_binary_units() {
+        assert_eq!(parse("4096"), Ok(4096));
+        assert_eq!(parse("64K"), Ok(65536));
+        assert_eq!(parse("1MiB"), Ok(1 << 20));
+        assert_eq!(parse("2g"), Ok(2 << 30));
+        assert!(parse("12X").unwrap_err().contains("unknown unit"));
+        assert!(parse("K").is_err());
+        assert_eq!(format(64 << 20), "64 MiB");
+        assert_eq!(format(1000), "1000 B");
+    }
+}

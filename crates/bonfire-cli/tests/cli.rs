@@ -1,0 +1,154 @@
+//! The `bonfire` command as a user runs it: the bench table, and clean failures on bad input.
+
+use std::process::{Command, Output};
+
+fn bonfire(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bonfire"))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("the bonfire binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The data rows of a bench table, split into columns.
+fn rows(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            // "1 KiB" is one column: join the number and its unit.
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let mut cols = vec![format!("{} {}", words[0], words[1])];
+            cols.extend(words[2..].iter().map(|w| w.to_string()));
+            cols
+        })
+        .collect()
+}
+
+#[test]
+fn bench_prints_one_row_per_size_with_consistent_bandwidths() {
+    let out = bonfire(&[
+        "bench",
+        "collectives",
+        "--nproc",
+        "3",
+        "--sizes",
+        "1K,96K",
+        "--iters",
+        "4",
+        "--warmup",
+        "1",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("all-reduce (sum), 3 ranks, in-process transport, f32"),
+        "{stdout}"
+    );
+    let rows = rows(&stdout);
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert_eq!(rows[0][0], "1 KiB");
+    assert_eq!(rows[1][1], (96 * 1024 / 4).to_string());
+    for r in &rows {
+        let time_us: f64 = r[4].parse().unwrap();
+        let algbw: f64 = r[5].parse().unwrap();
+        let busbw: f64 = r[6].parse().unwrap();
+        assert!(time_us > 0.0 && algbw > 0.0, "{r:?}");
+        // nccl-tests: all-reduce busbw = algbw x 2(n-1)/n = algbw x 4/3 for 3 ranks.
+        assert!((busbw / algbw - 4.0 / 3.0).abs() < 0.01, "{r:?}");
+    }
+}
+
+#[test]
+fn bench_takes_every_option() {
+    let out = bonfire(&[
+        "bench",
+        "collectives",
+        "--nproc",
+        "4",
+        "--op",
+        "all-gather",
+        "--algorithm",
+        "recursive-doubling",
+        "--dtype",
+        "bf16",
+        "--sizes",
+        "64K",
+        "--iters",
+        "3",
+        "--chunk",
+        "4K",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let rows = rows(&stdout);
+    assert_eq!(rows[0][0], "64 KiB");
+    assert_eq!(
+        rows[0][1],
+        (64 * 1024 / 2 / 4).to_string(),
+        "all-gather counts per rank"
+    );
+    assert_eq!(rows[0][2], "recursive-doubling");
+    let (algbw, busbw): (f64, f64) = (rows[0][5].parse().unwrap(), rows[0][6].parse().unwrap());
+    assert!(
+        (busbw / algbw - 0.75).abs() < 0.01,
+        "all-gather busbw = algbw x (n-1)/n"
+    );
+}
+
+fn assert_clean_failure(out: &Output, code: i32, needle: &str) {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    assert!(stderr.contains(needle), "expected `{needle}` in: {stderr}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_input_gets_a_message_not_a_backtrace() {
+    assert_clean_failure(
+        &bonfire(&["bench", "collectives", "--sizes", "12X"]),
+        2,
+        "unknown unit",
+    );
+    assert_clean_failure(
+        &bonfire(&["bench", "collectives", "--nproc", "0"]),
+        2,
+        "--nproc",
+    );
+    assert_clean_failure(
+        &bonfire(&["bench", "collectives", "--transport", "carrier-pigeon"]),
+        2,
+        "inproc",
+    );
+    assert_clean_failure(
+        &bonfire(&["bench", "collectives", "--dtype", "f8"]),
+        2,
+        "unknown dtype",
+    );
+    assert_clean_failure(
+        &bonfire(&["bench", "collectives", "--frobnicate"]),
+        2,
+        "--frobnicate",
+    );
+    assert_clean_failure(
+        &bonfire(&[
+            "bench",
+            "collectives",
+            "--op",
+            "broadcast",
+            "--algorithm",
+            "halving-doubling",
+            "--sizes",
+            "1K",
+        ]),
+        1,
+        "error: broadcast on rank 0 has no halving-doubling schedule; it implements ring, tree",
+    );
+}

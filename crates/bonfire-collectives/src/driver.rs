@@ -1,0 +1,348 @@
+//! Runs one rank's [`Program`] over a [`Transport`], with the safety nets every collective has:
+//! the arrival exchange (fingerprints), a timeout on every wait, and abort notices.
+//!
+//! # Protocol
+//! 1. On start, a rank sends its [`Fingerprint`] to every other participant (an *arrival*).
+//! 2. It runs its program. Whenever it waits for a frame it also files the arrivals that came in
+//!    and compares each with its own fingerprint; a difference fails the call at once with
+//!    [`CollectiveError::Mismatch`], on every rank, since every rank gets every arrival.
+//! 3. It completes only once every participant's arrival has come and matched: a call cannot
+//!    return a result built from a peer that was doing something else.
+//! 4. A rank that fails for any other reason sends an *abort* notice with its error to every
+//!    participant, which fail with [`CollectiveError::PeerAborted`] instead of waiting out their
+//!    timeouts.
+//!
+//! Every wait lasts at most the communicator's timeout. On expiry the error lists the
+//! participants whose arrival never came (they did not call the collective) and the frame the
+//! rank was waiting for.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bonfire_topology::Rank;
+use bonfire_transport::{Inbox, Tag, Transport, TransportError};
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use crate::CollectiveError;
+use crate::exec::{Action, Arith, Executor};
+use crate::fingerprint::Fingerprint;
+use crate::schedule::{CONTROL_PHASE, Program};
+
+/// Step of the arrival frame.
+const ARRIVAL: u32 = (CONTROL_PHASE as u32) << 24;
+/// Step of the abort notice.
+const ABORT: u32 = ARRIVAL | 1;
+/// Longest abort reason sent, in bytes.
+const MAX_REASON: usize = 2048;
+/// How long a failing rank waits for the arrival of the peer it blames, in case that arrival
+/// shows a mismatch that explains the failure.
+const EXPLAIN_GRACE: Duration = Duration::from_millis(250);
+
+/// Who takes part in one exchange, and how.
+pub(crate) struct Exchange {
+    pub(crate) transport: Arc<dyn Transport>,
+    /// World rank of each group member.
+    pub(crate) members: Arc<[Rank]>,
+    /// Group indices of the participants, including this rank.
+    pub(crate) participants: Vec<u32>,
+    /// This rank's group index.
+    pub(crate) me: u32,
+    /// Conversation the frames belong to.
+    pub(crate) context: u64,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) timeout: Duration,
+}
+
+impl Exchange {
+    fn world(&self, member: u32) -> Rank {
+        self.members[member as usize]
+    }
+
+    fn me_world(&self) -> Rank {
+        self.world(self.me)
+    }
+
+    fn tag(&self, step: u32) -> Tag {
+        Tag {
+            context: self.context,
+            seq: self.fingerprint.seq,
+            step,
+        }
+    }
+
+    fn others(&self) -> impl Iterator<Item = u32> + '_ {
+        self.participants
+            .iter()
+            .copied()
+            .filter(move |&m| m != self.me)
+    }
+
+    async fn send(&self, to: u32, step: u32, payload: Bytes) -> Result<(), CollectiveError> {
+        self.transport
+            .send(self.world(to), self.tag(step), payload)
+            .await
+            .map_err(|source| CollectiveError::Transport {
+                me: self.me_world(),
+                collective: self.fingerprint,
+                source,
+            })
+    }
+
+    /// Tells every other participant that this rank failed the exchange. Best effort.
+    pub(crate) async fn abort(&self, reason: &str) {
+        let mut end = reason.len().min(MAX_REASON);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let payload = Bytes::copy_from_slice(&reason.as_bytes()[..end]);
+        for m in self.others() {
+            let _ = self
+                .transport
+                .send(self.world(m), self.tag(ABORT), payload.clone())
+                .await;
+        }
+    }
+}
+
+/// Runs `program` over `buf` as this rank's part of the exchange.
+pub(crate) async fn run(
+    exchange: &Exchange,
+    program: &Program,
+    buf: &mut [u8],
+    arith: &Arith<'_>,
+) -> Result<(), CollectiveError> {
+    let result = run_inner(exchange, program, buf, arith).await;
+    if let Err(e) = &result
+        && !matches!(e, CollectiveError::PeerAborted { .. })
+    {
+        exchange.abort(&e.to_string()).await;
+    }
+    result
+}
+
+async fn run_inner(
+    ex: &Exchange,
+    program: &Program,
+    buf: &mut [u8],
+    arith: &Arith<'_>,
+) -> Result<(), CollectiveError> {
+    let inbox = ex
+        .transport
+        .mailbox()
+        .open(ex.context, ex.fingerprint.seq)
+        .map_err(|e| CollectiveError::Internal {
+            me: ex.me_world(),
+            op: "collective",
+            problem: e.to_string(),
+        })?;
+    let mut waiter = Waiter {
+        ex,
+        inbox,
+        pending: ex.others().collect(),
+    };
+    let result = run_program(&mut waiter, program, buf, arith).await;
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) => Err(waiter.explain(e).await),
+    }
+}
+
+async fn run_program(
+    waiter: &mut Waiter<'_>,
+    program: &Program,
+    buf: &mut [u8],
+    arith: &Arith<'_>,
+) -> Result<(), CollectiveError> {
+    let ex = waiter.ex;
+    let arrival = Bytes::copy_from_slice(&ex.fingerprint.encode());
+    for m in ex.others() {
+        waiter.send(m, ARRIVAL, arrival.clone()).await?;
+    }
+
+    let mut exec = Executor::default();
+    loop {
+        match exec.next(program, buf, arith) {
+            Action::Done => break,
+            Action::Send { payload, to } => {
+                for &(peer, step) in to {
+                    waiter.send(peer, step, payload.clone()).await?;
+                }
+            }
+            Action::Await { from, step } => {
+                let frame = waiter
+                    .wait(Some((from, step)))
+                    .await?
+                    .expect("a frame was awaited");
+                let forward = exec
+                    .deliver(program, buf, &frame, arith)
+                    .map_err(|problem| CollectiveError::BadFrame {
+                        me: ex.me_world(),
+                        collective: ex.fingerprint,
+                        peer: ex.world(from),
+                        step,
+                        problem,
+                    })?;
+                for &(peer, step) in forward {
+                    waiter.send(peer, step, frame.clone()).await?;
+                }
+            }
+        }
+    }
+    waiter.wait(None).await?;
+    Ok(())
+}
+
+/// Waits for frames of one exchange while watching arrivals, aborts and lost peers.
+struct Waiter<'a> {
+    ex: &'a Exchange,
+    inbox: Inbox,
+    /// Participants whose arrival has not come yet.
+    pending: Vec<u32>,
+}
+
+impl Waiter<'_> {
+    async fn send(&mut self, to: u32, step: u32, payload: Bytes) -> Result<(), CollectiveError> {
+        self.ex.send(to, step, payload).await
+    }
+
+    /// The root cause of `error`. A failure is often the consequence of another: a peer is gone,
+    /// or sent a frame of the wrong size, *because* it called something else, and its arrival or
+    /// abort notice may have landed just after this rank last looked. So before reporting, look
+    /// again: a mismatch explains everything, then an abort notice, then the error itself.
+    ///
+    /// If the error implicates a peer whose arrival has not come, it is given
+    /// [`EXPLAIN_GRACE`] to come: over a network its arrival can trail its data.
+    async fn explain(&mut self, error: CollectiveError) -> CollectiveError {
+        if matches!(error, CollectiveError::Mismatch { .. }) {
+            return error;
+        }
+        let culprit = match &error {
+            CollectiveError::BadFrame { peer, .. } | CollectiveError::PeerLost { peer, .. } => {
+                Some(*peer)
+            }
+            CollectiveError::Transport { source, .. } => match source {
+                TransportError::PeerLost { peer, .. } | TransportError::Send { peer, .. } => {
+                    Some(*peer)
+                }
+                TransportError::NoSuchPeer { .. } => None,
+            },
+            _ => None,
+        };
+        let deadline = Instant::now() + EXPLAIN_GRACE;
+        loop {
+            if let Err(mismatch @ CollectiveError::Mismatch { .. }) = self.file_arrivals() {
+                return mismatch;
+            }
+            let waiting =
+                culprit.is_some_and(|c| self.pending.iter().any(|&m| self.ex.world(m) == c));
+            if !waiting
+                || tokio::time::timeout_at(deadline, self.inbox.changed())
+                    .await
+                    .is_err()
+            {
+                break;
+            }
+        }
+        if matches!(error, CollectiveError::PeerAborted { .. }) {
+            return error;
+        }
+        match self.check_aborts() {
+            Err(aborted) => aborted,
+            Ok(()) => error,
+        }
+    }
+
+    /// Fails if another participant has sent an abort notice.
+    fn check_aborts(&self) -> Result<(), CollectiveError> {
+        let ex = self.ex;
+        for m in ex.others() {
+            if let Some(reason) = self.inbox.take(ex.world(m), ABORT) {
+                return Err(CollectiveError::PeerAborted {
+                    me: ex.me_world(),
+                    collective: ex.fingerprint,
+                    peer: ex.world(m),
+                    reason: String::from_utf8_lossy(&reason).into_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for frame `want` (or, with `None`, for every arrival) for at most the timeout.
+    async fn wait(&mut self, want: Option<(u32, u32)>) -> Result<Option<Bytes>, CollectiveError> {
+        let ex = self.ex;
+        let started = Instant::now();
+        let deadline = started + ex.timeout;
+        loop {
+            self.file_arrivals()?;
+            self.check_aborts()?;
+            match want {
+                Some((from, step)) => {
+                    if let Some(frame) = self.inbox.take(ex.world(from), step) {
+                        return Ok(Some(frame));
+                    }
+                }
+                None if self.pending.is_empty() => return Ok(None),
+                None => {}
+            }
+            let needed = want
+                .map(|(from, _)| from)
+                .into_iter()
+                .chain(self.pending.iter().copied());
+            for m in needed {
+                if let Some(reason) = self.inbox.lost(ex.world(m)) {
+                    return Err(CollectiveError::PeerLost {
+                        me: ex.me_world(),
+                        collective: ex.fingerprint,
+                        peer: ex.world(m),
+                        reason,
+                    });
+                }
+            }
+            if tokio::time::timeout_at(deadline, self.inbox.changed())
+                .await
+                .is_err()
+            {
+                return Err(CollectiveError::Timeout {
+                    me: ex.me_world(),
+                    collective: ex.fingerprint,
+                    waited: started.elapsed(),
+                    missing: self.pending.iter().map(|&m| ex.world(m)).collect(),
+                    waiting_for: want.map(|(from, step)| (ex.world(from), step)),
+                });
+            }
+        }
+    }
+
+    /// Takes the arrivals that came and checks them against this rank's fingerprint.
+    fn file_arrivals(&mut self) -> Result<(), CollectiveError> {
+        let ex = self.ex;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let m = self.pending[i];
+            let Some(frame) = self.inbox.take(ex.world(m), ARRIVAL) else {
+                i += 1;
+                continue;
+            };
+            let theirs =
+                Fingerprint::decode(&frame).map_err(|problem| CollectiveError::BadFrame {
+                    me: ex.me_world(),
+                    collective: ex.fingerprint,
+                    peer: ex.world(m),
+                    step: ARRIVAL,
+                    problem,
+                })?;
+            if theirs != ex.fingerprint {
+                return Err(CollectiveError::Mismatch {
+                    me: ex.me_world(),
+                    mine: ex.fingerprint,
+                    peer: ex.world(m),
+                    theirs,
+                });
+            }
+            self.pending.swap_remove(i);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,16 @@
+//! Test support for bonfire.
+//!
+//! - [`oracle`]: what each collective must return, computed sequentially with arithmetic written
+//!   independently of the reducer under test, and inputs for which every order of combination
+//!   is exact (so results can be compared bit for bit).
+//! - [`run_ranks`]: runs one closure per rank on its own thread, with a deadline, and names the
+//!   rank that panicked or did not finish.
+//! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
+//!   arrive out of order.
+
+mod chaos;
+pub mod oracle;
+mod ranks;
+
+pub use chaos::{ChaosTransport, chaos_world};
+pub use ranks::run_ranks;

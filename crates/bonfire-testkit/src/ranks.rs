@@ -1,0 +1,60 @@
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use bonfire_collectives::Communicator;
+
+/// Runs `f` once per communicator, each on its own thread named `rank-<i>`, and returns the
+/// results in rank order.
+///
+/// # Panics
+/// If a rank panics (the message names it) or if some ranks have not finished after `deadline`
+/// (the message lists them; their threads are left behind).
+pub fn run_ranks<R, F>(comms: Vec<Communicator>, deadline: Duration, f: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(Communicator) -> R + Send + Sync + 'static,
+{
+    let n = comms.len();
+    let f = Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    for (i, comm) in comms.into_iter().enumerate() {
+        let f = f.clone();
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name(format!("rank-{i}"))
+            .spawn(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+                let _ = tx.send((i, result.map_err(panic_text)));
+            })
+            .expect("cannot spawn a rank thread");
+    }
+    drop(tx);
+    let start = Instant::now();
+    let mut results: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_sub(start.elapsed());
+        match rx.recv_timeout(left) {
+            Ok((i, Ok(r))) => results[i] = Some(r),
+            Ok((i, Err(msg))) => panic!("rank {i} panicked: {msg}"),
+            Err(_) => {
+                let missing: Vec<usize> = (0..n).filter(|&i| results[i].is_none()).collect();
+                panic!("ranks {missing:?} did not finish within {deadline:?}");
+            }
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every rank reported"))
+        .collect()
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic".into()
+    }
+}

@@ -1,0 +1,118 @@
+//! The layer arrows of ../shared/design/architecture.md, checked on the real manifests: a crate
+//! low in the stack must not depend (outside dev-dependencies) on anything above it.
+
+use std::process::Command;
+
+/// (crate, forbidden dependency prefixes). A prefix ending in `-` matches by prefix, any other
+/// matches the name or the name followed by `-`.
+const RULES: &[(&str, &[&str])] = &[
+    (
+        "bonfire-topology",
+        &["burn", "cubecl", "quinn", "tokio", "bonfire-"],
+    ),
+    (
+        "bonfire-transport",
+        &[
+            "burn",
+            "cubecl",
+            "bonfire-collectives",
+            "bonfire-kernels",
+            "bonfire-backend",
+        ],
+    ),
+    (
+        "bonfire-collectives",
+        &["burn", "cubecl", "bonfire-kernels", "bonfire-backend"],
+    ),
+    (
+        "bonfire-kernels",
+        &[
+            "burn",
+            "quinn",
+            "tokio",
+            "bonfire-transport",
+            "bonfire-collectives",
+            "bonfire-backend",
+        ],
+    ),
+];
+
+fn forbidden(dep: &str, rule: &str, own: &str) -> bool {
+    if dep == own {
+        return false;
+    }
+    if rule.ends_with('-') {
+        dep.starts_with(rule)
+    } else {
+        dep == rule || dep.starts_with(&format!("{rule}-"))
+    }
+}
+
+#[test]
+fn lower_layers_do_not_depend_on_higher_ones() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    let packages = meta["packages"].as_array().expect("packages");
+    let names: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    for required in [
+        "bonfire-topology",
+        "bonfire-transport",
+        "bonfire-collectives",
+    ] {
+        assert!(
+            names.contains(&required),
+            "{required} is missing from the workspace"
+        );
+    }
+    let mut broken = Vec::new();
+    for p in packages {
+        let own = p["name"].as_str().expect("name");
+        let Some((_, rules)) = RULES.iter().find(|(c, _)| *c == own) else {
+            continue;
+        };
+        for d in p["dependencies"].as_array().expect("dependencies") {
+            if d["kind"].as_str() == Some("dev") {
+                continue;
+            }
+            let dep = d["name"].as_str().expect("dependency name");
+            if rules.iter().any(|r| forbidden(dep, r, own)) {
+                broken.push(format!("{own} depends on {dep}"));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "layer arrows broken: {broken:?}");
+}
+
+#[test]
+fn the_rule_matcher_matches_what_it_should() {
+    assert!(forbidden("burn-tensor", "burn", "x"));
+    assert!(forbidden("burn", "burn", "x"));
+    assert!(!forbidden("burnish", "burn", "x"));
+    assert!(forbidden(
+        "bonfire-transport",
+        "bonfire-",
+        "bonfire-topology"
+    ));
+    assert!(!forbidden(
+        "bonfire-topology",
+        "bonfire-",
+        "bonfire-topology"
+    ));
+}

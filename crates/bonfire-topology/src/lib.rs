@@ -1,0 +1,20 @@
+//! The vocabulary every bonfire layer shares: ranks, groups, nodes, the 2-D data x tensor-parallel
+//! mesh, reduce operations, element types and partitions of a buffer among ranks.
+//!
+//! This crate is pure: no I/O, no threads, no dependencies. Everything here is a value that every
+//! rank computes identically from the same inputs, which is what lets ranks agree on schedules
+//! without talking.
+
+mod dtype;
+mod ids;
+mod layout;
+mod mesh;
+mod partition;
+mod reduce;
+
+pub use dtype::DType;
+pub use ids::{GroupId, NodeId, Rank, stable_hash};
+pub use layout::NodeLayout;
+pub use mesh::{Mesh, MeshError};
+pub use partition::Partition;
+pub use reduce::ReduceOp;

@@ -1,0 +1,58 @@
+//! How bonfire ranks move bytes: the [`Transport`] trait, the [`Mailbox`] every transport
+//! delivers into, and [`InProcess`], a transport for ranks that are threads of one process.
+//!
+//! A transport knows nothing of tensors, dtypes or collectives. It carries *frames*: a
+//! [`Tag`] and an opaque payload ([`bytes::Bytes`], moved, never copied by the transport), from
+//! one rank to another. Frames may arrive in any order; the receiver's [`Mailbox`] files them by
+//! tag until the consumer asks for them, so a consumer sees exactly the frame it waits for,
+//! whatever the network did.
+//!
+//! Loss of a peer (its endpoint dropped, its connection closed) is reported to the mailbox, so a
+//! consumer waiting for that peer wakes up with an error instead of hanging.
+
+mod error;
+mod inproc;
+mod mailbox;
+mod tag;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bonfire_topology::Rank;
+use bytes::Bytes;
+
+pub use error::TransportError;
+pub use inproc::{InProcess, InProcessTransport};
+pub use mailbox::{Inbox, Mailbox, OpenError};
+pub use tag::Tag;
+
+/// The future of [`Transport::send`].
+pub type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;
+
+/// Moves frames between the ranks of one job.
+///
+/// # Contract
+/// - `send` hands `payload` to the transport without copying it in the caller's thread beyond
+///   what the medium needs; it completes when the frame is on its way (queued or written), not
+///   when it is received. Frames to one peer may be delivered in any order.
+/// - Frames received from peers are delivered into [`Transport::mailbox`], keyed by sender and
+///   tag. A frame is delivered at most once.
+/// - When a peer becomes unreachable, the transport calls [`Mailbox::peer_lost`] once, with a
+///   reason a person can act on.
+pub trait Transport: Send + Sync + 'static {
+    /// This endpoint's rank in the world.
+    fn rank(&self) -> Rank;
+
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize;
+
+    /// Sends `payload` to `to` under `tag`.
+    fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> SendFuture<'_>;
+
+    /// Where this endpoint's incoming frames are filed.
+    fn mailbox(&self) -> &Arc<Mailbox>;
+
+    /// A short name for messages and benchmarks ("in-process", "quic").
+    fn kind(&self) -> &'static str;
+}

@@ -1,0 +1,57 @@
+//! Distributed training for Burn.
+//!
+//! This facade is what users depend on. Today it holds the communication core: ranks and meshes
+//! ([`topology`]), transports ([`transport`]) and collectives ([`collectives`]); the backend
+//! decorators build on them.
+//!
+//! ```
+//! use bonfire::prelude::*;
+//!
+//! let ranks = Communicator::in_process(2, CommConfig::default());
+//! let handles: Vec<_> = ranks
+//!     .into_iter()
+//!     .map(|comm| std::thread::spawn(move || comm.all_reduce(vec![1.0f32, 2.0], ReduceOp::Mean).wait()))
+//!     .collect();
+//! for h in handles {
+//!     assert_eq!(h.join().unwrap().unwrap(), vec![1.0, 2.0]);
+//! }
+//! ```
+
+/// Ranks, groups, nodes, the data x tensor-parallel mesh, reduce operations and dtypes.
+pub mod topology {
+    pub use bonfire_topology::{
+        DType, GroupId, Mesh, MeshError, NodeId, NodeLayout, Partition, Rank, ReduceOp,
+    };
+}
+
+/// Moving frames between ranks.
+pub mod transport {
+    pub use bonfire_transport::{
+        InProcess, InProcessTransport, Mailbox, Tag, Transport, TransportError,
+    };
+}
+
+/// Collective communication.
+pub mod collectives {
+    pub use bonfire_collectives::{
+        Algorithm, Collective, CollectiveError, CommConfig, Communicator, CommunicatorBuilder,
+        Element, Fingerprint, HostReducer, MeshGroups, OpKind, Order, Reducer, Work, runtime, sim,
+    };
+}
+
+/// The names most programs need.
+pub mod prelude {
+    pub use crate::collectives::{
+        Algorithm, Collective, CollectiveError, CommConfig, Communicator, Work,
+    };
+    pub use crate::topology::{DType, Mesh, Rank, ReduceOp};
+}
+
+/// The book's chapters, compiled and run as doctests so that their code stays true.
+#[cfg(doctest)]
+pub mod book {
+    #[doc = include_str!("../../../book/src/introduction.md")]
+    pub struct Introduction;
+    #[doc = include_str!("../../../book/src/collectives.md")]
+    pub struct Collectives;
+}

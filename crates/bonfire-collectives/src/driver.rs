@@ -35,6 +35,8 @@ const ARRIVAL: u32 = (CONTROL_PHASE as u32) << 24;
 const ABORT: u32 = ARRIVAL | 1;
 /// Longest abort reason sent, in bytes.
 const MAX_REASON: usize = 2048;
+/// How long a failing rank tries to deliver each abort notice.
+const ABORT_PATIENCE: Duration = Duration::from_secs(5);
 /// How long a failing rank waits for the arrival of the peer it blames, in case that arrival
 /// shows a mismatch that explains the failure.
 const EXPLAIN_GRACE: Duration = Duration::from_millis(250);
@@ -78,15 +80,28 @@ impl Exchange {
             .filter(move |&m| m != self.me)
     }
 
+    /// Sends a frame; like every wait, a send that the transport cannot complete (a peer that
+    /// stopped reading, a full window) fails after the timeout.
     async fn send(&self, to: u32, step: u32, payload: Bytes) -> Result<(), CollectiveError> {
-        self.transport
-            .send(self.world(to), self.tag(step), payload)
-            .await
-            .map_err(|source| CollectiveError::Transport {
-                me: self.me_world(),
-                collective: self.fingerprint,
-                source,
-            })
+        let peer = self.world(to);
+        let sent = tokio::time::timeout(
+            self.timeout,
+            self.transport.send(peer, self.tag(step), payload),
+        )
+        .await;
+        let source = match sent {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(source)) => source,
+            Err(_) => TransportError::Send {
+                peer,
+                reason: format!("the frame was not accepted within {:.1?}", self.timeout),
+            },
+        };
+        Err(CollectiveError::Transport {
+            me: self.me_world(),
+            collective: self.fingerprint,
+            source,
+        })
     }
 
     /// Tells every other participant that this rank failed the exchange. Best effort.
@@ -96,11 +111,12 @@ impl Exchange {
             end -= 1;
         }
         let payload = Bytes::copy_from_slice(&reason.as_bytes()[..end]);
+        let patience = self.timeout.min(ABORT_PATIENCE);
         for m in self.others() {
-            let _ = self
+            let send = self
                 .transport
-                .send(self.world(m), self.tag(ABORT), payload.clone())
-                .await;
+                .send(self.world(m), self.tag(ABORT), payload.clone());
+            let _ = tokio::time::timeout(patience, send).await;
         }
     }
 }

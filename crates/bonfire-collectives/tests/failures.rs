@@ -278,3 +278,53 @@ fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
         .unwrap()
         .block_on(f)
 }
+
+/// A transport whose sends never complete: a peer that stopped reading, a full window.
+struct Stalled(bonfire_transport::InProcessTransport);
+
+impl Transport for Stalled {
+    fn rank(&self) -> Rank {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn send(&self, _to: Rank, _tag: Tag, _payload: Bytes) -> bonfire_transport::SendFuture<'_> {
+        Box::pin(std::future::pending())
+    }
+    fn mailbox(&self) -> &Arc<bonfire_transport::Mailbox> {
+        self.0.mailbox()
+    }
+    fn kind(&self) -> &'static str {
+        "stalled"
+    }
+}
+
+#[test]
+fn a_send_that_never_completes_times_out_naming_the_peer() {
+    let mut world = InProcess::world(2);
+    let _peer = world.pop().unwrap();
+    let config = CommConfig {
+        timeout: Duration::from_millis(200),
+        ..CommConfig::default()
+    };
+    let comm = Communicator::builder(Arc::new(Stalled(world.pop().unwrap())))
+        .config(config)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let err = comm
+        .all_reduce(vec![1.0f32; 8], ReduceOp::Sum)
+        .wait()
+        .unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(
+        err.to_string()
+            .contains("sending to rank 1 failed: the frame was not accepted within"),
+        "{err}"
+    );
+}

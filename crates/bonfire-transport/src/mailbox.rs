@@ -37,6 +37,23 @@ struct Slot {
     open: bool,
 }
 
+impl MailboxState {
+    /// The slot of an exchange, created (knowing the peers lost so far) on first use.
+    fn slot(&mut self, key: (u64, u64)) -> &mut Slot {
+        let lost = &self.lost;
+        self.inboxes.entry(key).or_insert_with(|| Slot {
+            shared: Arc::new(InboxShared {
+                state: Mutex::new(InboxState {
+                    frames: HashMap::new(),
+                    lost: lost.clone(),
+                }),
+                notify: Notify::new(),
+            }),
+            open: false,
+        })
+    }
+}
+
 #[derive(Default)]
 struct InboxShared {
     state: Mutex<InboxState>,
@@ -79,18 +96,7 @@ impl Mailbox {
             if state.closed.contains(&key) {
                 return;
             }
-            let lost = state.lost.clone();
-            let slot = state.inboxes.entry(key).or_insert_with(|| Slot {
-                shared: Arc::new(InboxShared {
-                    state: Mutex::new(InboxState {
-                        frames: HashMap::new(),
-                        lost,
-                    }),
-                    notify: Notify::new(),
-                }),
-                open: false,
-            });
-            slot.shared.clone()
+            state.slot(key).shared.clone()
         };
         lock(&shared.state)
             .frames
@@ -130,17 +136,7 @@ impl Mailbox {
         if state.closed.contains(&key) {
             return Err(OpenError { context, seq });
         }
-        let lost = state.lost.clone();
-        let slot = state.inboxes.entry(key).or_insert_with(|| Slot {
-            shared: Arc::new(InboxShared {
-                state: Mutex::new(InboxState {
-                    frames: HashMap::new(),
-                    lost,
-                }),
-                notify: Notify::new(),
-            }),
-            open: false,
-        });
+        let slot = state.slot(key);
         if slot.open {
             return Err(OpenError { context, seq });
         }

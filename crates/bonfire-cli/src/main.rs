@@ -1,6 +1,7 @@
-//! The `bonfire` command: `bench` today; `launch`, `train` and `doctor` as they land.
+//! The `bonfire` command: `launch` and `bench` today; `train` and `doctor` as they land.
 
 mod bench;
+mod launch;
 mod size;
 
 use std::process::ExitCode;
@@ -17,6 +18,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Start this node's ranks of a job (torchrun-style) and watch them.
+    Launch(launch::Args),
     /// Measure bonfire against the machine it runs on.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -25,6 +28,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Launch(args) => launch::run(args),
         Command::Bench(bench) => bench.run(),
     };
     match result {

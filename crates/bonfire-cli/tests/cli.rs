@@ -152,3 +152,141 @@ fn bad_input_gets_a_message_not_a_backtrace() {
         "error: broadcast on rank 0 has no halving-doubling schedule; it implements ring, tree",
     );
 }
+
+#[test]
+fn the_quic_bench_launches_itself_and_prints_rank_zeros_table() {
+    let out = bonfire(&[
+        "bench",
+        "collectives",
+        "--transport",
+        "quic",
+        "--nproc",
+        "2",
+        "--sizes",
+        "1K,256K",
+        "--iters",
+        "3",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(stdout.contains("2 ranks, QUIC transport"), "{stdout}");
+    let rows = rows(&stdout);
+    assert_eq!(rows.len(), 2, "one table, from rank 0 alone: {stdout}");
+    assert_eq!(rows[1][0], "256 KiB");
+}
+
+#[test]
+fn launch_runs_ranks_with_prefixed_output_and_names_a_failed_rank() {
+    let bin = env!("CARGO_BIN_EXE_bonfire");
+    let out = bonfire(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        bin,
+        "bench",
+        "collectives",
+        "--transport",
+        "quic",
+        "--sizes",
+        "4K",
+        "--iters",
+        "2",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("[rank 0] # bonfire bench collectives")),
+        "{stdout}"
+    );
+
+    let out = bonfire(&[
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--peer-timeout",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo hello from $RANK; [ $RANK != 2 ] || exit 7; sleep 20",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("[rank 2] hello from 2"), "{stdout}");
+    assert_clean_failure(&out, 1, "rank 2 (pid ");
+    assert!(text(&out.stderr).contains("exited with status 7"));
+}
+
+#[test]
+fn launch_refuses_bad_requests_clearly() {
+    let out = bonfire(&["launch", "--nnodes", "2", "--", "true"]);
+    assert_clean_failure(&out, 1, "needs --master-addr");
+    let out = bonfire(&[
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.1:29500",
+        "--",
+        "true",
+    ]);
+    assert_clean_failure(&out, 1, "--secret-file");
+    let out = bonfire(&["launch", "--master-addr", "nohost", "--", "true"]);
+    assert_clean_failure(&out, 1, "expected HOST:PORT");
+    let out = bonfire(&[
+        "launch",
+        "--secret-file",
+        "/nonexistent/secret",
+        "--",
+        "true",
+    ]);
+    assert_clean_failure(&out, 1, "cannot read the secret file");
+    let out = bonfire(&["launch", "--timeout", "0", "--", "true"]);
+    assert_clean_failure(&out, 2, "positive number of seconds");
+    let out = bonfire(&["launch", "--", "/nonexistent/program"]);
+    assert_clean_failure(&out, 1, "cannot start rank 0");
+}
+
+#[test]
+fn a_rank_that_cannot_reach_its_master_fails_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bonfire"))
+        .args([
+            "bench",
+            "collectives",
+            "--transport",
+            "quic",
+            "--sizes",
+            "1K",
+        ])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "9")
+        .env("BONFIRE_SECRET", "a-secret-of-enough-length")
+        .env("BONFIRE_CONNECT_TIMEOUT", "2")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_clean_failure(&out, 1, "did not answer within");
+    let out = Command::new(env!("CARGO_BIN_EXE_bonfire"))
+        .args([
+            "bench",
+            "collectives",
+            "--transport",
+            "quic",
+            "--sizes",
+            "1K",
+        ])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "9")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_clean_failure(&out, 1, "has no secret");
+}

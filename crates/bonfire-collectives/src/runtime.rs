@@ -13,7 +13,7 @@ pub fn runtime() -> &'static Runtime {
         Builder::new_multi_thread()
             .worker_threads(workers)
             .thread_name("bonfire-comm")
-            .enable_time()
+            .enable_all()
             .build()
             .expect("cannot start the bonfire communication runtime")
     })

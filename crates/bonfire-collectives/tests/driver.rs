@@ -6,13 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use bonfire_collectives::{Algorithm, CommConfig, Communicator, Element};
-use bonfire_testkit::oracle::{self, OracleElement};
-use bonfire_testkit::{chaos_world, run_ranks};
+use bonfire_collectives::{CommConfig, Communicator, Element};
+use bonfire_testkit::{calls, chaos_world, run_ranks};
 use bonfire_topology::{Mesh, ReduceOp};
 use half::bf16;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -25,53 +22,14 @@ fn config() -> CommConfig {
     }
 }
 
-/// Runs every kind of call with every algorithm on `comm`; every rank derives every rank's input
-/// from the same seed, so it can check its own result against the oracle.
-fn every_call<T: OracleElement>(comm: &Communicator, seed: u64) {
-    let n = comm.size();
-    let me = comm.rank();
-    for kind in 0..common::KINDS {
-        for (li, &len) in [0usize, 1, 13, 130].iter().enumerate() {
-            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
-                let (collective, lens) = common::make(kind, op, n, len, li + kind);
-                let mut algorithms = vec![Algorithm::Auto];
-                algorithms.extend_from_slice(collective.algorithms());
-                for algorithm in algorithms {
-                    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (kind * 1000 + li) as u64);
-                    let inputs: Vec<Vec<T>> = lens
-                        .iter()
-                        .map(|&l| oracle::exact_inputs::<T>(op, 1, l, &mut rng).remove(0))
-                        .collect();
-                    let got = comm
-                        .with_algorithm(algorithm)
-                        .run(collective.clone(), inputs[me].clone())
-                        .wait()
-                        .unwrap_or_else(|e| panic!("{collective:?} {algorithm}: {e}"));
-                    if let Some(want) = &oracle::expected(&collective, &inputs)[me] {
-                        let context = format!(
-                            "{collective:?} {algorithm} n={n} len={len} {} rank {me}",
-                            T::DTYPE
-                        );
-                        let mut gots = vec![Vec::new(); n];
-                        let mut wants = vec![None; n];
-                        gots[me] = got;
-                        wants[me] = Some(want.clone());
-                        oracle::assert_bitwise(&gots, &wants, &context);
-                    }
-                }
-            }
-        }
-    }
-}
-
 #[test]
 fn every_collective_and_algorithm_over_a_reordering_transport() {
     for n in [1usize, 2, 3, 5, 8] {
         let comms = chaos_world(n, config(), Duration::from_micros(300), n as u64);
         run_ranks(comms, DEADLINE, move |comm| {
-            every_call::<f32>(&comm, 1);
-            every_call::<bf16>(&comm, 2);
-            every_call::<i64>(&comm, 3);
+            calls::every_call::<f32>(&comm, 1);
+            calls::every_call::<bf16>(&comm, 2);
+            calls::every_call::<i64>(&comm, 3);
         });
     }
 }

@@ -1,5 +1,7 @@
 //! Test support for bonfire.
 //!
+//! - [`calls`]: calls of every kind from a few numbers, and [`calls::every_call`], which runs
+//!   them all on a communicator and checks each rank's result against the oracle.
 //! - [`oracle`]: what each collective must return, computed sequentially with arithmetic written
 //!   independently of the reducer under test, and inputs for which every order of combination
 //!   is exact (so results can be compared bit for bit).
@@ -8,6 +10,7 @@
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
+pub mod calls;
 mod chaos;
 pub mod oracle;
 mod ranks;

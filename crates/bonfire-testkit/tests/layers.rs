@@ -25,6 +25,16 @@ const RULES: &[(&str, &[&str])] = &[
         &["burn", "cubecl", "bonfire-kernels", "bonfire-backend"],
     ),
     (
+        "bonfire-launch",
+        &[
+            "burn",
+            "cubecl",
+            "bonfire-collectives",
+            "bonfire-kernels",
+            "bonfire-backend",
+        ],
+    ),
+    (
         "bonfire-kernels",
         &[
             "burn",
@@ -75,6 +85,7 @@ fn lower_layers_do_not_depend_on_higher_ones() {
         "bonfire-topology",
         "bonfire-transport",
         "bonfire-collectives",
+        "bonfire-launch",
     ] {
         assert!(
             names.contains(&required),

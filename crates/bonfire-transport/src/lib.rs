@@ -13,6 +13,7 @@
 mod error;
 mod inproc;
 mod mailbox;
+pub mod quic;
 mod tag;
 
 use std::future::Future;
@@ -25,6 +26,7 @@ use bytes::Bytes;
 pub use error::TransportError;
 pub use inproc::{InProcess, InProcessTransport};
 pub use mailbox::{Inbox, Mailbox, OpenError};
+pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError};
 pub use tag::Tag;
 
 /// The future of [`Transport::send`].

@@ -1,8 +1,9 @@
 //! Distributed training for Burn.
 //!
 //! This facade is what users depend on. Today it holds the communication core: ranks and meshes
-//! ([`topology`]), transports ([`transport`]) and collectives ([`collectives`]); the backend
-//! decorators build on them.
+//! ([`topology`]), transports ([`transport`], in-process and QUIC), collectives
+//! ([`collectives`]), and how a job starts ([`init`], [`launch`]); the backend decorators build
+//! on them.
 //!
 //! ```
 //! use bonfire::prelude::*;
@@ -17,6 +18,10 @@
 //! }
 //! ```
 
+mod world;
+
+pub use world::{InitError, World, init, init_from, init_with};
+
 /// Ranks, groups, nodes, the data x tensor-parallel mesh, reduce operations and dtypes.
 pub mod topology {
     pub use bonfire_topology::{
@@ -27,7 +32,15 @@ pub mod topology {
 /// Moving frames between ranks.
 pub mod transport {
     pub use bonfire_transport::{
-        InProcess, InProcessTransport, Mailbox, Tag, Transport, TransportError,
+        InProcess, InProcessTransport, Mailbox, QuicConfig, QuicError, QuicTransport, Secret,
+        SecretError, Tag, Transport, TransportError, quic,
+    };
+}
+
+/// How jobs start: the job environment and the launcher behind `bonfire launch`.
+pub mod launch {
+    pub use bonfire_launch::{
+        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, SecretSource, env, launch,
     };
 }
 
@@ -45,6 +58,7 @@ pub mod prelude {
         Algorithm, Collective, CollectiveError, CommConfig, Communicator, Work,
     };
     pub use crate::topology::{DType, Mesh, Rank, ReduceOp};
+    pub use crate::{World, init};
 }
 
 /// The book's chapters, compiled and run as doctests so that their code stays true.
@@ -54,4 +68,6 @@ pub mod book {
     pub struct Introduction;
     #[doc = include_str!("../../../book/src/collectives.md")]
     pub struct Collectives;
+    #[doc = include_str!("../../../book/src/launching.md")]
+    pub struct Launching;
 }

@@ -15,6 +15,10 @@ use crate::size;
 pub(crate) enum TransportKind {
     /// Ranks are threads of this process; frames move as shared buffers.
     Inproc,
+    /// Ranks are processes linked by authenticated QUIC. Under `bonfire launch` this process is
+    /// one rank of the launched job (on one host or several); otherwise it launches `--nproc`
+    /// copies of itself on this host.
+    Quic,
 }
 
 /// The collective to time.
@@ -76,7 +80,7 @@ pub(crate) struct Args {
     /// How ranks talk.
     #[arg(long, value_enum, default_value_t = TransportKind::Inproc)]
     transport: TransportKind,
-    /// Number of ranks.
+    /// Number of ranks (ignored under `bonfire launch`, where the job decides).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
     nproc: u16,
     /// The collective.
@@ -128,14 +132,33 @@ struct Row {
 }
 
 fn bench<T: Element>(args: &Args) -> Result<(), String> {
-    let n = usize::from(args.nproc);
     let mut config = CommConfig::default();
     if let Some(chunk) = args.chunk {
         config.chunk_bytes = chunk.max(1);
     }
-    let comms = match args.transport {
-        TransportKind::Inproc => Communicator::in_process(n, config.clone()),
+    // Under QUIC this process holds one rank; `world` keeps its links open until the end.
+    let mut world = None;
+    let (comms, n) = match args.transport {
+        TransportKind::Inproc => {
+            let n = usize::from(args.nproc);
+            (Communicator::in_process(n, config.clone()), n)
+        }
+        TransportKind::Quic => {
+            if std::env::var_os("RANK").is_none() {
+                return launch_self(args);
+            }
+            let w = bonfire::init_with(config.clone()).map_err(|e| e.to_string())?;
+            let comm = w.comm().clone();
+            let n = w.world_size();
+            world = Some(w);
+            (vec![comm], n)
+        }
     };
+    // Only rank 0 of a launched job prints.
+    let quiet = world.as_ref().is_some_and(|w| !w.is_main());
+    macro_rules! say {
+        ($($t:tt)*) => { if !quiet { println!($($t)*); } };
+    }
     let comms: Vec<Communicator> = comms
         .into_iter()
         .map(|c| c.with_algorithm(args.algorithm))
@@ -147,7 +170,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
         Op::AllReduce | Op::ReduceScatter | Op::Reduce => format!(" ({})", args.reduce_op),
         Op::AllGather | Op::Broadcast => String::new(),
     };
-    println!(
+    say!(
         "# bonfire bench collectives: {}{reduction}, {n} ranks, {} transport, {}, algorithm {}, chunk {}",
         args.op.name(),
         transport_name(args.transport),
@@ -155,7 +178,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
         args.algorithm,
         size::format(config.chunk_bytes),
     );
-    println!(
+    say!(
         "# {:>10} {:>11} {:>19} {:>6} {:>11} {:>11} {:>11} {:>12} {:>13}",
         "size",
         "count",
@@ -184,22 +207,24 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
             .iters
             .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(5, 2000));
         let warmup = args.warmup.unwrap_or((iters / 10).max(2));
-        let memcpy_gbps = memcpy_bandwidth(bytes);
+        let memcpy_gbps = if quiet { 0.0 } else { memcpy_bandwidth(bytes) };
         let seconds = time_collective::<T>(&comms, &collective, count, iters, warmup)?;
-        print_row(
-            args.op,
-            n,
-            iters,
-            &Row {
-                bytes,
-                count,
-                algorithm,
-                seconds,
-                memcpy_gbps,
-            },
-        );
+        if !quiet {
+            print_row(
+                args.op,
+                n,
+                iters,
+                &Row {
+                    bytes,
+                    count,
+                    algorithm,
+                    seconds,
+                    memcpy_gbps,
+                },
+            );
+        }
     }
-    println!(
+    say!(
         "# time: the slowest rank's mean over the timed iterations. algbw = size / time; busbw = algbw x {:.3} ({}, as nccl-tests);",
         args.op.bus_factor(n),
         match args.op {
@@ -208,15 +233,30 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
             Op::Broadcast | Op::Reduce => "1",
         }
     );
-    println!(
+    say!(
         "# memcpy: one thread copying the same number of bytes between two buffers of this process, best of 5, in the same run."
     );
+    drop(comms);
+    if let Some(w) = world {
+        w.shutdown();
+    }
     Ok(())
+}
+
+/// Runs this very command as `--nproc` ranks under the launcher.
+fn launch_self(args: &Args) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let mut config = bonfire::launch::LaunchConfig::local(usize::from(args.nproc), exe);
+    config.args = std::env::args_os().skip(1).collect();
+    // The table comes from rank 0 alone, so it reads as the in-process one does.
+    config.prefix_output = false;
+    bonfire::launch::launch(&config).map_err(|e| e.to_string())
 }
 
 fn transport_name(t: TransportKind) -> &'static str {
     match t {
         TransportKind::Inproc => "in-process",
+        TransportKind::Quic => "QUIC",
     }
 }
 

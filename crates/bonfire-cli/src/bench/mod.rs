@@ -1,6 +1,7 @@
 //! `bonfire bench ...`.
 
 mod collectives;
+mod link;
 
 use clap::Subcommand;
 
@@ -10,12 +11,16 @@ pub(crate) enum Bench {
     /// Time a collective per buffer size: latency, algorithm and bus bandwidth (nccl-tests
     /// definitions), next to this machine's memcpy bandwidth for the same bytes.
     Collectives(collectives::Args),
+    /// Measure the link itself on this host: TCP and raw QUIC (quinn, TLS) throughput over
+    /// 127.0.0.1, the ceiling for the QUIC transport.
+    Link(link::Args),
 }
 
 impl Bench {
     pub(crate) fn run(self) -> Result<(), String> {
         match self {
             Bench::Collectives(args) => collectives::run(args),
+            Bench::Link(args) => link::run(args),
         }
     }
 }

@@ -1,0 +1,80 @@
+//! `bonfire launch`: start a node's ranks of a job, torchrun-style.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bonfire::launch::{LaunchConfig, launch};
+
+/// Start the ranks of a job on this node and watch them.
+///
+/// Every rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+/// `MASTER_PORT` (the torchrun names), `GROUP_RANK` and bonfire's own variables; its output is
+/// prefixed with `[rank N]`. When a rank fails the others get time to report it, then the job is
+/// stopped and this command exits non-zero, naming the rank.
+#[derive(clap::Args)]
+#[command(
+    after_help = "Examples:\n  bonfire launch --nproc-per-node 2 -- ./target/release/examples/mnist\n  bonfire launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1:29500 --secret-file job.secret -- ./train"
+)]
+pub(crate) struct Args {
+    /// Ranks to start on this node.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    nproc_per_node: u32,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    nnodes: u32,
+    /// This node's index, 0 to nnodes-1; node 0 hosts rank 0 and the rendezvous.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// Where rank 0 hosts the rendezvous, HOST:PORT [default on one node: a free port on
+    /// 127.0.0.1].
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// A file holding the job secret, the same on every node [default on one node: a fresh
+    /// secret handed to the ranks through the environment].
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Seconds any collective may wait before it fails, naming the ranks it waited for.
+    #[arg(long, value_parser = positive_seconds)]
+    timeout: Option<Duration>,
+    /// Seconds of silence after which a peer is declared lost.
+    #[arg(long, value_parser = positive_seconds)]
+    peer_timeout: Option<Duration>,
+    /// Times to restart this node's ranks after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// The program every rank runs, and its arguments.
+    #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]...")]
+    command: Vec<OsString>,
+}
+
+fn positive_seconds(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if v > 0.0 && v < 1e9 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(format!("{s} is not a positive number of seconds"))
+    }
+}
+
+pub(crate) fn run(args: Args) -> Result<(), String> {
+    let mut command = args.command.into_iter();
+    let program = command.next().ok_or("no program to launch")?;
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc_per_node as usize,
+        nnodes: args.nnodes as usize,
+        node_rank: args.node_rank as usize,
+        master: args.master_addr,
+        secret_file: args.secret_file,
+        timeout: args.timeout,
+        peer_timeout: args.peer_timeout,
+        max_restarts: args.max_restarts,
+        program,
+        args: command.collect(),
+        extra_env: Vec::new(),
+        prefix_output: true,
+    };
+    launch(&config).map_err(|e| e.to_string())
+}

@@ -1,0 +1,423 @@
+//! The job environment a rank is started in.
+//!
+//! Three sources, tried in order:
+//! 1. `bonfire launch` or torchrun-style variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!    `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (and `GROUP_RANK` for the node);
+//! 2. Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, the first host of
+//!    `SLURM_JOB_NODELIST`, with `MASTER_PORT` or a port derived from `SLURM_JOB_ID`;
+//! 3. nothing: a single rank.
+//!
+//! bonfire's own variables refine any of them: `BONFIRE_SECRET` / `BONFIRE_SECRET_FILE`,
+//! `BONFIRE_TIMEOUT` (collective timeout, seconds), `BONFIRE_PEER_TIMEOUT` (seconds of silence
+//! before a peer is declared lost), `BONFIRE_CONNECT_TIMEOUT` (seconds to bring the job up),
+//! `BONFIRE_BIND_ADDR`, `BONFIRE_ADVERTISE_ADDR`, `BONFIRE_RESTART_ROUND`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bonfire_topology::Rank;
+
+/// Variable names, shared by the launcher (which sets them) and [`JobEnv`] (which reads them).
+pub mod vars {
+    /// This rank, 0-based (torchrun name).
+    pub const RANK: &str = "RANK";
+    /// Ranks in the job (torchrun name).
+    pub const WORLD_SIZE: &str = "WORLD_SIZE";
+    /// This rank's index on its node (torchrun name).
+    pub const LOCAL_RANK: &str = "LOCAL_RANK";
+    /// Ranks on this node (torchrun name).
+    pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+    /// The rendezvous host (torchrun name).
+    pub const MASTER_ADDR: &str = "MASTER_ADDR";
+    /// The rendezvous port (torchrun name).
+    pub const MASTER_PORT: &str = "MASTER_PORT";
+    /// This node's index (torchrun name).
+    pub const GROUP_RANK: &str = "GROUP_RANK";
+    /// The job secret itself.
+    pub const SECRET: &str = "BONFIRE_SECRET";
+    /// A file holding the job secret.
+    pub const SECRET_FILE: &str = "BONFIRE_SECRET_FILE";
+    /// Collective timeout, seconds.
+    pub const TIMEOUT: &str = "BONFIRE_TIMEOUT";
+    /// Peer silence before it is declared lost, seconds.
+    pub const PEER_TIMEOUT: &str = "BONFIRE_PEER_TIMEOUT";
+    /// Time allowed to bring the job up, seconds.
+    pub const CONNECT_TIMEOUT: &str = "BONFIRE_CONNECT_TIMEOUT";
+    /// Local address to listen on.
+    pub const BIND_ADDR: &str = "BONFIRE_BIND_ADDR";
+    /// Address other ranks should dial to reach this one.
+    pub const ADVERTISE_ADDR: &str = "BONFIRE_ADVERTISE_ADDR";
+    /// The launcher's restart round.
+    pub const RESTART_ROUND: &str = "BONFIRE_RESTART_ROUND";
+}
+
+/// Where the job description came from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum EnvSource {
+    /// `bonfire launch` or torchrun-style variables.
+    Launcher,
+    /// Slurm's variables.
+    Slurm,
+    /// No job description: one rank.
+    Single,
+}
+
+/// Where the job secret comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SecretSource {
+    /// `BONFIRE_SECRET`.
+    Env,
+    /// `BONFIRE_SECRET_FILE`.
+    File(PathBuf),
+    /// Not given.
+    Missing,
+}
+
+/// Everything a rank needs to join its job.
+#[derive(Clone, Debug)]
+pub struct JobEnv {
+    /// Where this came from.
+    pub source: EnvSource,
+    /// This rank.
+    pub rank: Rank,
+    /// Ranks in the job.
+    pub world_size: usize,
+    /// This rank's index on its node.
+    pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_world_size: usize,
+    /// This node's index.
+    pub node_rank: u32,
+    /// The rendezvous, `host:port`.
+    pub master: String,
+    /// The job secret's source.
+    pub secret: SecretSource,
+    /// Collective timeout, if set.
+    pub timeout: Option<Duration>,
+    /// Peer timeout, if set.
+    pub peer_timeout: Option<Duration>,
+    /// Time to bring the job up, if set.
+    pub connect_timeout: Option<Duration>,
+    /// Local listen address, if set.
+    pub bind: Option<SocketAddr>,
+    /// Address to advertise, if set.
+    pub advertise: Option<SocketAddr>,
+    /// Restart round.
+    pub round: u32,
+}
+
+/// A job environment that does not make sense.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    /// A variable has a value that cannot be used.
+    #[error("{var}={value:?} is invalid: {why}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// A variable needed with the others is missing.
+    #[error("{var} is not set, but {because} is: set it too (or run under `bonfire launch`)")]
+    Missing {
+        /// The missing variable.
+        var: &'static str,
+        /// The one that implies it.
+        because: &'static str,
+    },
+}
+
+fn parse<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+    why: &str,
+) -> Result<Option<T>, EnvError> {
+    match get(var) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v.trim().parse().map(Some).map_err(|_| EnvError::Invalid {
+            var,
+            value: v,
+            why: why.into(),
+        }),
+    }
+}
+
+fn seconds(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<Duration>, EnvError> {
+    let v: Option<f64> = parse(get, var, "expected a number of seconds")?;
+    match v {
+        Some(s) if !(s > 0.0 && s < 1e9) => Err(EnvError::Invalid {
+            var,
+            value: s.to_string(),
+            why: "expected a positive number of seconds".into(),
+        }),
+        Some(s) => Ok(Some(Duration::from_secs_f64(s))),
+        None => Ok(None),
+    }
+}
+
+fn addr(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<SocketAddr>, EnvError> {
+    parse(get, var, "expected IP:PORT")
+}
+
+/// The first host of a Slurm node list: `node[01-04,07],gpu5` gives `node01`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inner = &list[end + 1..];
+        let first = inner.split([',', ']']).next()?;
+        let first = first.split('-').next()?;
+        if first.is_empty() {
+            return None;
+        }
+        Some(format!("{prefix}{first}"))
+    } else if prefix.is_empty() {
+        None
+    } else {
+        Some(prefix.to_string())
+    }
+}
+
+impl JobEnv {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<JobEnv, EnvError> {
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads a job description from `get` (tests pass a map).
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv, EnvError> {
+        use vars::*;
+        let rank: Option<u32> = parse(get, RANK, "expected a rank, 0 or more")?;
+        let slurm_rank: Option<u32> = parse(get, "SLURM_PROCID", "expected a number")?;
+        let (source, rank, world_size, local_rank, local_world_size, node_rank, master) =
+            if let Some(rank) = rank {
+                let world: usize = parse(get, WORLD_SIZE, "expected a number of ranks")?.ok_or(
+                    EnvError::Missing {
+                        var: WORLD_SIZE,
+                        because: RANK,
+                    },
+                )?;
+                let local: usize = parse(get, LOCAL_RANK, "expected a number")?.unwrap_or(0);
+                let local_world: usize =
+                    parse(get, LOCAL_WORLD_SIZE, "expected a number")?.unwrap_or(world);
+                let node: u32 = parse(get, GROUP_RANK, "expected a number")?.unwrap_or(0);
+                let host = get(MASTER_ADDR).filter(|h| !h.trim().is_empty());
+                let port: Option<u16> = parse(get, MASTER_PORT, "expected a port number")?;
+                let master = match (host, port) {
+                    (Some(h), Some(p)) => format!("{}:{p}", h.trim()),
+                    (None, _) if world == 1 => String::new(),
+                    (None, _) => {
+                        return Err(EnvError::Missing {
+                            var: MASTER_ADDR,
+                            because: RANK,
+                        });
+                    }
+                    (Some(_), None) => {
+                        return Err(EnvError::Missing {
+                            var: MASTER_PORT,
+                            because: MASTER_ADDR,
+                        });
+                    }
+                };
+                (
+                    EnvSource::Launcher,
+                    rank,
+                    world,
+                    local,
+                    local_world,
+                    node,
+                    master,
+                )
+            } else if let Some(rank) = slurm_rank {
+                let world: usize =
+                    parse(get, "SLURM_NTASKS", "expected a number")?.ok_or(EnvError::Missing {
+                        var: "SLURM_NTASKS",
+                        because: "SLURM_PROCID",
+                    })?;
+                let local: usize = parse(get, "SLURM_LOCALID", "expected a number")?.unwrap_or(0);
+                let node: u32 = parse(get, "SLURM_NODEID", "expected a number")?.unwrap_or(0);
+                let local_world: usize = get("SLURM_NTASKS_PER_NODE")
+                    .and_then(|v| v.split(['(', ',']).next()?.trim().parse().ok())
+                    .unwrap_or(world);
+                let host = match get(MASTER_ADDR).filter(|h| !h.trim().is_empty()) {
+                    Some(h) => h.trim().to_string(),
+                    None => {
+                        let list = get("SLURM_JOB_NODELIST")
+                            .or_else(|| get("SLURM_NODELIST"))
+                            .ok_or(EnvError::Missing {
+                                var: "SLURM_JOB_NODELIST",
+                                because: "SLURM_PROCID",
+                            })?;
+                        first_slurm_host(&list).ok_or_else(|| EnvError::Invalid {
+                            var: "SLURM_JOB_NODELIST",
+                            value: list.clone(),
+                            why: "no host in the node list".into(),
+                        })?
+                    }
+                };
+                let job: u32 = parse(get, "SLURM_JOB_ID", "expected a number")?.unwrap_or(0);
+                let port: u16 = parse(get, MASTER_PORT, "expected a port number")?
+                    .unwrap_or(29500 + (job % 2000) as u16);
+                (
+                    EnvSource::Slurm,
+                    rank,
+                    world,
+                    local,
+                    local_world,
+                    node,
+                    format!("{host}:{port}"),
+                )
+            } else {
+                (EnvSource::Single, 0, 1, 0, 1, 0, String::new())
+            };
+        if world_size == 0 || rank as usize >= world_size {
+            return Err(EnvError::Invalid {
+                var: if source == EnvSource::Slurm {
+                    "SLURM_PROCID"
+                } else {
+                    RANK
+                },
+                value: rank.to_string(),
+                why: format!("outside a job of {world_size} ranks"),
+            });
+        }
+        if local_rank >= local_world_size.max(1) {
+            return Err(EnvError::Invalid {
+                var: LOCAL_RANK,
+                value: local_rank.to_string(),
+                why: format!("outside a node of {local_world_size} ranks"),
+            });
+        }
+        let secret = if get(SECRET).is_some_and(|s| !s.is_empty()) {
+            SecretSource::Env
+        } else if let Some(f) = get(SECRET_FILE).filter(|f| !f.is_empty()) {
+            SecretSource::File(PathBuf::from(f))
+        } else {
+            SecretSource::Missing
+        };
+        Ok(JobEnv {
+            source,
+            rank: Rank(rank),
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank,
+            master,
+            secret,
+            timeout: seconds(get, TIMEOUT)?,
+            peer_timeout: seconds(get, PEER_TIMEOUT)?,
+            connect_timeout: seconds(get, CONNECT_TIMEOUT)?,
+            bind: addr(get, BIND_ADDR)?,
+            advertise: addr(get, ADVERTISE_ADDR)?,
+            round: parse(get, RESTART_ROUND, "expected a number")?.unwrap_or(0),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<JobEnv, EnvError> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        JobEnv::from_vars(&move |k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_names() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("BONFIRE_SECRET_FILE", "/run/secret"),
+            ("BONFIRE_PEER_TIMEOUT", "2.5"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, EnvSource::Launcher);
+        assert_eq!((e.rank, e.world_size, e.local_rank), (Rank(3), 4, 1));
+        assert_eq!((e.local_world_size, e.node_rank), (2, 1));
+        assert_eq!(e.master, "10.0.0.1:29500");
+        assert_eq!(e.secret, SecretSource::File("/run/secret".into()));
+        assert_eq!(e.peer_timeout, Some(Duration::from_millis(2500)));
+    }
+
+    #[test]
+    fn slurm_names() {
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08,11]"),
+            ("SLURM_JOB_ID", "123456"),
+        ])
+        .unwrap();
+        assert_eq!(e.source, EnvSource::Slurm);
+        assert_eq!((e.rank, e.world_size, e.local_rank), (Rank(5), 8, 1));
+        assert_eq!((e.local_world_size, e.node_rank), (4, 2));
+        assert_eq!(e.master, format!("gpu07:{}", 29500 + 123456 % 2000));
+        assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
+        assert_eq!(first_slurm_host("n[3]"), Some("n3".into()));
+        assert_eq!(first_slurm_host(""), None);
+    }
+
+    #[test]
+    fn nothing_means_one_rank() {
+        let e = env(&[]).unwrap();
+        assert_eq!(e.source, EnvSource::Single);
+        assert_eq!((e.rank, e.world_size), (Rank(0), 1));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let err = env(&[("RANK", "two"), ("WORLD_SIZE", "4")]).unwrap_err();
+        assert!(
+            err.to_string().starts_with("RANK=\"two\" is invalid"),
+            "{err}"
+        );
+        let err = env(&[
+            ("RANK", "4"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("outside a job of 4 ranks"),
+            "{err}"
+        );
+        let err = env(&[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(
+            err.to_string().starts_with("MASTER_ADDR is not set"),
+            "{err}"
+        );
+        let err = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("BONFIRE_TIMEOUT", "-3"),
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("BONFIRE_TIMEOUT"), "{err}");
+    }
+}

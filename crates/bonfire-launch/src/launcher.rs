@@ -1,0 +1,481 @@
+//! Starts the local ranks of a job, watches them, and tears the job down when one fails.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bonfire_transport::Secret;
+
+use crate::env::vars;
+
+/// What `bonfire launch` was asked to do.
+#[derive(Clone, Debug)]
+pub struct LaunchConfig {
+    /// Ranks to start on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index.
+    pub node_rank: usize,
+    /// The rendezvous, `HOST:PORT`; a free local port when omitted on a single node.
+    pub master: Option<String>,
+    /// The job secret's file (required on several nodes unless `BONFIRE_SECRET` is set).
+    pub secret_file: Option<PathBuf>,
+    /// Collective timeout handed to the ranks.
+    pub timeout: Option<Duration>,
+    /// Peer timeout handed to the ranks.
+    pub peer_timeout: Option<Duration>,
+    /// How many times to restart the local ranks after a failure.
+    pub max_restarts: u32,
+    /// The program each rank runs.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra variables for every rank (tests, wrappers).
+    pub extra_env: Vec<(OsString, OsString)>,
+    /// Prefix each line of a rank's output with `[rank N]`.
+    pub prefix_output: bool,
+}
+
+impl LaunchConfig {
+    /// One node, `nproc` ranks, defaults elsewhere.
+    pub fn local(nproc: usize, program: impl Into<OsString>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node: nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master: None,
+            secret_file: None,
+            timeout: None,
+            peer_timeout: None,
+            max_restarts: 0,
+            program: program.into(),
+            args: Vec::new(),
+            extra_env: Vec::new(),
+            prefix_output: true,
+        }
+    }
+}
+
+/// How a launch ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The request does not make sense; nothing was started.
+    #[error("{0}")]
+    Config(String),
+    /// A rank could not be started.
+    #[error("cannot start rank {rank} ({program}): {source}")]
+    Spawn {
+        /// The rank.
+        rank: usize,
+        /// The program.
+        program: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A rank failed; the others were stopped.
+    #[error("rank {rank} (pid {pid}) {status}{restarts}")]
+    RankFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// How it ended, in words.
+        status: String,
+        /// Restarts used, in words (empty when none were allowed).
+        restarts: String,
+    },
+}
+
+impl LaunchError {
+    /// The first failed rank, if a rank failed.
+    pub fn failed_rank(&self) -> Option<usize> {
+        match self {
+            LaunchError::RankFailed { rank, .. } => Some(*rank),
+            _ => None,
+        }
+    }
+}
+
+/// A free UDP port on the loopback interface, for single-node jobs.
+pub fn free_local_port() -> std::io::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Splits `HOST:PORT` (IPv6 hosts in brackets).
+pub fn split_host_port(s: &str) -> Result<(String, u16), String> {
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("--master-addr {s:?}: expected HOST:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("--master-addr {s:?}: {port:?} is not a port number"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(format!("--master-addr {s:?}: the host is empty"));
+    }
+    Ok((host.to_string(), port))
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = status.signal() {
+        let name = match sig {
+            libc::SIGKILL => " (SIGKILL)",
+            libc::SIGTERM => " (SIGTERM)",
+            libc::SIGSEGV => " (SIGSEGV)",
+            libc::SIGABRT => " (SIGABRT)",
+            libc::SIGINT => " (SIGINT)",
+            _ => "",
+        };
+        format!("was killed by signal {sig}{name}")
+    } else {
+        format!("exited with status {}", status.code().unwrap_or(-1))
+    }
+}
+
+/// Signals a rank's whole process group (the rank and anything it started).
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on the process group of a child we spawned as its group leader; no memory
+    // is touched.
+    unsafe {
+        libc::kill(-(child.id() as libc::pid_t), sig);
+    }
+}
+
+/// Copies a rank's output to ours, line by line, with its prefix.
+fn pump<R: Read + Send + 'static>(from: R, prefix: String, to_stderr: bool) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    let mut out: Box<dyn Write> = if to_stderr {
+                        Box::new(std::io::stderr().lock())
+                    } else {
+                        Box::new(std::io::stdout().lock())
+                    };
+                    let _ = out.write_all(prefix.as_bytes());
+                    let _ = out.write_all(&line);
+                    let _ = out.flush();
+                }
+            }
+        }
+    })
+}
+
+struct Running {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// Runs the job's local ranks to completion. Returns when every local rank exited; the error
+/// names the first rank that failed.
+pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
+    let c = config;
+    if c.nproc_per_node == 0 {
+        return Err(LaunchError::Config(
+            "--nproc-per-node must be at least 1".into(),
+        ));
+    }
+    if c.nnodes == 0 {
+        return Err(LaunchError::Config("--nnodes must be at least 1".into()));
+    }
+    if c.node_rank >= c.nnodes {
+        return Err(LaunchError::Config(format!(
+            "--node-rank {} is outside a job of {} nodes (0 to {})",
+            c.node_rank,
+            c.nnodes,
+            c.nnodes - 1
+        )));
+    }
+    let (host, port) = match &c.master {
+        Some(m) => split_host_port(m).map_err(LaunchError::Config)?,
+        None if c.nnodes == 1 => (
+            "127.0.0.1".to_string(),
+            free_local_port()
+                .map_err(|e| LaunchError::Config(format!("cannot find a free local port: {e}")))?,
+        ),
+        None => {
+            return Err(LaunchError::Config(
+                "a job on several nodes needs --master-addr HOST:PORT (the host of node 0)".into(),
+            ));
+        }
+    };
+    let mut env: Vec<(OsString, OsString)> = Vec::new();
+    let mut set = |k: &str, v: String| env.push((k.into(), v.into()));
+    match &c.secret_file {
+        Some(path) => {
+            Secret::from_file(path).map_err(|e| LaunchError::Config(e.to_string()))?;
+            let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+            set(vars::SECRET_FILE, abs.display().to_string());
+        }
+        None if std::env::var_os(vars::SECRET).is_some()
+            || std::env::var_os(vars::SECRET_FILE).is_some() => {}
+        None if c.nnodes == 1 => set(vars::SECRET, Secret::generate().expose_text()),
+        None => {
+            return Err(LaunchError::Config(
+                "a job on several nodes needs --secret-file F (the same file on every node) or BONFIRE_SECRET".into(),
+            ));
+        }
+    }
+    let world = c.nproc_per_node * c.nnodes;
+    set(vars::WORLD_SIZE, world.to_string());
+    set(vars::LOCAL_WORLD_SIZE, c.nproc_per_node.to_string());
+    set(vars::GROUP_RANK, c.node_rank.to_string());
+    set(vars::MASTER_ADDR, host);
+    set(vars::MASTER_PORT, port.to_string());
+    if c.nnodes == 1 && std::env::var_os(vars::BIND_ADDR).is_none() {
+        // A single-node job needs no other interface.
+        set(vars::BIND_ADDR, "127.0.0.1:0".into());
+    }
+    if let Some(t) = c.timeout {
+        set(vars::TIMEOUT, t.as_secs_f64().to_string());
+    }
+    if let Some(t) = c.peer_timeout {
+        set(vars::PEER_TIMEOUT, t.as_secs_f64().to_string());
+    }
+    env.extend(c.extra_env.iter().cloned());
+    // Time the surviving ranks get to notice a failure and report it themselves.
+    let grace = c.peer_timeout.unwrap_or(Duration::from_secs(6)) + Duration::from_secs(4);
+
+    let mut round = 0u32;
+    loop {
+        match run_round(c, &env, round, grace) {
+            Ok(()) => return Ok(()),
+            Err(LaunchError::RankFailed {
+                rank, pid, status, ..
+            }) if round < c.max_restarts => {
+                round += 1;
+                eprintln!(
+                    "bonfire launch: rank {rank} (pid {pid}) {status}; restarting the local ranks (restart {round} of {})",
+                    c.max_restarts
+                );
+            }
+            Err(LaunchError::RankFailed {
+                rank, pid, status, ..
+            }) => {
+                let restarts = if c.max_restarts > 0 {
+                    format!(" (after {round} of {} restarts)", c.max_restarts)
+                } else {
+                    String::new()
+                };
+                return Err(LaunchError::RankFailed {
+                    rank,
+                    pid,
+                    status,
+                    restarts,
+                });
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn run_round(
+    c: &LaunchConfig,
+    env: &[(OsString, OsString)],
+    round: u32,
+    grace: Duration,
+) -> Result<(), LaunchError> {
+    let world = c.nproc_per_node * c.nnodes;
+    let width = (world.max(1) - 1).to_string().len();
+    let mut running: Vec<Running> = Vec::new();
+    let mut pumps = Vec::new();
+    for local in 0..c.nproc_per_node {
+        let rank = c.node_rank * c.nproc_per_node + local;
+        let mut cmd = Command::new(&c.program);
+        cmd.args(&c.args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env(vars::RANK, rank.to_string())
+            .env(vars::LOCAL_RANK, local.to_string())
+            .env(vars::RESTART_ROUND, round.to_string())
+            .stdin(Stdio::null());
+        if c.prefix_output {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // Each rank leads its own process group, so tearing it down reaches whatever it
+            // started; and the kernel signals it if this launcher dies, so no rank outlives it.
+            // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of ours.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::setpgid(0, 0);
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                for r in &running {
+                    signal(&r.child, libc::SIGKILL);
+                }
+                return Err(LaunchError::Spawn {
+                    rank,
+                    program: c.program.to_string_lossy().into_owned(),
+                    source,
+                });
+            }
+        };
+        let prefix = format!("[rank {rank:>width$}] ");
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(out, prefix.clone(), false));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(err, prefix, true));
+        }
+        running.push(Running {
+            rank,
+            child,
+            status: None,
+        });
+    }
+
+    let mut first_failure: Option<(usize, u32, String, Instant)> = None;
+    let mut terminated_at: Option<Instant> = None;
+    loop {
+        for r in running.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.status = Some(status);
+                if !status.success() && first_failure.is_none() {
+                    first_failure = Some((r.rank, r.child.id(), describe(status), Instant::now()));
+                }
+            }
+        }
+        if running.iter().all(|r| r.status.is_some()) {
+            break;
+        }
+        if let Some((_, _, _, at)) = &first_failure {
+            match terminated_at {
+                None if at.elapsed() >= grace => {
+                    for r in running.iter().filter(|r| r.status.is_none()) {
+                        signal(&r.child, libc::SIGTERM);
+                    }
+                    terminated_at = Some(Instant::now());
+                }
+                Some(t) if t.elapsed() >= Duration::from_secs(3) => {
+                    for r in running.iter().filter(|r| r.status.is_none()) {
+                        signal(&r.child, libc::SIGKILL);
+                    }
+                }
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    match first_failure {
+        None => Ok(()),
+        Some((rank, pid, status, _)) => {
+            for r in &running {
+                if r.rank != rank
+                    && let Some(s) = r.status
+                    && !s.success()
+                {
+                    eprintln!(
+                        "bonfire launch: rank {} (pid {}) {} after rank {rank} failed",
+                        r.rank,
+                        r.child.id(),
+                        describe(s)
+                    );
+                }
+            }
+            Err(LaunchError::RankFailed {
+                rank,
+                pid,
+                status,
+                restarts: String::new(),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port() {
+        assert_eq!(
+            split_host_port("10.0.0.1:29500"),
+            Ok(("10.0.0.1".into(), 29500))
+        );
+        assert_eq!(split_host_port("[::1]:7"), Ok(("::1".into(), 7)));
+        assert!(split_host_port("node01").is_err());
+        assert!(split_host_port("node01:http").is_err());
+        assert!(split_host_port(":80").is_err());
+    }
+
+    fn sh(nproc: usize, script: &str) -> LaunchConfig {
+        let mut c = LaunchConfig::local(nproc, "sh");
+        c.args = vec!["-c".into(), script.into()];
+        c.peer_timeout = Some(Duration::from_millis(200));
+        c
+    }
+
+    #[test]
+    fn every_rank_gets_the_torchrun_variables() {
+        let dir = std::env::temp_dir().join(format!("bonfire-launch-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!(
+            "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR ${{#BONFIRE_SECRET}} > {}/$RANK",
+            dir.display()
+        );
+        launch(&sh(3, &script)).unwrap();
+        for rank in 0..3 {
+            let line = std::fs::read_to_string(dir.join(rank.to_string())).unwrap();
+            assert_eq!(line.trim(), format!("{rank} 3 {rank} 3 127.0.0.1 64"));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_others_and_is_named() {
+        let started = Instant::now();
+        let err = launch(&sh(3, "if [ $RANK = 1 ]; then exit 3; fi; sleep 30")).unwrap_err();
+        assert_eq!(err.failed_rank(), Some(1));
+        assert!(err.to_string().contains("exited with status 3"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "survivors were not stopped"
+        );
+    }
+
+    #[test]
+    fn restarts_run_the_ranks_again() {
+        // Fails in round 0, succeeds in round 1.
+        let mut c = sh(2, "test $BONFIRE_RESTART_ROUND = 1");
+        c.max_restarts = 1;
+        launch(&c).unwrap();
+        c.max_restarts = 0;
+        let err = launch(&c).unwrap_err();
+        assert_eq!(err.failed_rank(), Some(0));
+    }
+
+    #[test]
+    fn bad_requests_start_nothing() {
+        let mut c = sh(2, "true");
+        c.nnodes = 2;
+        assert!(matches!(launch(&c), Err(LaunchError::Config(m)) if m.contains("--master-addr")));
+        c.node_rank = 2;
+        assert!(matches!(launch(&c), Err(LaunchError::Config(m)) if m.contains("--node-rank 2")));
+    }
+}

@@ -1,0 +1,9 @@
+//! How a bonfire job starts: the environment a rank reads ([`JobEnv`]: torchrun names, Slurm,
+//! or a single rank) and the launcher that starts a node's ranks ([`launch`], behind
+//! `bonfire launch`).
+
+pub mod env;
+mod launcher;
+
+pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
+pub use launcher::{LaunchConfig, LaunchError, free_local_port, launch, split_host_port};

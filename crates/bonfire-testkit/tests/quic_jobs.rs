@@ -1,0 +1,278 @@
+//! Jobs of several processes on 127.0.0.1 over QUIC: every collective against the oracle under
+//! the launcher, a wrong secret, a rank killed with SIGKILL, and a lossy, slow link.
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use bonfire_launch::{LaunchConfig, free_local_port, launch};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-rank-check");
+
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bonfire-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn result(dir: &Path, rank: usize) -> String {
+    std::fs::read_to_string(dir.join(format!("rank-{rank}")))
+        .unwrap_or_else(|_| format!("<rank {rank} wrote nothing>"))
+        .trim()
+        .to_string()
+}
+
+fn launched(nproc: usize, args: &[&str], dir: &Path) -> LaunchConfig {
+    let mut c = LaunchConfig::local(nproc, CHECK);
+    c.args = args.iter().map(Into::into).collect();
+    c.extra_env = vec![("BONFIRE_CHECK_OUT".into(), dir.into())];
+    c.timeout = Some(Duration::from_secs(60));
+    c
+}
+
+#[test]
+fn every_collective_over_quic_under_the_launcher() {
+    let dir = out_dir("every");
+    launch(&launched(3, &["every"], &dir)).unwrap();
+    let digests: Vec<String> = (0..3).map(|r| result(&dir, r)).collect();
+    for (r, d) in digests.iter().enumerate() {
+        assert!(d.starts_with("every ok digest="), "rank {r}: {d}");
+    }
+    assert!(digests.iter().all(|d| d == &digests[0]), "{digests:?}");
+}
+
+#[test]
+fn a_rank_killed_mid_collective_is_named_by_the_others_within_ten_seconds() {
+    let dir = out_dir("die");
+    let mut c = launched(3, &["die", "1"], &dir);
+    c.peer_timeout = Some(Duration::from_secs(3));
+    let started = Instant::now();
+    let err = launch(&c).unwrap_err();
+    assert_eq!(err.failed_rank(), Some(1), "{err}");
+    assert!(err.to_string().contains("signal 9 (SIGKILL)"), "{err}");
+    for r in [0, 2] {
+        let line = result(&dir, r);
+        let secs: f64 = line
+            .strip_prefix("detected after ")
+            .and_then(|l| l.split('s').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: {line}"));
+        assert!(secs < 10.0, "rank {r} took {secs}s: {line}");
+        assert!(line.contains("rank 1"), "rank {r} must name rank 1: {line}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, dir: &Path, mode: &str) -> Child {
+    Command::new(CHECK)
+        .arg(mode)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("BONFIRE_BIND_ADDR", "127.0.0.1:0")
+        .env("BONFIRE_SECRET", secret)
+        .env("BONFIRE_CONNECT_TIMEOUT", "5")
+        .env("BONFIRE_CHECK_OUT", dir)
+        .spawn()
+        .unwrap()
+}
+
+fn wait(mut child: Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a rank did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_rank_without_the_secret_is_refused_on_both_sides() {
+    let dir = out_dir("secret");
+    let port = free_local_port().unwrap();
+    let host = spawn_rank(0, 2, port, "the-right-secret-0123456789", &dir, "digest");
+    let guest = spawn_rank(1, 2, port, "a-wrong-secret-0123456789ab", &dir, "digest");
+    assert_eq!(wait(guest, Duration::from_secs(30)).code(), Some(2));
+    assert_eq!(wait(host, Duration::from_secs(30)).code(), Some(2));
+    let guest = result(&dir, 1);
+    assert!(
+        guest.contains("refused rank 1") && guest.contains("wrong job secret"),
+        "{guest}"
+    );
+    let host = result(&dir, 0);
+    assert!(host.contains("missing: ranks 1"), "{host}");
+}
+
+/// A user-space UDP relay in front of `upstream`: drops `loss` of the datagrams and delays the
+/// rest by `delay`, in both directions.
+struct Relay {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    dropped: Arc<Mutex<(u64, u64)>>,
+}
+
+type Queue = Arc<(
+    Mutex<VecDeque<(Instant, Vec<u8>, SocketAddr, Arc<UdpSocket>)>>,
+    Condvar,
+)>;
+
+impl Relay {
+    fn start(upstream: SocketAddr, loss: f64, delay: Duration, seed: u64) -> Relay {
+        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap());
+        front
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let addr = front.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let dropped = Arc::new(Mutex::new((0, 0)));
+        let queue: Queue = Arc::new((Mutex::new(VecDeque::new()), Condvar::new()));
+        let rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed)));
+        let enqueue = {
+            let (queue, dropped, rng) = (queue.clone(), dropped.clone(), rng.clone());
+            move |bytes: Vec<u8>, to: SocketAddr, via: Arc<UdpSocket>| {
+                let mut d = dropped.lock().unwrap();
+                d.1 += 1;
+                if rng.lock().unwrap().random_bool(loss) {
+                    d.0 += 1;
+                    return;
+                }
+                queue
+                    .0
+                    .lock()
+                    .unwrap()
+                    .push_back((Instant::now() + delay, bytes, to, via));
+                queue.1.notify_one();
+            }
+        };
+        // The sender: constant delay, so a FIFO is in deadline order.
+        {
+            let (queue, stop) = (queue.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let next = {
+                        let mut q = queue.0.lock().unwrap();
+                        if q.is_empty() {
+                            q = queue
+                                .1
+                                .wait_timeout(q, Duration::from_millis(50))
+                                .unwrap()
+                                .0;
+                        }
+                        q.pop_front()
+                    };
+                    if let Some((at, bytes, to, via)) = next {
+                        std::thread::sleep(at.saturating_duration_since(Instant::now()));
+                        let _ = via.send_to(&bytes, to);
+                    }
+                }
+            });
+        }
+        // The front: one upstream socket per client, with a thread carrying replies back.
+        {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut clients: Vec<(SocketAddr, Arc<UdpSocket>)> = Vec::new();
+                let mut buf = vec![0u8; 65536];
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok((n, from)) = front.recv_from(&mut buf) else {
+                        continue;
+                    };
+                    let back = match clients.iter().find(|(c, _)| *c == from) {
+                        Some((_, s)) => s.clone(),
+                        None => {
+                            let s = Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap());
+                            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                            let (s2, front2, stop2, enqueue2) =
+                                (s.clone(), front.clone(), stop.clone(), enqueue.clone());
+                            std::thread::spawn(move || {
+                                let mut buf = vec![0u8; 65536];
+                                while !stop2.load(Ordering::Relaxed) {
+                                    if let Ok((n, _)) = s2.recv_from(&mut buf) {
+                                        enqueue2(buf[..n].to_vec(), from, front2.clone());
+                                    }
+                                }
+                            });
+                            clients.push((from, s.clone()));
+                            s
+                        }
+                    };
+                    enqueue(buf[..n].to_vec(), upstream, back);
+                }
+            });
+        }
+        Relay {
+            addr,
+            stop,
+            dropped,
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
+    let secret = "relay-test-secret-0123456789";
+    // Clean run.
+    let clean = out_dir("clean");
+    let port = free_local_port().unwrap();
+    let a = spawn_rank(0, 2, port, secret, &clean, "digest");
+    let b = spawn_rank(1, 2, port, secret, &clean, "digest");
+    assert!(
+        wait(a, Duration::from_secs(60)).success(),
+        "{}",
+        result(&clean, 0)
+    );
+    assert!(
+        wait(b, Duration::from_secs(60)).success(),
+        "{}",
+        result(&clean, 1)
+    );
+    // Rank 1 reaches rank 0 only through a relay that drops 1% and delays 20 ms each way.
+    let lossy = out_dir("lossy");
+    let port = free_local_port().unwrap();
+    let relay = Relay::start(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        0.01,
+        Duration::from_millis(20),
+        5,
+    );
+    let a = spawn_rank(0, 2, port, secret, &lossy, "digest");
+    let b = spawn_rank(1, 2, relay.addr.port(), secret, &lossy, "digest");
+    assert!(
+        wait(a, Duration::from_secs(120)).success(),
+        "{}",
+        result(&lossy, 0)
+    );
+    assert!(
+        wait(b, Duration::from_secs(120)).success(),
+        "{}",
+        result(&lossy, 1)
+    );
+    let (dropped, total) = *relay.dropped.lock().unwrap();
+    assert!(
+        dropped > 0,
+        "the relay dropped nothing of {total} datagrams"
+    );
+    for r in 0..2 {
+        assert_eq!(result(&lossy, r), result(&clean, r), "rank {r}");
+        assert!(result(&clean, r).starts_with("digest="));
+    }
+}

@@ -1,0 +1,255 @@
+//! The job secret, per-job certificates, and the proofs peers exchange inside TLS.
+//!
+//! Every rank makes a fresh self-signed certificate when it starts. TLS (1.3, mutual) proves that
+//! each end holds the private key of the certificate it shows; the rendezvous then pins those
+//! certificates: rank 0 records the one each worker presented and hands the list to every worker,
+//! and peer links refuse a certificate other than the pinned one. Who may join at all is decided
+//! by the job secret: both ends send `HMAC-SHA256(secret, role || exporter)`, where `exporter` is
+//! keying material exported from the TLS session, so a proof cannot be replayed on another
+//! connection and a man in the middle (two TLS sessions) cannot relay it.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use hmac::{Hmac, Mac};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
+use sha2::Sha256;
+
+/// Bytes in a proof.
+pub(crate) const PROOF_LEN: usize = 32;
+
+/// A job's shared secret. Its `Debug` form never shows the bytes.
+#[derive(Clone)]
+pub struct Secret(Arc<[u8]>);
+
+/// Why a secret could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The secret file could not be read.
+    #[error("cannot read the secret file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The secret is too short to be a secret.
+    #[error(
+        "the job secret{from} has {len} bytes; use at least 16 (for example `head -c 32 /dev/urandom | base64 > secret`)"
+    )]
+    TooShort {
+        /// Where it came from, with a leading space, or empty.
+        from: String,
+        /// Its length.
+        len: usize,
+    },
+}
+
+impl Secret {
+    /// Minimum length accepted.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret from bytes; surrounding ASCII whitespace (a trailing newline in a file) is
+    /// ignored.
+    pub fn new(bytes: &[u8]) -> Result<Secret, SecretError> {
+        Self::from_source(bytes, String::new())
+    }
+
+    fn from_source(bytes: &[u8], from: String) -> Result<Secret, SecretError> {
+        let trimmed = bytes.trim_ascii();
+        if trimmed.len() < Self::MIN_LEN {
+            return Err(SecretError::TooShort {
+                from,
+                len: trimmed.len(),
+            });
+        }
+        Ok(Secret(trimmed.into()))
+    }
+
+    /// Reads a secret file (its whole contents, whitespace-trimmed).
+    pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
+        let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_source(&bytes, format!(" in {}", path.display()))
+    }
+
+    /// 32 random bytes, hex-encoded (so the secret can travel in an environment variable).
+    pub fn generate() -> Secret {
+        let bytes: [u8; 32] = rand::random();
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        Secret(hex.as_bytes().into())
+    }
+
+    /// The secret as text, for handing to child processes through the environment. Only
+    /// meaningful for secrets that are text (generated ones are).
+    pub fn expose_text(&self) -> String {
+        String::from_utf8_lossy(&self.0).into_owned()
+    }
+
+    /// `HMAC-SHA256(secret, role || exporter)`.
+    pub(crate) fn proof(&self, role: &[u8], exporter: &[u8]) -> [u8; PROOF_LEN] {
+        let mut mac = self.mac();
+        mac.update(role);
+        mac.update(exporter);
+        mac.finalize().into_bytes().into()
+    }
+
+    /// Checks a proof in constant time.
+    pub(crate) fn verify(&self, role: &[u8], exporter: &[u8], proof: &[u8]) -> bool {
+        let mut mac = self.mac();
+        mac.update(role);
+        mac.update(exporter);
+        mac.verify_slice(proof).is_ok()
+    }
+
+    fn mac(&self) -> Hmac<Sha256> {
+        <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secret({} bytes, redacted)", self.0.len())
+    }
+}
+
+/// This rank's certificate and key, made fresh for the job.
+pub(crate) struct Identity {
+    pub(crate) cert: CertificateDer<'static>,
+    pub(crate) key: PrivateKeyDer<'static>,
+}
+
+impl Identity {
+    pub(crate) fn generate() -> Result<Identity, String> {
+        let certified = rcgen::generate_simple_self_signed(vec!["bonfire".to_string()])
+            .map_err(|e| format!("cannot generate this rank's certificate: {e}"))?;
+        Ok(Identity {
+            cert: certified.cert.der().clone(),
+            key: PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into()),
+        })
+    }
+}
+
+/// Accepts any certificate whose holder proves possession of its key; which certificate is
+/// acceptable is decided after the handshake, against the rendezvous' pins and the secret.
+#[derive(Debug)]
+pub(crate) struct PinAfterHandshake(pub(crate) Arc<CryptoProvider>);
+
+impl ServerCertVerifier for PinAfterHandshake {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        Err(rustls::Error::General("bonfire speaks TLS 1.3 only".into()))
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+impl ClientCertVerifier for PinAfterHandshake {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        ServerCertVerifier::verify_tls12_signature(self, message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        ServerCertVerifier::verify_tls13_signature(self, message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_bind_secret_role_and_session() {
+        let a = Secret::new(b"0123456789abcdef-job-a").unwrap();
+        let b = Secret::new(b"0123456789abcdef-job-b").unwrap();
+        let p = a.proof(b"client", b"session-1");
+        assert!(a.verify(b"client", b"session-1", &p));
+        assert!(!b.verify(b"client", b"session-1", &p), "another secret");
+        assert!(!a.verify(b"server", b"session-1", &p), "another role");
+        assert!(!a.verify(b"client", b"session-2", &p), "another session");
+        assert!(!a.verify(b"client", b"session-1", &p[..31]), "truncated");
+    }
+
+    #[test]
+    fn secrets_are_trimmed_checked_and_redacted() {
+        assert!(matches!(
+            Secret::new(b"short\n"),
+            Err(SecretError::TooShort { len: 5, .. })
+        ));
+        let s = Secret::new(b"  0123456789abcdef\n").unwrap();
+        assert_eq!(s.expose_text(), "0123456789abcdef");
+        assert!(!format!("{s:?}").contains("0123"));
+        let g = Secret::generate();
+        assert_eq!(g.expose_text().len(), 64);
+        assert_ne!(g.expose_text(), Secret::generate().expose_text());
+    }
+}

@@ -1,0 +1,145 @@
+//! Control messages of the rendezvous and of peer links: postcard, behind a 4-byte length.
+//!
+//! Control messages are small and rare, so they use a maintained serde format; tensor payloads
+//! never pass through here (see `frame`).
+
+use std::net::SocketAddr;
+
+use quinn::{RecvStream, SendStream};
+use serde::{Deserialize, Serialize};
+
+use super::auth::PROOF_LEN;
+
+/// The control protocol's version; a mismatch is refused with both versions named.
+pub(crate) const PROTOCOL: u32 = 1;
+
+/// The largest control message accepted (a roster of thousands of ranks fits).
+pub(crate) const MAX_CONTROL: usize = 16 << 20;
+
+/// What identifies one launch of one job: ranks of different jobs or of different restart rounds
+/// refuse each other.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct JobKey {
+    pub(crate) world_size: u32,
+    pub(crate) round: u32,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+pub(crate) enum Control {
+    /// Worker to rendezvous: who I am, where I listen, my proof.
+    Hello {
+        protocol: u32,
+        job: JobKey,
+        rank: u32,
+        node: u32,
+        /// The port this rank's endpoint listens on.
+        port: u16,
+        /// An address to advertise instead of the one the rendezvous sees.
+        advertise: Option<SocketAddr>,
+        proof: [u8; PROOF_LEN],
+    },
+    /// Rendezvous to worker: the rendezvous' proof; the roster follows when everyone has joined.
+    Welcome { proof: [u8; PROOF_LEN] },
+    /// Either side: refused, and why.
+    Reject { reason: String },
+    /// Rendezvous to worker: every rank's address, node and pinned certificate.
+    Roster { peers: Vec<PeerEntry> },
+    /// Worker to worker, on a direct link: who I am and my proof.
+    PeerHello {
+        protocol: u32,
+        job: JobKey,
+        rank: u32,
+        proof: [u8; PROOF_LEN],
+    },
+    /// Worker to worker: accepted, and my proof.
+    PeerWelcome { proof: [u8; PROOF_LEN] },
+}
+
+impl Control {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Control::Hello { .. } => "hello",
+            Control::Welcome { .. } => "welcome",
+            Control::Reject { .. } => "reject",
+            Control::Roster { .. } => "roster",
+            Control::PeerHello { .. } => "peer-hello",
+            Control::PeerWelcome { .. } => "peer-welcome",
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub(crate) struct PeerEntry {
+    pub(crate) rank: u32,
+    pub(crate) node: u32,
+    pub(crate) addr: SocketAddr,
+    pub(crate) cert: Vec<u8>,
+}
+
+/// Encodes a message with its length prefix.
+pub(crate) fn encode(msg: &Control) -> Vec<u8> {
+    let body = postcard::to_stdvec(msg).expect("control messages always serialise");
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Decodes one message body (without the length prefix).
+pub(crate) fn decode(body: &[u8]) -> Result<Control, String> {
+    postcard::from_bytes(body).map_err(|e| format!("malformed control message: {e}"))
+}
+
+pub(crate) async fn write(stream: &mut SendStream, msg: &Control) -> Result<(), String> {
+    stream
+        .write_all(&encode(msg))
+        .await
+        .map_err(|e| format!("cannot send {}: {e}", msg.name()))
+}
+
+pub(crate) async fn read(stream: &mut RecvStream) -> Result<Control, String> {
+    let mut len = [0u8; 4];
+    stream
+        .read_exact(&mut len)
+        .await
+        .map_err(|e| format!("connection ended before a control message: {e}"))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_CONTROL {
+        return Err(format!(
+            "control message of {len} bytes exceeds the limit of {MAX_CONTROL} bytes"
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .await
+        .map_err(|e| format!("connection ended inside a control message: {e}"))?;
+    decode(&body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_refuses_garbage() {
+        let msg = Control::Roster {
+            peers: vec![PeerEntry {
+                rank: 3,
+                node: 1,
+                addr: "10.0.0.2:29501".parse().unwrap(),
+                cert: vec![1, 2, 3],
+            }],
+        };
+        let wire = encode(&msg);
+        let Control::Roster { peers } = decode(&wire[4..]).unwrap() else {
+            panic!("wrong variant");
+        };
+        assert_eq!(peers[0].rank, 3);
+        assert_eq!(peers[0].addr.port(), 29501);
+        assert!(decode(&[0xff, 0xff, 0xff]).is_err());
+        assert!(decode(&[]).is_err());
+        // A huge length inside a vector must not allocate it: postcard checks against the input.
+        assert!(decode(&[3, 0xff, 0xff, 0xff, 0xff, 0x0f]).is_err());
+    }
+}

@@ -1,0 +1,227 @@
+//! Ranks of one process on 127.0.0.1, over real UDP sockets: the job forms, frames flow,
+//! strangers are refused, and a hostile frame is an error that names its sender.
+
+use std::time::Duration;
+
+use super::*;
+
+fn secret(s: &str) -> Secret {
+    Secret::new(format!("test-secret-{s}-0123456789").as_bytes()).unwrap()
+}
+
+fn master() -> String {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+fn config(rank: u32, world: usize, master: &str, secret: Secret) -> QuicConfig {
+    let mut c = QuicConfig::new(Rank(rank), world, master, secret);
+    c.bind = "127.0.0.1:0".parse().unwrap();
+    c.node = rank / 2;
+    c.connect_timeout = Duration::from_secs(20);
+    c
+}
+
+async fn job(world: usize) -> Vec<QuicTransport> {
+    let m = master();
+    let s = secret("job");
+    let handles: Vec<_> = (0..world as u32)
+        .map(|r| tokio::spawn(QuicTransport::connect(config(r, world, &m, s.clone()))))
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap().unwrap());
+    }
+    out
+}
+
+async fn take(t: &QuicTransport, from: u32, tag: Tag) -> Bytes {
+    let inbox = t.mailbox().open(tag.context, tag.seq).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let changed = inbox.changed();
+        if let Some(b) = inbox.take(Rank(from), tag.step) {
+            return b;
+        }
+        tokio::time::timeout_at(deadline, changed)
+            .await
+            .expect("frame did not arrive");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_forms_and_every_pair_exchanges_frames() {
+    let ranks = job(3).await;
+    for t in &ranks {
+        assert_eq!(t.nodes().node_of(Rank(2)), NodeId(1));
+    }
+    let big: Bytes = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    for (i, t) in ranks.iter().enumerate() {
+        for j in 0..3u32 {
+            let payload = if j as usize == (i + 1) % 3 {
+                big.clone()
+            } else {
+                Bytes::from(format!("{i}->{j}"))
+            };
+            let tag = Tag {
+                context: 9,
+                seq: i as u64,
+                step: j,
+            };
+            t.send(Rank(j), tag, payload).await.unwrap();
+        }
+    }
+    for (j, t) in ranks.iter().enumerate() {
+        for i in 0..3u32 {
+            let tag = Tag {
+                context: 9,
+                seq: i as u64,
+                step: j as u32,
+            };
+            let got = take(t, i, tag).await;
+            if j == (i as usize + 1) % 3 {
+                assert_eq!(got, big);
+            } else {
+                assert_eq!(got, format!("{i}->{j}").as_bytes());
+            }
+        }
+    }
+    for t in &ranks {
+        t.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_is_refused_on_both_sides() {
+    let m = master();
+    let mut c0 = config(0, 2, &m, secret("right"));
+    c0.connect_timeout = Duration::from_secs(3);
+    let host = tokio::spawn(QuicTransport::connect(c0));
+    let mut c1 = config(1, 2, &m, secret("wrong"));
+    c1.connect_timeout = Duration::from_secs(3);
+    let err = QuicTransport::connect(c1)
+        .await
+        .err()
+        .expect("must be refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("refused rank 1") && msg.contains("wrong job secret"),
+        "{msg}"
+    );
+    let err = host
+        .await
+        .unwrap()
+        .err()
+        .expect("rank 0 must not form a job");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("timed out") && msg.contains("missing: ranks 1"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_and_garbage_do_not_stop_the_job() {
+    let m = master();
+    let s = secret("job");
+    let host = tokio::spawn(QuicTransport::connect(config(0, 2, &m, s.clone())));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let addr: SocketAddr = m.parse().unwrap();
+    // Random datagrams, and one shaped like a QUIC Initial.
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    for i in 0..50u8 {
+        let junk: Vec<u8> = (0..1200u32)
+            .map(|k| (k as u8).wrapping_mul(i | 1))
+            .collect();
+        udp.send_to(&junk, addr).unwrap();
+    }
+    let mut initial = vec![0xc3, 0, 0, 0, 1, 8];
+    initial.resize(1200, 0xab);
+    udp.send_to(&initial, addr).unwrap();
+    // TLS-complete strangers: one sends garbage, one announces a huge message, one a hello
+    // without the secret.
+    let stranger = endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        &Identity::generate().unwrap(),
+        Duration::from_secs(5),
+        1,
+    )
+    .unwrap();
+    for body in [
+        vec![3, 0, 0, 0, 0xff, 0xff, 0xff],
+        vec![0xff, 0xff, 0xff, 0x7f],
+        control::encode(&Control::Hello {
+            protocol: PROTOCOL,
+            job: JobKey {
+                world_size: 2,
+                round: 0,
+            },
+            rank: 1,
+            node: 0,
+            port: 1,
+            advertise: None,
+            proof: [0; 32],
+        }),
+    ] {
+        let conn = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        send.write_all(&body).await.unwrap();
+        let reply = tokio::time::timeout(Duration::from_secs(5), control::read(&mut recv)).await;
+        assert!(
+            matches!(reply, Ok(Ok(Control::Reject { .. })) | Ok(Err(_))),
+            "a stranger must be refused: {reply:?}"
+        );
+    }
+    // The real rank 1 still joins.
+    let worker = QuicTransport::connect(config(1, 2, &m, s)).await.unwrap();
+    let host = host.await.unwrap().unwrap();
+    let tag = Tag {
+        context: 1,
+        seq: 2,
+        step: 3,
+    };
+    worker
+        .send(Rank(0), tag, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
+    worker.shutdown().await;
+    host.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_frame_is_an_error_naming_its_sender() {
+    let ranks = job(2).await;
+    let link = ranks[1].links[0].as_ref().unwrap();
+    let mut s = link.conn.open_uni().await.unwrap();
+    let bad = FrameHeader::data(
+        Tag {
+            context: 0,
+            seq: 0,
+            step: 0,
+        },
+        u64::MAX,
+    )
+    .encode();
+    s.write_all(&bad).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reason = loop {
+        if let Some(r) = ranks[0].mailbox().lost_reason(Rank(1)) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the bad frame went unnoticed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(reason.contains("rank 1 sent a malformed frame"), "{reason}");
+    assert!(reason.contains("exceeds the limit"), "{reason}");
+    // Rank 1 learns that its link was closed, with the reason.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ranks[1].mailbox().lost_reason(Rank(0)).is_none() {
+        assert!(Instant::now() < deadline, "the sender was not told");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,177 @@
+//! Joining the job a process was started in: [`init`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bonfire_collectives::{CommConfig, Communicator, runtime};
+use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
+use bonfire_topology::{NodeLayout, Rank};
+use bonfire_transport::{QuicConfig, QuicError, QuicTransport, Secret};
+
+/// Why [`init`] failed. Its message says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    /// The job environment is malformed.
+    #[error("bonfire::init: {0}")]
+    Env(#[from] EnvError),
+    /// No usable job secret.
+    #[error("bonfire::init: {0}")]
+    Secret(String),
+    /// The job could not be joined.
+    #[error("bonfire::init: {0}")]
+    Connect(#[from] QuicError),
+}
+
+/// This process's place in its job: its rank, the world communicator, and the links behind it.
+///
+/// Keep it alive until the end of the program: dropping it (or calling [`World::shutdown`])
+/// delivers whatever is still in flight to the peers and closes the links cleanly.
+pub struct World {
+    comm: Communicator,
+    env: JobEnv,
+    nodes: NodeLayout,
+    quic: Option<Arc<QuicTransport>>,
+}
+
+impl World {
+    /// The communicator over every rank of the job.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.env.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// This rank's index on its node.
+    pub fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+
+    /// Ranks on this node.
+    pub fn local_world_size(&self) -> usize {
+        self.env.local_world_size
+    }
+
+    /// Which node each rank runs on.
+    pub fn nodes(&self) -> &NodeLayout {
+        &self.nodes
+    }
+
+    /// True on rank 0, the rank that writes logs, metrics and checkpoints.
+    pub fn is_main(&self) -> bool {
+        self.env.rank == Rank(0)
+    }
+
+    /// The environment the job was described by.
+    pub fn env(&self) -> &JobEnv {
+        &self.env
+    }
+
+    /// Leaves the job cleanly: everything sent reaches its peer before the links close.
+    pub fn shutdown(self) {
+        drop(self);
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let Some(quic) = self.quic.take() else {
+            return;
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // Inside an async context we may not block; finish in the background.
+            runtime().spawn(async move { quic.shutdown().await });
+        } else {
+            runtime().block_on(quic.shutdown());
+        }
+    }
+}
+
+/// Joins the job this process was started in: by `bonfire launch` or torchrun-style variables,
+/// by Slurm, or, with none of them, as the single rank of a job of one.
+///
+/// ```no_run
+/// let world = bonfire::init()?;
+/// let sum = world.comm().all_reduce(vec![world.rank().0 as f32], bonfire::topology::ReduceOp::Sum).wait()?;
+/// println!("rank {} of {}: {sum:?}", world.rank().0, world.world_size());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn init() -> Result<World, InitError> {
+    init_with(CommConfig::default())
+}
+
+/// [`init`] with a communicator configuration of the caller's (`BONFIRE_TIMEOUT`, when set,
+/// still sets the timeout).
+pub fn init_with(config: CommConfig) -> Result<World, InitError> {
+    init_from(JobEnv::from_env()?, config)
+}
+
+/// [`init_with`] from a job description read elsewhere.
+pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError> {
+    if let Some(t) = env.timeout {
+        config.timeout = t;
+    }
+    if env.world_size == 1 {
+        let comm = Communicator::in_process(1, config).remove(0);
+        return Ok(World {
+            comm,
+            nodes: NodeLayout::single_node(1),
+            env,
+            quic: None,
+        });
+    }
+    let secret = match &env.secret {
+        SecretSource::Env => Secret::new(
+            std::env::var(bonfire_launch::env::vars::SECRET)
+                .unwrap_or_default()
+                .as_bytes(),
+        )
+        .map_err(|e| InitError::Secret(format!("BONFIRE_SECRET: {e}")))?,
+        SecretSource::File(path) => {
+            Secret::from_file(path).map_err(|e| InitError::Secret(e.to_string()))?
+        }
+        SecretSource::Missing => {
+            let hint = match env.source {
+                EnvSource::Slurm => "set BONFIRE_SECRET_FILE to a file on a shared file system",
+                _ => {
+                    "run under `bonfire launch` (which makes one), or set BONFIRE_SECRET_FILE to a file holding it (the same on every node)"
+                }
+            };
+            return Err(InitError::Secret(format!(
+                "this job of {} ranks has no secret: {hint}",
+                env.world_size
+            )));
+        }
+    };
+    let mut quic = QuicConfig::new(env.rank, env.world_size, env.master.clone(), secret);
+    quic.node = env.node_rank;
+    quic.round = env.round;
+    quic.advertise = env.advertise;
+    if let Some(bind) = env.bind {
+        quic.bind = bind;
+    }
+    if let Some(t) = env.peer_timeout {
+        quic.peer_timeout = t;
+    }
+    quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
+    let transport = Arc::new(runtime().block_on(QuicTransport::connect(quic))?);
+    let nodes = transport.nodes().clone();
+    let comm = Communicator::builder(transport.clone())
+        .nodes(nodes.clone())
+        .config(config)
+        .build()
+        .map_err(|e| InitError::Secret(format!("cannot build the world communicator: {e}")))?;
+    Ok(World {
+        comm,
+        env,
+        nodes,
+        quic: Some(transport),
+    })
+}

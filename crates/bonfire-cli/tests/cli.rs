@@ -251,42 +251,35 @@ fn launch_refuses_bad_requests_clearly() {
     assert_clean_failure(&out, 1, "cannot start rank 0");
 }
 
+/// `bonfire bench collectives --transport quic` as rank 1 of a job whose master is not there.
+fn orphan_rank(secret: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_bonfire"));
+    cmd.args([
+        "bench",
+        "collectives",
+        "--transport",
+        "quic",
+        "--sizes",
+        "1K",
+    ])
+    .env("RANK", "1")
+    .env("WORLD_SIZE", "2")
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", "9")
+    .env("BONFIRE_CONNECT_TIMEOUT", "2")
+    .env("RUST_BACKTRACE", "1")
+    .env_remove("BONFIRE_SECRET")
+    .env_remove("BONFIRE_SECRET_FILE");
+    if let Some(secret) = secret {
+        cmd.env("BONFIRE_SECRET", secret);
+    }
+    cmd.output().expect("the bonfire binary runs")
+}
+
 #[test]
 fn a_rank_that_cannot_reach_its_master_fails_with_a_message() {
-    let out = Command::new(env!("CARGO_BIN_EXE_bonfire"))
-        .args([
-            "bench",
-            "collectives",
-            "--transport",
-            "quic",
-            "--sizes",
-            "1K",
-        ])
-        .env("RANK", "1")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "9")
-        .env("BONFIRE_SECRET", "a-secret-of-enough-length")
-        .env("BONFIRE_CONNECT_TIMEOUT", "2")
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .unwrap();
+    let out = orphan_rank(Some("a-secret-of-enough-length"));
     assert_clean_failure(&out, 1, "did not answer within");
-    let out = Command::new(env!("CARGO_BIN_EXE_bonfire"))
-        .args([
-            "bench",
-            "collectives",
-            "--transport",
-            "quic",
-            "--sizes",
-            "1K",
-        ])
-        .env("RANK", "1")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "9")
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .unwrap();
+    let out = orphan_rank(None);
     assert_clean_failure(&out, 1, "has no secret");
 }

@@ -79,8 +79,9 @@ pub enum SecretSource {
 pub struct JobEnv {
     /// Where this came from.
     pub source: EnvSource,
-    /// This rank.
-    pub rank: Rank,
+    /// This rank; `None` when `WORLD_SIZE` is set without `RANK`, and the rendezvous assigns
+    /// one.
+    pub rank: Option<Rank>,
     /// Ranks in the job.
     pub world_size: usize,
     /// This rank's index on its node.
@@ -199,15 +200,14 @@ impl JobEnv {
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<JobEnv, EnvError> {
         use vars::*;
         let rank: Option<u32> = parse(get, RANK, "expected a rank, 0 or more")?;
+        let world: Option<usize> = parse(get, WORLD_SIZE, "expected a number of ranks")?;
         let slurm_rank: Option<u32> = parse(get, "SLURM_PROCID", "expected a number")?;
         let (source, rank, world_size, local_rank, local_world_size, node_rank, master) =
-            if let Some(rank) = rank {
-                let world: usize = parse(get, WORLD_SIZE, "expected a number of ranks")?.ok_or(
-                    EnvError::Missing {
-                        var: WORLD_SIZE,
-                        because: RANK,
-                    },
-                )?;
+            if rank.is_some() || world.is_some() {
+                let world = world.ok_or(EnvError::Missing {
+                    var: WORLD_SIZE,
+                    because: RANK,
+                })?;
                 let local: usize = parse(get, LOCAL_RANK, "expected a number")?.unwrap_or(0);
                 let local_world: usize =
                     parse(get, LOCAL_WORLD_SIZE, "expected a number")?.unwrap_or(world);
@@ -220,7 +220,7 @@ impl JobEnv {
                     (None, _) => {
                         return Err(EnvError::Missing {
                             var: MASTER_ADDR,
-                            because: RANK,
+                            because: WORLD_SIZE,
                         });
                     }
                     (Some(_), None) => {
@@ -239,7 +239,7 @@ impl JobEnv {
                     node,
                     master,
                 )
-            } else if let Some(rank) = slurm_rank {
+            } else if let Some(rank) = slurm_rank.map(Some) {
                 let world: usize =
                     parse(get, "SLURM_NTASKS", "expected a number")?.ok_or(EnvError::Missing {
                         var: "SLURM_NTASKS",
@@ -279,16 +279,16 @@ impl JobEnv {
                     format!("{host}:{port}"),
                 )
             } else {
-                (EnvSource::Single, 0, 1, 0, 1, 0, String::new())
+                (EnvSource::Single, Some(0), 1, 0, 1, 0, String::new())
             };
-        if world_size == 0 || rank as usize >= world_size {
+        if world_size == 0 || rank.is_some_and(|r| r as usize >= world_size) {
             return Err(EnvError::Invalid {
                 var: if source == EnvSource::Slurm {
                     "SLURM_PROCID"
                 } else {
                     RANK
                 },
-                value: rank.to_string(),
+                value: rank.map_or(String::new(), |r| r.to_string()),
                 why: format!("outside a job of {world_size} ranks"),
             });
         }
@@ -308,7 +308,7 @@ impl JobEnv {
         };
         Ok(JobEnv {
             source,
-            rank: Rank(rank),
+            rank: rank.map(Rank),
             world_size,
             local_rank,
             local_world_size,
@@ -354,7 +354,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(e.source, EnvSource::Launcher);
-        assert_eq!((e.rank, e.world_size, e.local_rank), (Rank(3), 4, 1));
+        assert_eq!((e.rank, e.world_size, e.local_rank), (Some(Rank(3)), 4, 1));
         assert_eq!((e.local_world_size, e.node_rank), (2, 1));
         assert_eq!(e.master, "10.0.0.1:29500");
         assert_eq!(e.secret, SecretSource::File("/run/secret".into()));
@@ -374,7 +374,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(e.source, EnvSource::Slurm);
-        assert_eq!((e.rank, e.world_size, e.local_rank), (Rank(5), 8, 1));
+        assert_eq!((e.rank, e.world_size, e.local_rank), (Some(Rank(5)), 8, 1));
         assert_eq!((e.local_world_size, e.node_rank), (4, 2));
         assert_eq!(e.master, format!("gpu07:{}", 29500 + 123456 % 2000));
         assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
@@ -386,7 +386,21 @@ mod tests {
     fn nothing_means_one_rank() {
         let e = env(&[]).unwrap();
         assert_eq!(e.source, EnvSource::Single);
-        assert_eq!((e.rank, e.world_size), (Rank(0), 1));
+        assert_eq!((e.rank, e.world_size), (Some(Rank(0)), 1));
+    }
+
+    #[test]
+    fn world_size_without_rank_asks_the_rendezvous() {
+        let e = env(&[
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.source, e.rank, e.world_size),
+            (EnvSource::Launcher, None, 3)
+        );
     }
 
     #[test]

@@ -71,9 +71,23 @@ fn a_rank_killed_mid_collective_is_named_by_the_others_within_ten_seconds() {
 }
 
 fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, dir: &Path, mode: &str) -> Child {
-    Command::new(CHECK)
-        .arg(mode)
-        .env("RANK", rank.to_string())
+    spawn(Some(rank), world, port, secret, dir, mode)
+}
+
+/// A rank process; without a rank it asks the rendezvous for one.
+fn spawn(
+    rank: Option<usize>,
+    world: usize,
+    port: u16,
+    secret: &str,
+    dir: &Path,
+    mode: &str,
+) -> Child {
+    let mut cmd = Command::new(CHECK);
+    if let Some(rank) = rank {
+        cmd.env("RANK", rank.to_string());
+    }
+    cmd.arg(mode)
         .env("WORLD_SIZE", world.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
@@ -97,6 +111,24 @@ fn wait(mut child: Child, limit: Duration) -> std::process::ExitStatus {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn processes_without_a_rank_are_given_one_by_the_rendezvous() {
+    let dir = out_dir("assigned");
+    let port = free_local_port().unwrap();
+    let secret = "assigned-ranks-secret-0123456789";
+    let children = vec![
+        spawn(Some(0), 3, port, secret, &dir, "digest"),
+        spawn(None, 3, port, secret, &dir, "digest"),
+        spawn(None, 3, port, secret, &dir, "digest"),
+    ];
+    for c in children {
+        assert!(wait(c, Duration::from_secs(60)).success());
+    }
+    let digests: Vec<String> = (0..3).map(|r| result(&dir, r)).collect();
+    assert!(digests[0].starts_with("digest="), "{digests:?}");
+    assert!(digests.iter().all(|d| d == &digests[0]), "{digests:?}");
 }
 
 #[test]

@@ -27,6 +27,7 @@ pub enum InitError {
 /// Keep it alive until the end of the program: dropping it (or calling [`World::shutdown`])
 /// delivers whatever is still in flight to the peers and closes the links cleanly.
 pub struct World {
+    rank: Rank,
     comm: Communicator,
     env: JobEnv,
     nodes: NodeLayout,
@@ -41,7 +42,7 @@ impl World {
 
     /// This rank.
     pub fn rank(&self) -> Rank {
-        self.env.rank
+        self.rank
     }
 
     /// Ranks in the job.
@@ -66,7 +67,7 @@ impl World {
 
     /// True on rank 0, the rank that writes logs, metrics and checkpoints.
     pub fn is_main(&self) -> bool {
-        self.env.rank == Rank(0)
+        self.rank == Rank(0)
     }
 
     /// The environment the job was described by.
@@ -95,7 +96,9 @@ impl Drop for World {
 }
 
 /// Joins the job this process was started in: by `bonfire launch` or torchrun-style variables,
-/// by Slurm, or, with none of them, as the single rank of a job of one.
+/// by Slurm, or, with none of them, as the single rank of a job of one. With `WORLD_SIZE` set
+/// and no `RANK`, the rendezvous assigns this process the lowest free rank (rank 0, which hosts
+/// the rendezvous, must be given).
 ///
 /// ```no_run
 /// let world = bonfire::init()?;
@@ -121,6 +124,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
     if env.world_size == 1 {
         let comm = Communicator::in_process(1, config).remove(0);
         return Ok(World {
+            rank: Rank(0),
             comm,
             nodes: NodeLayout::single_node(1),
             env,
@@ -163,12 +167,14 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
     quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
     let transport = Arc::new(runtime().block_on(QuicTransport::connect(quic))?);
     let nodes = transport.nodes().clone();
+    let rank = bonfire_transport::Transport::rank(transport.as_ref());
     let comm = Communicator::builder(transport.clone())
         .nodes(nodes.clone())
         .config(config)
         .build()
         .map_err(|e| InitError::Secret(format!("cannot build the world communicator: {e}")))?;
     Ok(World {
+        rank,
         comm,
         env,
         nodes,

@@ -144,7 +144,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
             (Communicator::in_process(n, config.clone()), n)
         }
         TransportKind::Quic => {
-            if std::env::var_os("RANK").is_none() {
+            if std::env::var_os("RANK").is_none() && std::env::var_os("WORLD_SIZE").is_none() {
                 return launch_self(args);
             }
             let w = bonfire::init_with(config.clone()).map_err(|e| e.to_string())?;

@@ -30,7 +30,8 @@ pub(crate) enum Control {
     Hello {
         protocol: u32,
         job: JobKey,
-        rank: u32,
+        /// The rank the worker was given, or `None` to be assigned one.
+        rank: Option<u32>,
         node: u32,
         /// The port this rank's endpoint listens on.
         port: u16,
@@ -38,8 +39,9 @@ pub(crate) enum Control {
         advertise: Option<SocketAddr>,
         proof: [u8; PROOF_LEN],
     },
-    /// Rendezvous to worker: the rendezvous' proof; the roster follows when everyone has joined.
-    Welcome { proof: [u8; PROOF_LEN] },
+    /// Rendezvous to worker: the rendezvous' proof and the worker's rank; the roster follows
+    /// when everyone has joined.
+    Welcome { proof: [u8; PROOF_LEN], rank: u32 },
     /// Either side: refused, and why.
     Reject { reason: String },
     /// Rendezvous to worker: every rank's address, node and pinned certificate.

@@ -62,8 +62,9 @@ const CLOSE_DROPPED: u32 = 3;
 /// How a rank joins a QUIC job.
 #[derive(Clone, Debug)]
 pub struct QuicConfig {
-    /// This rank.
-    pub rank: Rank,
+    /// This rank; `None` asks the rendezvous for one (the lowest free worker rank). Rank 0
+    /// must be given: it hosts the rendezvous.
+    pub rank: Option<Rank>,
     /// Ranks in the job.
     pub world_size: usize,
     /// The node (host) this rank runs on, for hierarchical collectives.
@@ -93,7 +94,12 @@ pub struct QuicConfig {
 impl QuicConfig {
     /// A configuration with bonfire's defaults: listen on all interfaces, 120 s to connect,
     /// 6 s peer timeout, 1 GiB frame limit, 2 lanes.
-    pub fn new(rank: Rank, world_size: usize, master: impl Into<String>, secret: Secret) -> Self {
+    pub fn new(
+        rank: Option<Rank>,
+        world_size: usize,
+        master: impl Into<String>,
+        secret: Secret,
+    ) -> Self {
         QuicConfig {
             rank,
             world_size,
@@ -107,6 +113,19 @@ impl QuicConfig {
             peer_timeout: Duration::from_secs(6),
             max_frame: 1 << 30,
             lanes: 2,
+        }
+    }
+}
+
+/// A rank in error messages, or a process whose rank the rendezvous has not assigned yet.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Who(pub Option<Rank>);
+
+impl std::fmt::Display for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(rank) => write!(f, "{rank}"),
+            None => write!(f, "this process (no rank assigned yet)"),
         }
     }
 }
@@ -131,7 +150,7 @@ pub enum QuicError {
     #[error("{by} refused {me}: {reason}")]
     Refused {
         /// This rank.
-        me: Rank,
+        me: Who,
         /// Who refused, in words.
         by: String,
         /// Their reason.
@@ -141,7 +160,7 @@ pub enum QuicError {
     #[error("{me} refused {peer}: {reason}")]
     Unauthenticated {
         /// This rank.
-        me: Rank,
+        me: Who,
         /// The peer, in words.
         peer: String,
         /// What failed.
@@ -151,7 +170,7 @@ pub enum QuicError {
     #[error("{me} timed out after {waited:?} waiting for {stage}; missing: {missing}")]
     Timeout {
         /// This rank.
-        me: Rank,
+        me: Who,
         /// What was awaited.
         stage: &'static str,
         /// How long.
@@ -163,7 +182,7 @@ pub enum QuicError {
     #[error("{me} could not link to {peer}: {reason}")]
     Link {
         /// This rank.
-        me: Rank,
+        me: Who,
         /// The peer.
         peer: Rank,
         /// Why.
@@ -382,19 +401,20 @@ impl QuicTransport {
     /// Joins the job: rendezvous, authentication, one link to every peer. Must run inside a
     /// Tokio runtime with I/O and time enabled.
     pub async fn connect(config: QuicConfig) -> Result<QuicTransport, QuicError> {
-        let me = config.rank;
-        if config.world_size == 0 || me.index() >= config.world_size {
+        let given = Who(config.rank);
+        if config.world_size == 0 || config.rank.is_some_and(|r| r.index() >= config.world_size) {
             return Err(QuicError::Setup(format!(
-                "{me} is outside a job of {} ranks",
+                "{given} is outside a job of {} ranks",
                 config.world_size
             )));
         }
         if config.lanes == 0 {
             return Err(QuicError::Setup("a link needs at least one lane".into()));
         }
+        let hosting = config.rank == Some(Rank(0));
         let identity = Identity::generate().map_err(QuicError::Setup)?;
         let master = resolve(&config.master).await;
-        let bind = if me.index() == 0 {
+        let bind = if hosting {
             let master = master.as_ref().map_err(|e| QuicError::Setup(e.clone()))?;
             SocketAddr::new(config.bind.ip(), master.port())
         } else {
@@ -402,6 +422,20 @@ impl QuicTransport {
         };
         let ep = endpoint(bind, &identity, config.peer_timeout, config.lanes)
             .map_err(QuicError::Setup)?;
+        let deadline = Instant::now() + config.connect_timeout;
+        // Workers join first and learn their rank; connections that arrive meanwhile wait in the
+        // endpoint until the accept loop starts.
+        let joining = if hosting {
+            None
+        } else {
+            let master = master.map_err(|e| QuicError::Unreachable {
+                master: config.master.clone(),
+                waited: Duration::ZERO,
+                detail: e,
+            })?;
+            Some(join(&ep, &config, master, deadline).await?)
+        };
+        let me = joining.as_ref().map_or(Rank(0), |j| j.rank);
         let world = config.world_size;
         let (roster, _) = watch::channel(None);
         let shared = Arc::new(Shared {
@@ -433,16 +467,9 @@ impl QuicTransport {
             nodes: NodeLayout::single_node(world),
             tasks: Mutex::new(vec![accept_task]),
         };
-        let deadline = Instant::now() + config.connect_timeout;
-        let conns = if me.index() == 0 {
-            host_rendezvous(&shared, &config, &ep, deadline).await?
-        } else {
-            let master = master.map_err(|e| QuicError::Unreachable {
-                master: config.master.clone(),
-                waited: Duration::ZERO,
-                detail: e,
-            })?;
-            join_rendezvous(&shared, &config, &ep, master, deadline).await?
+        let conns = match joining {
+            None => host_rendezvous(&shared, &config, &ep, deadline).await?,
+            Some(joining) => finish_join(&shared, &config, &ep, joining, deadline).await?,
         };
         let (conns, nodes) = conns;
         transport.nodes = nodes;
@@ -452,7 +479,7 @@ impl QuicTransport {
                     start_link(&shared, Rank(peer as u32), conn)
                         .await
                         .map_err(|reason| QuicError::Link {
-                            me,
+                            me: Who(Some(me)),
                             peer: Rank(peer as u32),
                             reason,
                         })?;
@@ -599,7 +626,7 @@ async fn host_rendezvous(
     ep: &Endpoint,
     deadline: Instant,
 ) -> Result<Links, QuicError> {
-    let me = shared.me;
+    let me = Who(Some(shared.me));
     loop {
         let notified = shared.changed.notified();
         let missing: Vec<usize> = lock(&shared.joined)
@@ -681,15 +708,22 @@ async fn host_rendezvous(
     Ok((conns, layout(&peers)))
 }
 
-/// Workers: join through rank 0, then link to every other worker.
-async fn join_rendezvous(
-    shared: &Arc<Shared>,
-    config: &QuicConfig,
+/// A worker that rank 0 has welcomed, waiting for the roster.
+struct Joining {
+    rank: Rank,
+    conn: Connection,
+    recv: RecvStream,
+    by: String,
+}
+
+/// Workers: join through rank 0 and learn (or confirm) this process's rank.
+async fn join(
     ep: &Endpoint,
+    config: &QuicConfig,
     master: SocketAddr,
     deadline: Instant,
-) -> Result<Links, QuicError> {
-    let me = shared.me;
+) -> Result<Joining, QuicError> {
+    let me = Who(config.rank);
     let started = Instant::now();
     let by = format!("the rendezvous at {} (rank 0)", config.master);
     let conn = dial(ep, master, deadline)
@@ -709,21 +743,25 @@ async fn join_rendezvous(
     let port = ep.local_addr().map(|a| a.port()).unwrap_or(0);
     let hello = Control::Hello {
         protocol: PROTOCOL,
-        job: shared.job,
-        rank: me.0,
+        job: JobKey {
+            world_size: config.world_size as u32,
+            round: config.round,
+        },
+        rank: config.rank.map(|r| r.0),
         node: config.node,
         port,
         advertise: config.advertise,
-        proof: shared.secret.proof(ROLE_CLIENT, &ex),
+        proof: config.secret.proof(ROLE_CLIENT, &ex),
     };
     control::write(&mut send, &hello).await.map_err(fail)?;
+    let _ = send.finish();
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
         .map_err(|_| fail("rank 0 accepted the connection but never answered".into()))?
         .map_err(|e| fail(format!("rank 0 closed the rendezvous: {e}")))?;
     match reply {
-        Control::Welcome { proof } => {
-            if !shared.secret.verify(ROLE_SERVER, &ex, &proof) {
+        Control::Welcome { proof, rank } => {
+            if !config.secret.verify(ROLE_SERVER, &ex, &proof) {
                 conn.close(VarInt::from_u32(CLOSE_REFUSED), b"wrong job secret");
                 return Err(QuicError::Unauthenticated {
                     me,
@@ -732,10 +770,41 @@ async fn join_rendezvous(
                         .into(),
                 });
             }
+            let valid = rank != 0
+                && (rank as usize) < config.world_size
+                && config.rank.is_none_or(|r| r.0 == rank);
+            if !valid {
+                return Err(fail(format!("rank 0 assigned an invalid rank {rank}")));
+            }
+            Ok(Joining {
+                rank: Rank(rank),
+                conn,
+                recv,
+                by,
+            })
         }
-        Control::Reject { reason } => return Err(QuicError::Refused { me, by, reason }),
-        other => return Err(fail(format!("unexpected {} message", other.name()))),
+        Control::Reject { reason } => Err(QuicError::Refused { me, by, reason }),
+        other => Err(fail(format!("unexpected {} message", other.name()))),
     }
+}
+
+/// Workers: take the roster from rank 0, then link to every other worker.
+async fn finish_join(
+    shared: &Arc<Shared>,
+    config: &QuicConfig,
+    ep: &Endpoint,
+    joining: Joining,
+    deadline: Instant,
+) -> Result<Links, QuicError> {
+    let me = Who(Some(shared.me));
+    let Joining {
+        conn, mut recv, by, ..
+    } = joining;
+    let fail = |reason: String| QuicError::Link {
+        me,
+        peer: Rank(0),
+        reason,
+    };
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
         .map_err(|_| QuicError::Timeout {
@@ -766,7 +835,7 @@ async fn join_rendezvous(
     conns[0] = Some(conn);
     // Dial every lower worker, concurrently.
     let mut dials = tokio::task::JoinSet::new();
-    for j in 1..me.index() {
+    for j in 1..shared.me.index() {
         let (ep, shared, entry) = (ep.clone(), shared.clone(), peers[j].clone());
         dials.spawn(async move {
             let r = dial_peer(&ep, &shared, &entry, deadline).await;
@@ -794,7 +863,7 @@ async fn join_rendezvous(
         let notified = shared.changed.notified();
         let missing: Vec<usize> = {
             let accepted = lock(&shared.accepted);
-            (me.index() + 1..shared.world)
+            (shared.me.index() + 1..shared.world)
                 .filter(|&r| accepted[r].is_none())
                 .collect()
         };
@@ -814,7 +883,7 @@ async fn join_rendezvous(
         }
     }
     let mut accepted = lock(&shared.accepted);
-    for r in me.index() + 1..shared.world {
+    for r in shared.me.index() + 1..shared.world {
         conns[r] = accepted[r].take();
     }
     Ok((conns, layout(&peers)))
@@ -932,42 +1001,41 @@ async fn handle_incoming(incoming: quinn::Incoming, shared: &Arc<Shared>) -> Res
                 )
                 .await;
             }
-            if let Err(reason) = check_job(shared, protocol, job, rank) {
+            if let Err(reason) = check_hello(shared, protocol, job, rank, &ex, &proof) {
                 return refuse(&conn, send, reason).await;
             }
-            if !shared.secret.verify(ROLE_CLIENT, &ex, &proof) {
-                return refuse(&conn, send, format!(
-                    "wrong job secret: the process claiming rank {rank} does not hold the secret of this job"
-                ))
-                .await;
-            }
             if shared.master_done.load(Ordering::Acquire) {
-                return refuse(
-                    &conn,
-                    send,
-                    format!("rank {rank} arrived after the job had started"),
-                )
-                .await;
+                return refuse(&conn, send, "the job has already started".into()).await;
             }
             let Some(cert) = peer_cert(&conn) else {
                 return refuse(&conn, send, "no client certificate".into()).await;
             };
+            // Reserve the rank (or assign the lowest free one) first, so a duplicate cannot slip
+            // in while the welcome is sent.
+            let assigned: Result<u32, String> = {
+                let mut reserved = lock(&shared.reserved);
+                match rank {
+                    Some(r) if reserved[r as usize] => {
+                        Err(format!("rank {r} has already joined this job"))
+                    }
+                    Some(r) => Ok(r),
+                    None => (1..shared.world)
+                        .find(|&r| !reserved[r])
+                        .map(|r| r as u32)
+                        .ok_or_else(|| {
+                            format!("the job is full: all {} ranks have joined", shared.world)
+                        }),
+                }
+                .inspect(|&r| reserved[r as usize] = true)
+            };
+            let rank = match assigned {
+                Ok(r) => r,
+                Err(reason) => return refuse(&conn, send, reason).await,
+            };
             let reply = Control::Welcome {
                 proof: shared.secret.proof(ROLE_SERVER, &ex),
+                rank,
             };
-            // Reserve the rank first, so a duplicate cannot slip in while the welcome is sent.
-            let duplicate = {
-                let mut reserved = lock(&shared.reserved);
-                std::mem::replace(&mut reserved[rank as usize], true)
-            };
-            if duplicate {
-                return refuse(
-                    &conn,
-                    send,
-                    format!("rank {rank} has already joined this job"),
-                )
-                .await;
-            }
             if let Err(e) = control::write(&mut send, &reply).await {
                 lock(&shared.reserved)[rank as usize] = false;
                 return Err(e);
@@ -994,14 +1062,8 @@ async fn handle_incoming(incoming: quinn::Incoming, shared: &Arc<Shared>) -> Res
             rank,
             proof,
         } => {
-            if let Err(reason) = check_job(shared, protocol, job, rank) {
+            if let Err(reason) = check_hello(shared, protocol, job, Some(rank), &ex, &proof) {
                 return refuse(&conn, send, reason).await;
-            }
-            if !shared.secret.verify(ROLE_CLIENT, &ex, &proof) {
-                return refuse(&conn, send, format!(
-                    "wrong job secret: the process claiming rank {rank} does not hold the secret of this job"
-                ))
-                .await;
             }
             if rank as usize <= me.index() {
                 return refuse(
@@ -1055,7 +1117,19 @@ async fn refuse(conn: &Connection, mut send: SendStream, reason: String) -> Resu
     Err(reason)
 }
 
-fn check_job(shared: &Shared, protocol: u32, job: JobKey, rank: u32) -> Result<(), String> {
+/// Checks a hello's protocol, job, rank and proof of the secret.
+fn check_hello(
+    shared: &Shared,
+    protocol: u32,
+    job: JobKey,
+    rank: Option<u32>,
+    exporter: &[u8],
+    proof: &[u8],
+) -> Result<(), String> {
+    let claimed = match rank {
+        Some(r) => format!("the process claiming rank {r}"),
+        None => "a process asking for a rank".to_string(),
+    };
     if protocol != PROTOCOL {
         return Err(format!(
             "protocol version {protocol} against this rank's {PROTOCOL}: run the same bonfire version on every rank"
@@ -1063,20 +1137,27 @@ fn check_job(shared: &Shared, protocol: u32, job: JobKey, rank: u32) -> Result<(
     }
     if job.world_size != shared.job.world_size {
         return Err(format!(
-            "world size mismatch: the process claiming rank {rank} expects {} ranks, this job has {}",
+            "world size mismatch: {claimed} expects {} ranks, this job has {}",
             job.world_size, shared.job.world_size
         ));
     }
     if job.round != shared.job.round {
         return Err(format!(
-            "restart round mismatch: the process claiming rank {rank} is in round {}, this job is in round {}",
+            "restart round mismatch: {claimed} is in round {}, this job is in round {}",
             job.round, shared.job.round
         ));
     }
-    if rank == 0 || rank as usize >= shared.world {
+    if let Some(rank) = rank
+        && (rank == 0 || rank as usize >= shared.world)
+    {
         return Err(format!(
             "rank {rank} is not a worker rank of a job of {} ranks",
             shared.world
+        ));
+    }
+    if !shared.secret.verify(ROLE_CLIENT, exporter, proof) {
+        return Err(format!(
+            "wrong job secret: {claimed} does not hold the secret of this job"
         ));
     }
     Ok(())

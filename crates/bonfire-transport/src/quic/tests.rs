@@ -19,7 +19,7 @@ fn master() -> String {
 }
 
 fn config(rank: u32, world: usize, master: &str, secret: Secret) -> QuicConfig {
-    let mut c = QuicConfig::new(Rank(rank), world, master, secret);
+    let mut c = QuicConfig::new(Some(Rank(rank)), world, master, secret);
     c.bind = "127.0.0.1:0".parse().unwrap();
     c.node = rank / 2;
     c.connect_timeout = Duration::from_secs(20);
@@ -160,7 +160,7 @@ async fn strangers_and_garbage_do_not_stop_the_job() {
                 world_size: 2,
                 round: 0,
             },
-            rank: 1,
+            rank: Some(1),
             node: 0,
             port: 1,
             advertise: None,
@@ -223,5 +223,65 @@ async fn a_malformed_frame_is_an_error_naming_its_sender() {
     while ranks[1].mailbox().lost_reason(Rank(0)).is_none() {
         assert!(Instant::now() < deadline, "the sender was not told");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_without_a_rank_are_assigned_distinct_ones() {
+    let m = master();
+    let s = secret("job");
+    let mut handles = vec![tokio::spawn(QuicTransport::connect(config(
+        0,
+        4,
+        &m,
+        s.clone(),
+    )))];
+    for _ in 0..3 {
+        let mut c = config(0, 4, &m, s.clone());
+        c.rank = None;
+        handles.push(tokio::spawn(QuicTransport::connect(c)));
+    }
+    let mut ranks = Vec::new();
+    let mut ts = Vec::new();
+    for h in handles {
+        let t = h.await.unwrap().unwrap();
+        ranks.push(t.rank().0);
+        ts.push(t);
+    }
+    ranks.sort();
+    assert_eq!(ranks, vec![0, 1, 2, 3]);
+    // Every pair is linked: each rank reaches the next.
+    for t in &ts {
+        let to = Rank((t.rank().0 + 1) % 4);
+        let tag = Tag {
+            context: 5,
+            seq: u64::from(t.rank().0),
+            step: 0,
+        };
+        t.send(to, tag, Bytes::from_static(b"x")).await.unwrap();
+    }
+    for t in &ts {
+        let from = (t.rank().0 + 3) % 4;
+        let tag = Tag {
+            context: 5,
+            seq: u64::from(from),
+            step: 0,
+        };
+        assert_eq!(take(t, from, tag).await, &b"x"[..]);
+    }
+    // A fifth process finds the job full.
+    let mut c = config(0, 4, &m, s);
+    c.rank = None;
+    c.connect_timeout = Duration::from_secs(5);
+    let err = QuicTransport::connect(c)
+        .await
+        .err()
+        .expect("the job is full");
+    assert!(
+        err.to_string().contains("has already started") || err.to_string().contains("full"),
+        "{err}"
+    );
+    for t in &ts {
+        t.shutdown().await;
     }
 }

@@ -15,6 +15,10 @@ import os
 import socket
 import sys
 import time
+import warnings
+
+# torch warns on import when NumPy is absent; the benchmark does not use NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
 def parse_size(text):

@@ -83,15 +83,43 @@ fn spawn(
     dir: &Path,
     mode: &str,
 ) -> Child {
-    let mut cmd = Command::new(CHECK);
+    spawn_at(None, "127.0.0.1", rank, world, port, secret, dir, mode)
+}
+
+/// A rank process in network namespace `netns` (if any), reaching rank 0 at `host:port`; it
+/// listens on 127.0.0.1, or on every interface of its namespace.
+#[allow(clippy::too_many_arguments)]
+fn spawn_at(
+    netns: Option<&str>,
+    host: &str,
+    rank: Option<usize>,
+    world: usize,
+    port: u16,
+    secret: &str,
+    dir: &Path,
+    mode: &str,
+) -> Child {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, CHECK]);
+            c
+        }
+        None => Command::new(CHECK),
+    };
     if let Some(rank) = rank {
         cmd.env("RANK", rank.to_string());
     }
+    let bind = if netns.is_some() {
+        "0.0.0.0:0"
+    } else {
+        "127.0.0.1:0"
+    };
     cmd.arg(mode)
         .env("WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_ADDR", host)
         .env("MASTER_PORT", port.to_string())
-        .env("BONFIRE_BIND_ADDR", "127.0.0.1:0")
+        .env("BONFIRE_BIND_ADDR", bind)
         .env("BONFIRE_SECRET", secret)
         .env("BONFIRE_CONNECT_TIMEOUT", "5")
         .env("BONFIRE_CHECK_OUT", dir)
@@ -163,7 +191,18 @@ type Queue = Arc<(
 
 impl Relay {
     fn start(upstream: SocketAddr, loss: f64, delay: Duration, seed: u64) -> Relay {
-        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap());
+        Self::start_on("127.0.0.1".parse().unwrap(), upstream, loss, delay, seed)
+    }
+
+    /// A relay listening on `front_ip`.
+    fn start_on(
+        front_ip: std::net::IpAddr,
+        upstream: SocketAddr,
+        loss: f64,
+        delay: Duration,
+        seed: u64,
+    ) -> Relay {
+        let front = Arc::new(UdpSocket::bind(SocketAddr::new(front_ip, 0)).unwrap());
         front
             .set_read_timeout(Some(Duration::from_millis(50)))
             .unwrap();
@@ -225,7 +264,7 @@ impl Relay {
                     let back = match clients.iter().find(|(c, _)| *c == from) {
                         Some((_, s)) => s.clone(),
                         None => {
-                            let s = Arc::new(UdpSocket::bind("127.0.0.1:0").unwrap());
+                            let s = Arc::new(UdpSocket::bind("0.0.0.0:0").unwrap());
                             s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
                             let (s2, front2, stop2, enqueue2) =
                                 (s.clone(), front.clone(), stop.clone(), enqueue.clone());
@@ -306,5 +345,128 @@ fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
     for r in 0..2 {
         assert_eq!(result(&lossy, r), result(&clean, r), "rank {r}");
         assert!(result(&clean, r).starts_with("digest="));
+    }
+}
+
+/// Two network namespaces, each joined to this one by a veth pair.
+struct Namespaces {
+    names: [String; 2],
+}
+
+impl Namespaces {
+    /// `None` where the machine does not allow it (not root, no `ip`, no netns support).
+    fn create() -> Option<Namespaces> {
+        let tag = std::process::id() % 100_000;
+        let names = [format!("bf{tag}a"), format!("bf{tag}b")];
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        if !ip(&["netns", "add", &names[0]]) {
+            return None;
+        }
+        let ns = Namespaces { names };
+        for (i, name) in ns.names.iter().enumerate() {
+            let (inner, outer) = (format!("{name}i"), format!("{name}o"));
+            let net = 71 + i;
+            let ok = (i == 0 || ip(&["netns", "add", name]))
+                && ip(&[
+                    "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+                ])
+                && ip(&["link", "set", &inner, "netns", name])
+                && ip(&["addr", "add", &format!("10.{net}.0.1/24"), "dev", &outer])
+                && ip(&["link", "set", &outer, "up"])
+                && ip(&[
+                    "-n",
+                    name,
+                    "addr",
+                    "add",
+                    &format!("10.{net}.0.2/24"),
+                    "dev",
+                    &inner,
+                ])
+                && ip(&["-n", name, "link", "set", &inner, "up"])
+                && ip(&["-n", name, "link", "set", "lo", "up"]);
+            if !ok {
+                return None;
+            }
+        }
+        Some(ns)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in &self.names {
+            // Deleting a namespace deletes its veth end, and with it the peer outside.
+            let _ = Command::new("ip").args(["netns", "del", name]).output();
+        }
+    }
+}
+
+#[test]
+fn across_two_network_namespaces_through_a_lossy_relay() {
+    let Some(ns) = Namespaces::create() else {
+        eprintln!("skipped: this machine does not allow network namespaces (needs root and `ip`)");
+        return;
+    };
+    // Rank 0 lives in namespace a (10.71.0.2), rank 1 in namespace b (10.72.0.2); the only path
+    // between them is the relay here, which drops 1% and delays 20 ms each way.
+    let secret = "netns-relay-secret-0123456789";
+    let dir = out_dir("netns");
+    let port = free_local_port().unwrap();
+    let relay = Relay::start_on(
+        "10.72.0.1".parse().unwrap(),
+        SocketAddr::from(([10, 71, 0, 2], port)),
+        0.01,
+        Duration::from_millis(20),
+        9,
+    );
+    let a = spawn_at(
+        Some(&ns.names[0]),
+        "10.71.0.2",
+        Some(0),
+        2,
+        port,
+        secret,
+        &dir,
+        "digest",
+    );
+    let b = spawn_at(
+        Some(&ns.names[1]),
+        "10.72.0.1",
+        Some(1),
+        2,
+        relay.addr.port(),
+        secret,
+        &dir,
+        "digest",
+    );
+    assert!(
+        wait(a, Duration::from_secs(120)).success(),
+        "{}",
+        result(&dir, 0)
+    );
+    assert!(
+        wait(b, Duration::from_secs(120)).success(),
+        "{}",
+        result(&dir, 1)
+    );
+    let (dropped, total) = *relay.dropped.lock().unwrap();
+    assert!(
+        dropped > 0,
+        "the relay dropped nothing of {total} datagrams"
+    );
+    // The same bits as a clean run on loopback (same inputs).
+    let clean = out_dir("netns-clean");
+    let port = free_local_port().unwrap();
+    let c0 = spawn_rank(0, 2, port, secret, &clean, "digest");
+    let c1 = spawn_rank(1, 2, port, secret, &clean, "digest");
+    assert!(wait(c0, Duration::from_secs(60)).success());
+    assert!(wait(c1, Duration::from_secs(60)).success());
+    for r in 0..2 {
+        assert_eq!(result(&dir, r), result(&clean, r), "rank {r}");
     }
 }

@@ -1,0 +1,368 @@
+//! Fused gradient-reduction kernels, written once in CubeCL and generic over the runtime, so
+//! the same code runs on CUDA and on wgpu (Vulkan, Metal, DX12, and Mesa's software Vulkan in CI).
+//!
+//! Data-parallel training spends its communication phase moving gradients between buffers:
+//! copy every parameter's gradient into a flat bucket (scaled by 1/world, maybe cast to bf16 for
+//! the wire), add the buckets of several ranks, copy the result back. Written as Burn tensor ops
+//! that is a chain of `cat`, `mul`, `cast`, `add` and `slice` launches, each reading and writing
+//! the whole bucket. Here each step is **one launch that reads its inputs once and writes its
+//! output once**:
+//!
+//! - [`pack`]: many gradient buffers of different lengths into one bucket, with a scale and a cast;
+//!   [`pack_with_feedback`] also keeps what the cast lost in a residual and adds it back next
+//!   time, so bf16 or f16 communication does not bias training;
+//! - [`reduce`]: `out = scale * (a_1 + ... + a_k)` over k equal buffers, accumulated in f32;
+//!   [`accumulate`]: the in-place `acc = scale * (acc + chunk)` of the ring's reduce step;
+//! - [`unpack`]: the bucket back into the gradient buffers, with the cast back;
+//! - [`copy_to_device`] and [`LocalRing`]: copies between the devices of one node and a ring
+//!   all-reduce across them.
+//!
+//! Every kernel has a plain Rust `*_reference` computing the same thing in the same order of
+//! operations; the tests compare the two on fresh random inputs.
+//!
+//! No network and no Burn types here: buffers are CubeCL handles with a length
+//! ([`DeviceBuffer`]).
+
+mod kernels;
+mod local;
+pub mod reference;
+
+use std::marker::PhantomData;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+pub use cubecl;
+pub use local::{LocalRing, copy_to_device};
+
+/// The element types gradients travel in: f32, f16 and bf16.
+pub trait GradElement: Float + CubeElement + Copy + Send + Sync + 'static {
+    /// This value as f32 (exact).
+    fn widen(self) -> f32;
+    /// The value of this type nearest to `x` (round to nearest, ties to even).
+    fn narrow(x: f32) -> Self;
+}
+
+impl GradElement for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+    fn narrow(x: f32) -> Self {
+        x
+    }
+}
+
+impl GradElement for half::f16 {
+    fn widen(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn narrow(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+impl GradElement for half::bf16 {
+    fn widen(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn narrow(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+
+/// Whether the device of `client` can store and compute with `T` (f32 always; f16 and bf16
+/// depend on the device: most GPUs have f16, bf16 needs recent hardware and drivers).
+pub fn supports<R: Runtime, T: GradElement>(client: &ComputeClient<R>) -> bool {
+    use cubecl::ir::features::TypeUsage;
+    let uses = T::supported_uses(client);
+    uses.contains(TypeUsage::Buffer) && uses.contains(TypeUsage::Conversion)
+}
+
+/// A buffer of `len` elements of `T` on the device of a CubeCL client.
+pub struct DeviceBuffer<R: Runtime, T> {
+    handle: Handle,
+    len: usize,
+    _runtime: PhantomData<(R, T)>,
+}
+
+impl<R: Runtime, T> Clone for DeviceBuffer<R, T> {
+    fn clone(&self) -> Self {
+        DeviceBuffer {
+            handle: self.handle.clone(),
+            len: self.len,
+            _runtime: PhantomData,
+        }
+    }
+}
+
+impl<R: Runtime, T: GradElement> DeviceBuffer<R, T> {
+    /// Copies `data` to the device.
+    pub fn upload(client: &ComputeClient<R>, data: &[T]) -> Self {
+        // A zero-sized allocation is not portable; empty buffers hold one unused element.
+        let bytes = if data.is_empty() {
+            T::as_bytes(&[T::narrow(0.0)]).to_vec()
+        } else {
+            T::as_bytes(data).to_vec()
+        };
+        DeviceBuffer {
+            handle: client.create_from_slice(&bytes),
+            len: data.len(),
+            _runtime: PhantomData,
+        }
+    }
+
+    /// A buffer of `len` elements, every one set to `fill`.
+    pub fn filled(client: &ComputeClient<R>, len: usize, fill: T) -> Self {
+        let mut b = Self::upload(client, &vec![fill; len.max(1)]);
+        b.len = len;
+        b
+    }
+
+    /// Copies the buffer back to the host (waits for the work queued on it).
+    pub fn download(&self, client: &ComputeClient<R>) -> Result<Vec<T>, KernelError> {
+        let bytes = client
+            .read_one(self.handle.clone())
+            .map_err(|e| KernelError::Device(format!("{e:?}")))?;
+        Ok(T::from_bytes(&bytes)[..self.len].to_vec())
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The CubeCL handle, for launching other kernels on it.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    pub(crate) fn from_handle(handle: Handle, len: usize) -> Self {
+        DeviceBuffer {
+            handle,
+            len,
+            _runtime: PhantomData,
+        }
+    }
+
+    pub(crate) fn arg(&self) -> ArrayArg<R> {
+        // SAFETY: the handle holds at least `len` elements of `T` (it was made by `upload` or
+        // `filled` with that length).
+        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
+    }
+}
+
+/// A request the kernels cannot carry out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// Buffer lengths do not fit together.
+    #[error("{0}")]
+    Shape(String),
+    /// The device failed.
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+fn offsets<L: Fn(usize) -> usize>(
+    n: usize,
+    len: L,
+    total: usize,
+    what: &str,
+) -> Result<Vec<u32>, KernelError> {
+    let mut offsets = Vec::with_capacity(n + 1);
+    let mut at = 0usize;
+    offsets.push(0);
+    for j in 0..n {
+        at += len(j);
+        offsets.push(u32::try_from(at).map_err(|_| {
+            KernelError::Shape(format!("{what}: buckets are limited to 2^32 - 1 elements"))
+        })?);
+    }
+    if at != total {
+        return Err(KernelError::Shape(format!(
+            "{what}: the buffers hold {at} elements, the bucket {total}"
+        )));
+    }
+    Ok(offsets)
+}
+
+pub(crate) fn launch_shape<R: Runtime>(
+    client: &ComputeClient<R>,
+    n: usize,
+) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(client, n);
+    (cubecl::calculate_cube_count_elemwise(client, n, dim), dim)
+}
+
+/// Copies `inputs` one after another into `bucket`, each element scaled by `scale` and cast to
+/// the bucket's type, in one launch.
+pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
+    client: &ComputeClient<R>,
+    inputs: &[&DeviceBuffer<R, F>],
+    bucket: &DeviceBuffer<R, O>,
+    scale: f32,
+) -> Result<(), KernelError> {
+    let inputs: Vec<&DeviceBuffer<R, F>> =
+        inputs.iter().copied().filter(|b| !b.is_empty()).collect();
+    let offs = offsets(inputs.len(), |j| inputs[j].len, bucket.len, "pack")?;
+    if bucket.is_empty() {
+        return Ok(());
+    }
+    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
+    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = launch_shape(client, bucket.len);
+    kernels::pack_kernel::launch::<F, O, R>(
+        client,
+        count,
+        dim,
+        seq,
+        offs.arg_u32(),
+        bucket.arg(),
+        scale,
+    );
+    Ok(())
+}
+
+/// [`pack`] with error feedback: adds `residual` (f32, the bucket's length) before the cast
+/// and stores back what the cast lost.
+pub fn pack_with_feedback<R: Runtime, F: GradElement, O: GradElement>(
+    client: &ComputeClient<R>,
+    inputs: &[&DeviceBuffer<R, F>],
+    bucket: &DeviceBuffer<R, O>,
+    residual: &DeviceBuffer<R, f32>,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if residual.len != bucket.len {
+        return Err(KernelError::Shape(format!(
+            "pack_with_feedback: the residual holds {} elements, the bucket {}",
+            residual.len, bucket.len
+        )));
+    }
+    let inputs: Vec<&DeviceBuffer<R, F>> =
+        inputs.iter().copied().filter(|b| !b.is_empty()).collect();
+    let offs = offsets(
+        inputs.len(),
+        |j| inputs[j].len,
+        bucket.len,
+        "pack_with_feedback",
+    )?;
+    if bucket.is_empty() {
+        return Ok(());
+    }
+    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
+    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = launch_shape(client, bucket.len);
+    kernels::pack_feedback_kernel::launch::<F, O, R>(
+        client,
+        count,
+        dim,
+        seq,
+        offs.arg_u32(),
+        bucket.arg(),
+        residual.arg(),
+        scale,
+    );
+    Ok(())
+}
+
+/// Copies `bucket` back into `outputs` (their lengths, in order), each element scaled and cast
+/// to the outputs' type, in one launch.
+pub fn unpack<R: Runtime, F: GradElement, O: GradElement>(
+    client: &ComputeClient<R>,
+    bucket: &DeviceBuffer<R, F>,
+    outputs: &[&DeviceBuffer<R, O>],
+    scale: f32,
+) -> Result<(), KernelError> {
+    let outputs: Vec<&DeviceBuffer<R, O>> =
+        outputs.iter().copied().filter(|b| !b.is_empty()).collect();
+    let offs = offsets(outputs.len(), |j| outputs[j].len, bucket.len, "unpack")?;
+    if bucket.is_empty() {
+        return Ok(());
+    }
+    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
+    let seq: SequenceArg<R, Array<O>> = outputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = launch_shape(client, bucket.len);
+    kernels::unpack_kernel::launch::<F, O, R>(
+        client,
+        count,
+        dim,
+        bucket.arg(),
+        offs.arg_u32(),
+        seq,
+        scale,
+    );
+    Ok(())
+}
+
+/// `out = scale * (inputs[0] + inputs[1] + ...)` elementwise, summed in f32 in that order, in
+/// one launch.
+pub fn reduce<R: Runtime, F: GradElement, O: GradElement>(
+    client: &ComputeClient<R>,
+    inputs: &[&DeviceBuffer<R, F>],
+    out: &DeviceBuffer<R, O>,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if inputs.is_empty() {
+        return Err(KernelError::Shape("reduce: no inputs".into()));
+    }
+    if let Some(b) = inputs.iter().find(|b| b.len != out.len) {
+        return Err(KernelError::Shape(format!(
+            "reduce: an input holds {} elements, the output {}",
+            b.len, out.len
+        )));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = launch_shape(client, out.len);
+    kernels::reduce_kernel::launch::<F, O, R>(client, count, dim, seq, out.arg(), scale);
+    Ok(())
+}
+
+/// In place: `acc = scale * (acc + chunk)`, computed in f32 (the ring's reduce step).
+pub fn accumulate<R: Runtime, A: GradElement, F: GradElement>(
+    client: &ComputeClient<R>,
+    acc: &DeviceBuffer<R, A>,
+    chunk: &DeviceBuffer<R, F>,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if acc.len != chunk.len {
+        return Err(KernelError::Shape(format!(
+            "accumulate: the accumulator holds {} elements, the chunk {}",
+            acc.len, chunk.len
+        )));
+    }
+    if acc.is_empty() {
+        return Ok(());
+    }
+    let (count, dim) = launch_shape(client, acc.len);
+    kernels::accumulate_kernel::launch::<A, F, R>(
+        client,
+        count,
+        dim,
+        acc.arg(),
+        chunk.arg(),
+        scale,
+    );
+    Ok(())
+}
+
+impl<R: Runtime> DeviceBuffer<R, u32> {
+    fn upload_u32(client: &ComputeClient<R>, data: &[u32]) -> Self {
+        DeviceBuffer {
+            handle: client.create_from_slice(u32::as_bytes(data)),
+            len: data.len(),
+            _runtime: PhantomData,
+        }
+    }
+
+    fn arg_u32(&self) -> ArrayArg<R> {
+        // SAFETY: made by `upload_u32` with `len` elements.
+        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
+    }
+}

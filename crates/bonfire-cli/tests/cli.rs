@@ -283,3 +283,37 @@ fn a_rank_that_cannot_reach_its_master_fails_with_a_message() {
     let out = orphan_rank(None);
     assert_clean_failure(&out, 1, "has no secret");
 }
+
+#[test]
+fn the_kernel_bench_compares_fused_kernels_with_burn_ops() {
+    let out = bonfire(&[
+        "bench",
+        "kernels",
+        "--sizes",
+        "64K",
+        "--iters",
+        "2",
+        "--buffers",
+        "3",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    for op in [
+        "device copy (roofline)",
+        "pack + scale (f32)",
+        "reduce 2 buckets, mean",
+        "unpack + scale",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(op))
+            .unwrap_or_else(|| panic!("no `{op}` row: {stdout}"));
+        let speed: f64 = line
+            .split_whitespace()
+            .rev()
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no GB/s in `{line}`"));
+        assert!(speed > 0.0, "{line}");
+    }
+}

@@ -1,28 +1,42 @@
-//! The kernels. One unit per element of the bucket (pack, unpack) or of the output (reduce),
-//! arithmetic in f32 whatever the storage type, one fixed order of operations so that every
-//! rank computes the same bits.
+//! The kernels. Arithmetic in f32 whatever the storage type, one fixed order of operations so
+//! that every rank computes the same bits, and vectors of `N` elements per unit (4 where every
+//! length allows it).
+//!
+//! Pack and unpack cover many buffers in one launch with a *tile table*: every cube (workgroup)
+//! works on one tile of one buffer, given by four u32 per cube: the buffer's index, the tile's
+//! first vector in that buffer, its first vector in the bucket, and how many vectors it holds.
+//! The choice of buffer is the same for every unit of a cube, so the branch that picks it never
+//! diverges, and no unit reads a buffer it does not copy.
 
 use cubecl::prelude::*;
 
-/// `bucket[offsets[j] + i] = O(scale * f32(inputs[j][i]))` for every input `j`.
+/// Fields per tile in the tile table.
+pub(crate) const TILE_FIELDS: usize = 4;
+
+/// `bucket[tile.out + u] = O(scale * f32(inputs[tile.input][tile.start + u]))`.
 #[cube(launch)]
-pub(crate) fn pack_kernel<F: Float, O: Float>(
-    inputs: &Sequence<Array<F>>,
-    offsets: &Array<u32>,
-    bucket: &mut Array<O>,
+pub(crate) fn pack_kernel<F: Float, O: Float, N: Size>(
+    inputs: &Sequence<Array<Vector<F, N>>>,
+    tiles: &Array<u32>,
+    bucket: &mut Array<Vector<O, N>>,
+    num_tiles: u32,
     scale: f32,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos < bucket.len() {
-        let n = comptime!(inputs.len());
-        #[unroll]
-        for j in 0..n {
-            let input = &inputs[j];
-            let start = usize::cast_from(offsets[j]);
-            let end = usize::cast_from(offsets[j + 1]);
-            if pos >= start && pos < end {
-                let x = f32::cast_from(input[pos - start]);
-                bucket[pos] = O::cast_from(x * scale);
+    let tile = CUBE_POS;
+    if tile < usize::cast_from(num_tiles) {
+        let base = tile * 4;
+        let which = tiles[base];
+        let unit = usize::cast_from(UNIT_POS);
+        if unit < usize::cast_from(tiles[base + 3]) {
+            let src = usize::cast_from(tiles[base + 1]) + unit;
+            let dst = usize::cast_from(tiles[base + 2]) + unit;
+            let k = comptime!(inputs.len());
+            #[unroll]
+            for j in 0..k {
+                if which == u32::cast_from(j) {
+                    let x = Vector::<f32, N>::cast_from(inputs[j][src]);
+                    bucket[dst] = Vector::<O, N>::cast_from(x * Vector::new(scale));
+                }
             }
         }
     }
@@ -31,50 +45,62 @@ pub(crate) fn pack_kernel<F: Float, O: Float>(
 /// [`pack_kernel`] with error feedback: `v = scale * f32(input) + residual`, the bucket gets
 /// `O(v)` and the residual keeps what the cast lost, `v - f32(O(v))`.
 #[cube(launch)]
-pub(crate) fn pack_feedback_kernel<F: Float, O: Float>(
-    inputs: &Sequence<Array<F>>,
-    offsets: &Array<u32>,
-    bucket: &mut Array<O>,
-    residual: &mut Array<f32>,
+pub(crate) fn pack_feedback_kernel<F: Float, O: Float, N: Size>(
+    inputs: &Sequence<Array<Vector<F, N>>>,
+    tiles: &Array<u32>,
+    bucket: &mut Array<Vector<O, N>>,
+    residual: &mut Array<Vector<f32, N>>,
+    num_tiles: u32,
     scale: f32,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos < bucket.len() {
-        let n = comptime!(inputs.len());
-        #[unroll]
-        for j in 0..n {
-            let input = &inputs[j];
-            let start = usize::cast_from(offsets[j]);
-            let end = usize::cast_from(offsets[j + 1]);
-            if pos >= start && pos < end {
-                let v = f32::cast_from(input[pos - start]) * scale + residual[pos];
-                let q = O::cast_from(v);
-                bucket[pos] = q;
-                residual[pos] = v - f32::cast_from(q);
+    let tile = CUBE_POS;
+    if tile < usize::cast_from(num_tiles) {
+        let base = tile * 4;
+        let which = tiles[base];
+        let unit = usize::cast_from(UNIT_POS);
+        if unit < usize::cast_from(tiles[base + 3]) {
+            let src = usize::cast_from(tiles[base + 1]) + unit;
+            let dst = usize::cast_from(tiles[base + 2]) + unit;
+            let k = comptime!(inputs.len());
+            #[unroll]
+            for j in 0..k {
+                if which == u32::cast_from(j) {
+                    let v = Vector::<f32, N>::cast_from(inputs[j][src]) * Vector::new(scale)
+                        + residual[dst];
+                    let q = Vector::<O, N>::cast_from(v);
+                    bucket[dst] = q;
+                    residual[dst] = v - Vector::<f32, N>::cast_from(q);
+                }
             }
         }
     }
 }
 
-/// `outputs[j][i] = O(scale * f32(bucket[offsets[j] + i]))` for every output `j`.
+/// `outputs[tile.output][tile.start + u] = O(scale * f32(bucket[tile.out + u]))`.
 #[cube(launch)]
-pub(crate) fn unpack_kernel<F: Float, O: Float>(
-    bucket: &Array<F>,
-    offsets: &Array<u32>,
-    outputs: &mut Sequence<Array<O>>,
+pub(crate) fn unpack_kernel<F: Float, O: Float, N: Size>(
+    bucket: &Array<Vector<F, N>>,
+    tiles: &Array<u32>,
+    outputs: &mut Sequence<Array<Vector<O, N>>>,
+    num_tiles: u32,
     scale: f32,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos < bucket.len() {
-        let x = f32::cast_from(bucket[pos]) * scale;
-        let n = comptime!(outputs.len());
-        #[unroll]
-        for j in 0..n {
-            let output = outputs.index_mut(j);
-            let start = usize::cast_from(offsets[j]);
-            let end = usize::cast_from(offsets[j + 1]);
-            if pos >= start && pos < end {
-                output[pos - start] = O::cast_from(x);
+    let tile = CUBE_POS;
+    if tile < usize::cast_from(num_tiles) {
+        let base = tile * 4;
+        let which = tiles[base];
+        let unit = usize::cast_from(UNIT_POS);
+        if unit < usize::cast_from(tiles[base + 3]) {
+            let dst = usize::cast_from(tiles[base + 1]) + unit;
+            let src = usize::cast_from(tiles[base + 2]) + unit;
+            let x = Vector::<f32, N>::cast_from(bucket[src]) * Vector::new(scale);
+            let k = comptime!(outputs.len());
+            #[unroll]
+            for j in 0..k {
+                if which == u32::cast_from(j) {
+                    let output = outputs.index_mut(j);
+                    output[dst] = Vector::<O, N>::cast_from(x);
+                }
             }
         }
     }
@@ -82,58 +108,52 @@ pub(crate) fn unpack_kernel<F: Float, O: Float>(
 
 /// `out[i] = O(scale * (f32(inputs[0][i]) + f32(inputs[1][i]) + ...))`, summed in that order.
 #[cube(launch)]
-pub(crate) fn reduce_kernel<F: Float, O: Float>(
-    inputs: &Sequence<Array<F>>,
-    out: &mut Array<O>,
+pub(crate) fn reduce_kernel<F: Float, O: Float, N: Size>(
+    inputs: &Sequence<Array<Vector<F, N>>>,
+    out: &mut Array<Vector<O, N>>,
+    vectors: u32,
     scale: f32,
 ) {
     let pos = ABSOLUTE_POS;
-    if pos < out.len() {
-        let mut acc = 0.0f32;
-        let n = comptime!(inputs.len());
+    if pos < usize::cast_from(vectors) {
+        let mut acc = Vector::<f32, N>::new(0.0);
+        let k = comptime!(inputs.len());
         #[unroll]
-        for j in 0..n {
-            acc += f32::cast_from(inputs[j][pos]);
+        for j in 0..k {
+            acc += Vector::<f32, N>::cast_from(inputs[j][pos]);
         }
-        out[pos] = O::cast_from(acc * scale);
+        out[pos] = Vector::<O, N>::cast_from(acc * Vector::new(scale));
     }
 }
 
-/// In place: `acc[i] = A(scale * (f32(acc[i]) + f32(chunk[i])))`, the ring's reduce step.
+/// In place, at an offset (in vectors):
+/// `acc[offset + i] = A(scale * (f32(acc[offset + i]) + f32(chunk[i])))`, the ring's reduce step.
 #[cube(launch)]
-pub(crate) fn accumulate_kernel<A: Float, F: Float>(
-    acc: &mut Array<A>,
-    chunk: &Array<F>,
-    scale: f32,
-) {
-    let pos = ABSOLUTE_POS;
-    if pos < acc.len() {
-        let sum = f32::cast_from(acc[pos]) + f32::cast_from(chunk[pos]);
-        acc[pos] = A::cast_from(sum * scale);
-    }
-}
-
-/// In place, at an offset: `acc[offset + i] = A(scale * (f32(acc[offset + i]) + f32(chunk[i])))`.
-#[cube(launch)]
-pub(crate) fn accumulate_at_kernel<A: Float, F: Float>(
-    acc: &mut Array<A>,
-    chunk: &Array<F>,
+pub(crate) fn accumulate_kernel<A: Float, F: Float, N: Size>(
+    acc: &mut Array<Vector<A, N>>,
+    chunk: &Array<Vector<F, N>>,
     offset: u32,
+    vectors: u32,
     scale: f32,
 ) {
     let pos = ABSOLUTE_POS;
-    if pos < chunk.len() {
+    if pos < usize::cast_from(vectors) {
         let at = usize::cast_from(offset) + pos;
-        let sum = f32::cast_from(acc[at]) + f32::cast_from(chunk[pos]);
-        acc[at] = A::cast_from(sum * scale);
+        let sum = Vector::<f32, N>::cast_from(acc[at]) + Vector::<f32, N>::cast_from(chunk[pos]);
+        acc[at] = Vector::<A, N>::cast_from(sum * Vector::new(scale));
     }
 }
 
-/// `dst[offset + i] = src[i]`.
+/// `dst[offset + i] = src[i]` (offset in vectors).
 #[cube(launch)]
-pub(crate) fn copy_at_kernel<T: Float>(dst: &mut Array<T>, src: &Array<T>, offset: u32) {
+pub(crate) fn copy_kernel<T: Float, N: Size>(
+    dst: &mut Array<Vector<T, N>>,
+    src: &Array<Vector<T, N>>,
+    offset: u32,
+    vectors: u32,
+) {
     let pos = ABSOLUTE_POS;
-    if pos < src.len() {
+    if pos < usize::cast_from(vectors) {
         dst[usize::cast_from(offset) + pos] = src[pos];
     }
 }

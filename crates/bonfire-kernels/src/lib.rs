@@ -167,27 +167,41 @@ pub enum KernelError {
     Device(String),
 }
 
-fn offsets<L: Fn(usize) -> usize>(
-    n: usize,
-    len: L,
-    total: usize,
-    what: &str,
-) -> Result<Vec<u32>, KernelError> {
-    let mut offsets = Vec::with_capacity(n + 1);
-    let mut at = 0usize;
-    offsets.push(0);
-    for j in 0..n {
-        at += len(j);
-        offsets.push(u32::try_from(at).map_err(|_| {
-            KernelError::Shape(format!("{what}: buckets are limited to 2^32 - 1 elements"))
-        })?);
-    }
-    if at != total {
+/// Units per cube in the tiled kernels; each unit moves one vector.
+const TILE: usize = 256;
+
+/// The widest vector (4, 2 or 1 elements) that divides every length.
+fn vector_size(lens: impl IntoIterator<Item = usize>) -> usize {
+    let all: Vec<usize> = lens.into_iter().collect();
+    [4, 2, 1]
+        .into_iter()
+        .find(|v| all.iter().all(|l| l % v == 0))
+        .unwrap_or(1)
+}
+
+/// The tile table of buffers of `lens` laid end to end in a bucket of `total` elements, in
+/// vectors of `v`: four u32 per tile (buffer, first vector in the buffer, first vector in the
+/// bucket, vectors in the tile). Checks that the lengths add up to the bucket.
+fn tile_table(lens: &[usize], total: usize, v: usize, what: &str) -> Result<Vec<u32>, KernelError> {
+    let sum: usize = lens.iter().sum();
+    if sum != total {
         return Err(KernelError::Shape(format!(
-            "{what}: the buffers hold {at} elements, the bucket {total}"
+            "{what}: the buffers hold {sum} elements, the bucket {total}"
         )));
     }
-    Ok(offsets)
+    let too_big = || KernelError::Shape(format!("{what}: buckets are limited to 2^32 - 1 vectors"));
+    let mut table = Vec::new();
+    let mut base = 0usize;
+    for (j, &len) in lens.iter().enumerate() {
+        let vectors = len / v;
+        for start in (0..vectors).step_by(TILE) {
+            for field in [j, start, base + start, TILE.min(vectors - start)] {
+                table.push(u32::try_from(field).map_err(|_| too_big())?);
+            }
+        }
+        base += vectors;
+    }
+    Ok(table)
 }
 
 pub(crate) fn launch_shape<R: Runtime>(
@@ -196,6 +210,19 @@ pub(crate) fn launch_shape<R: Runtime>(
 ) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(client, n);
     (cubecl::calculate_cube_count_elemwise(client, n, dim), dim)
+}
+
+/// Cubes for a tile table: one per tile (the kernels skip any extra).
+fn tile_shape<R: Runtime>(client: &ComputeClient<R>, tiles: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(TILE as u32);
+    (
+        cubecl::calculate_cube_count_elemwise(client, tiles * TILE, dim),
+        dim,
+    )
+}
+
+fn count_u32(n: usize, what: &str) -> Result<u32, KernelError> {
+    u32::try_from(n).map_err(|_| KernelError::Shape(format!("{what}: more than 2^32 - 1 vectors")))
 }
 
 /// Copies `inputs` one after another into `bucket`, each element scaled by `scale` and cast to
@@ -208,20 +235,25 @@ pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
 ) -> Result<(), KernelError> {
     let inputs: Vec<&DeviceBuffer<R, F>> =
         inputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let offs = offsets(inputs.len(), |j| inputs[j].len, bucket.len, "pack")?;
+    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
+    let v = vector_size(lens.iter().copied());
+    let table = tile_table(&lens, bucket.len, v, "pack")?;
     if bucket.is_empty() {
         return Ok(());
     }
-    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
-    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = launch_shape(client, bucket.len);
+    let tiles = table.len() / kernels::TILE_FIELDS;
+    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
+    let seq = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = tile_shape(client, tiles);
     kernels::pack_kernel::launch::<F, O, R>(
         client,
         count,
         dim,
+        v,
         seq,
-        offs.arg_u32(),
+        table.arg_u32(),
         bucket.arg(),
+        count_u32(tiles, "pack")?,
         scale,
     );
     Ok(())
@@ -244,26 +276,26 @@ pub fn pack_with_feedback<R: Runtime, F: GradElement, O: GradElement>(
     }
     let inputs: Vec<&DeviceBuffer<R, F>> =
         inputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let offs = offsets(
-        inputs.len(),
-        |j| inputs[j].len,
-        bucket.len,
-        "pack_with_feedback",
-    )?;
+    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
+    let v = vector_size(lens.iter().copied());
+    let table = tile_table(&lens, bucket.len, v, "pack_with_feedback")?;
     if bucket.is_empty() {
         return Ok(());
     }
-    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
-    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = launch_shape(client, bucket.len);
+    let tiles = table.len() / kernels::TILE_FIELDS;
+    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
+    let seq = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = tile_shape(client, tiles);
     kernels::pack_feedback_kernel::launch::<F, O, R>(
         client,
         count,
         dim,
+        v,
         seq,
-        offs.arg_u32(),
+        table.arg_u32(),
         bucket.arg(),
         residual.arg(),
+        count_u32(tiles, "pack_with_feedback")?,
         scale,
     );
     Ok(())
@@ -279,20 +311,25 @@ pub fn unpack<R: Runtime, F: GradElement, O: GradElement>(
 ) -> Result<(), KernelError> {
     let outputs: Vec<&DeviceBuffer<R, O>> =
         outputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let offs = offsets(outputs.len(), |j| outputs[j].len, bucket.len, "unpack")?;
+    let lens: Vec<usize> = outputs.iter().map(|b| b.len).collect();
+    let v = vector_size(lens.iter().copied());
+    let table = tile_table(&lens, bucket.len, v, "unpack")?;
     if bucket.is_empty() {
         return Ok(());
     }
-    let offs = DeviceBuffer::<R, u32>::upload_u32(client, &offs);
-    let seq: SequenceArg<R, Array<O>> = outputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = launch_shape(client, bucket.len);
+    let tiles = table.len() / kernels::TILE_FIELDS;
+    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
+    let seq = outputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = tile_shape(client, tiles);
     kernels::unpack_kernel::launch::<F, O, R>(
         client,
         count,
         dim,
+        v,
         bucket.arg(),
-        offs.arg_u32(),
+        table.arg_u32(),
         seq,
+        count_u32(tiles, "unpack")?,
         scale,
     );
     Ok(())
@@ -318,9 +355,61 @@ pub fn reduce<R: Runtime, F: GradElement, O: GradElement>(
     if out.is_empty() {
         return Ok(());
     }
-    let seq: SequenceArg<R, Array<F>> = inputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = launch_shape(client, out.len);
-    kernels::reduce_kernel::launch::<F, O, R>(client, count, dim, seq, out.arg(), scale);
+    let v = vector_size([out.len]);
+    let vectors = out.len / v;
+    let seq = inputs.iter().map(|b| b.arg()).collect();
+    let (count, dim) = launch_shape(client, vectors);
+    kernels::reduce_kernel::launch::<F, O, R>(
+        client,
+        count,
+        dim,
+        v,
+        seq,
+        out.arg(),
+        count_u32(vectors, "reduce")?,
+        scale,
+    );
+    Ok(())
+}
+
+/// `dst = src` on one device: the plain copy every other kernel is measured against.
+pub fn copy<R: Runtime, T: GradElement>(
+    client: &ComputeClient<R>,
+    src: &DeviceBuffer<R, T>,
+    dst: &DeviceBuffer<R, T>,
+) -> Result<(), KernelError> {
+    if src.len != dst.len {
+        return Err(KernelError::Shape(format!(
+            "copy: the source holds {} elements, the destination {}",
+            src.len, dst.len
+        )));
+    }
+    copy_at(client, src, dst, 0)
+}
+
+/// `dst[offset..offset + src.len()] = src`.
+pub(crate) fn copy_at<R: Runtime, T: GradElement>(
+    client: &ComputeClient<R>,
+    src: &DeviceBuffer<R, T>,
+    dst: &DeviceBuffer<R, T>,
+    offset: usize,
+) -> Result<(), KernelError> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    let v = vector_size([src.len, offset]);
+    let vectors = src.len / v;
+    let (count, dim) = launch_shape(client, vectors);
+    kernels::copy_kernel::launch::<T, R>(
+        client,
+        count,
+        dim,
+        v,
+        dst.arg(),
+        src.arg(),
+        count_u32(offset / v, "copy")?,
+        count_u32(vectors, "copy")?,
+    );
     Ok(())
 }
 
@@ -337,16 +426,32 @@ pub fn accumulate<R: Runtime, A: GradElement, F: GradElement>(
             acc.len, chunk.len
         )));
     }
-    if acc.is_empty() {
+    accumulate_at(client, acc, chunk, 0, scale)
+}
+
+/// `acc[offset..offset + chunk.len()] = scale * (that + chunk)`.
+pub(crate) fn accumulate_at<R: Runtime, A: GradElement, F: GradElement>(
+    client: &ComputeClient<R>,
+    acc: &DeviceBuffer<R, A>,
+    chunk: &DeviceBuffer<R, F>,
+    offset: usize,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if chunk.is_empty() {
         return Ok(());
     }
-    let (count, dim) = launch_shape(client, acc.len);
+    let v = vector_size([chunk.len, offset]);
+    let vectors = chunk.len / v;
+    let (count, dim) = launch_shape(client, vectors);
     kernels::accumulate_kernel::launch::<A, F, R>(
         client,
         count,
         dim,
+        v,
         acc.arg(),
         chunk.arg(),
+        count_u32(offset / v, "accumulate")?,
+        count_u32(vectors, "accumulate")?,
         scale,
     );
     Ok(())

@@ -8,7 +8,7 @@
 
 use cubecl::prelude::*;
 
-use crate::{DeviceBuffer, GradElement, KernelError, kernels, launch_shape};
+use crate::{DeviceBuffer, GradElement, KernelError};
 
 /// Copies `buf`, which lives on `from`, to the device of `to`.
 pub fn copy_to_device<R: Runtime, T: GradElement>(
@@ -130,18 +130,8 @@ impl<R: Runtime> LocalRing<R> {
                     count,
                     &self.clients[to],
                 );
-                let last = step == n - 2;
-                let c = &self.clients[to];
-                let (cubes, dim) = launch_shape(c, count);
-                kernels::accumulate_at_kernel::launch::<T, T, R>(
-                    c,
-                    cubes,
-                    dim,
-                    buffers[to].arg(),
-                    chunk.arg(),
-                    start as u32,
-                    if last { scale } else { 1.0 },
-                );
+                let k = if step == n - 2 { scale } else { 1.0 };
+                crate::accumulate_at(&self.clients[to], &buffers[to], &chunk, start, k)?;
             }
         }
         // Device d now owns segment (d + 1) mod n. All-gather: at step k device d passes segment
@@ -161,16 +151,7 @@ impl<R: Runtime> LocalRing<R> {
                     count,
                     &self.clients[to],
                 );
-                let c = &self.clients[to];
-                let (cubes, dim) = launch_shape(c, count);
-                kernels::copy_at_kernel::launch::<T, R>(
-                    c,
-                    cubes,
-                    dim,
-                    buffers[to].arg(),
-                    chunk.arg(),
-                    start as u32,
-                );
+                crate::copy_at(&self.clients[to], &chunk, &buffers[to], start)?;
             }
         }
         Ok(())

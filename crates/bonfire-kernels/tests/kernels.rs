@@ -16,7 +16,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Bucket layouts: single elements, primes, an empty buffer, odd sizes around a power of two.
-const LAYOUTS: &[&[usize]] = &[&[1], &[3, 5, 7], &[13, 0, 1021, 2], &[257, 31, 4099]];
+/// The last two take vectors of 2 and of 4 elements.
+const LAYOUTS: &[&[usize]] = &[
+    &[1],
+    &[3, 5, 7],
+    &[13, 0, 1021, 2],
+    &[257, 31, 4099],
+    &[6, 2, 1030],
+    &[4, 64, 0, 1024, 2048, 12],
+];
 
 fn random<T: GradElement>(rng: &mut ChaCha8Rng, n: usize) -> Vec<T> {
     // Magnitudes from 1e-3 to 1e3 and both signs, never zero.
@@ -297,7 +305,7 @@ fn every_kernel_matches_its_reference_on_cuda() {
     use bonfire_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
     let client = CudaRuntime::client(&CudaDevice::default());
     all(&client);
-    let count = CudaRuntime::device_count();
+    let count = client.device_count_total();
     let clients: Vec<_> = (0..count.max(1))
         .map(|i| CudaRuntime::client(&CudaDevice::new(i)))
         .collect();

@@ -37,6 +37,11 @@ pub mod transport {
     };
 }
 
+/// Fused gradient kernels (CubeCL) and copies between the devices of one node.
+pub mod kernels {
+    pub use bonfire_kernels::*;
+}
+
 /// How jobs start: the job environment and the launcher behind `bonfire launch`.
 pub mod launch {
     pub use bonfire_launch::{
@@ -70,4 +75,6 @@ pub mod book {
     pub struct Collectives;
     #[doc = include_str!("../../../book/src/launching.md")]
     pub struct Launching;
+    #[doc = include_str!("../../../book/src/kernels.md")]
+    pub struct Kernels;
 }

@@ -1,6 +1,7 @@
 //! `bonfire bench ...`.
 
 mod collectives;
+mod kernels;
 mod link;
 
 use clap::Subcommand;
@@ -11,6 +12,8 @@ pub(crate) enum Bench {
     /// Time a collective per buffer size: latency, algorithm and bus bandwidth (nccl-tests
     /// definitions), next to this machine's memcpy bandwidth for the same bytes.
     Collectives(collectives::Args),
+    /// Time the fused gradient kernels against Burn tensor ops and the device's copy bandwidth.
+    Kernels(kernels::Args),
     /// Measure the link itself on this host: TCP and raw QUIC (quinn, TLS) throughput over
     /// 127.0.0.1, the ceiling for the QUIC transport.
     Link(link::Args),
@@ -21,6 +24,7 @@ impl Bench {
         match self {
             Bench::Collectives(args) => collectives::run(args),
             Bench::Link(args) => link::run(args),
+            Bench::Kernels(args) => kernels::run(args),
         }
     }
 }

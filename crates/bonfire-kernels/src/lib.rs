@@ -225,6 +225,51 @@ fn count_u32(n: usize, what: &str) -> Result<u32, KernelError> {
     u32::try_from(n).map_err(|_| KernelError::Shape(format!("{what}: more than 2^32 - 1 vectors")))
 }
 
+/// A launch over buffers laid end to end in a bucket: the buffers that hold anything, their
+/// vector width, the tile table on the device and the launch shape.
+struct Tiled<'a, R: Runtime, T> {
+    buffers: Vec<&'a DeviceBuffer<R, T>>,
+    vector: usize,
+    table: DeviceBuffer<R, u32>,
+    tiles: u32,
+    count: CubeCount,
+    dim: CubeDim,
+}
+
+impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
+    /// `None` when the bucket is empty (nothing to launch); an error when the lengths do not
+    /// add up to the bucket.
+    fn new(
+        client: &ComputeClient<R>,
+        buffers: &[&'a DeviceBuffer<R, T>],
+        total: usize,
+        what: &str,
+    ) -> Result<Option<Self>, KernelError> {
+        let buffers: Vec<&DeviceBuffer<R, T>> =
+            buffers.iter().copied().filter(|b| !b.is_empty()).collect();
+        let lens: Vec<usize> = buffers.iter().map(|b| b.len).collect();
+        let vector = vector_size(lens.iter().copied());
+        let table = tile_table(&lens, total, vector, what)?;
+        if total == 0 {
+            return Ok(None);
+        }
+        let tiles = table.len() / kernels::TILE_FIELDS;
+        let (count, dim) = tile_shape(client, tiles);
+        Ok(Some(Tiled {
+            buffers,
+            vector,
+            table: DeviceBuffer::<R, u32>::upload_u32(client, &table),
+            tiles: count_u32(tiles, what)?,
+            count,
+            dim,
+        }))
+    }
+
+    fn sequence<A: LaunchArg<RuntimeArg<R> = ArrayArg<R>>>(&self) -> SequenceArg<R, A> {
+        self.buffers.iter().map(|b| b.arg()).collect()
+    }
+}
+
 /// Copies `inputs` one after another into `bucket`, each element scaled by `scale` and cast to
 /// the bucket's type, in one launch.
 pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
@@ -233,27 +278,18 @@ pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
     bucket: &DeviceBuffer<R, O>,
     scale: f32,
 ) -> Result<(), KernelError> {
-    let inputs: Vec<&DeviceBuffer<R, F>> =
-        inputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
-    let v = vector_size(lens.iter().copied());
-    let table = tile_table(&lens, bucket.len, v, "pack")?;
-    if bucket.is_empty() {
+    let Some(t) = Tiled::new(client, inputs, bucket.len, "pack")? else {
         return Ok(());
-    }
-    let tiles = table.len() / kernels::TILE_FIELDS;
-    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
-    let seq = inputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = tile_shape(client, tiles);
+    };
     kernels::pack_kernel::launch::<F, O, R>(
         client,
-        count,
-        dim,
-        v,
-        seq,
-        table.arg_u32(),
+        t.count.clone(),
+        t.dim,
+        t.vector,
+        t.sequence(),
+        t.table.arg_u32(),
         bucket.arg(),
-        count_u32(tiles, "pack")?,
+        t.tiles,
         scale,
     );
     Ok(())
@@ -274,28 +310,19 @@ pub fn pack_with_feedback<R: Runtime, F: GradElement, O: GradElement>(
             residual.len, bucket.len
         )));
     }
-    let inputs: Vec<&DeviceBuffer<R, F>> =
-        inputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let lens: Vec<usize> = inputs.iter().map(|b| b.len).collect();
-    let v = vector_size(lens.iter().copied());
-    let table = tile_table(&lens, bucket.len, v, "pack_with_feedback")?;
-    if bucket.is_empty() {
+    let Some(t) = Tiled::new(client, inputs, bucket.len, "pack_with_feedback")? else {
         return Ok(());
-    }
-    let tiles = table.len() / kernels::TILE_FIELDS;
-    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
-    let seq = inputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = tile_shape(client, tiles);
+    };
     kernels::pack_feedback_kernel::launch::<F, O, R>(
         client,
-        count,
-        dim,
-        v,
-        seq,
-        table.arg_u32(),
+        t.count.clone(),
+        t.dim,
+        t.vector,
+        t.sequence(),
+        t.table.arg_u32(),
         bucket.arg(),
         residual.arg(),
-        count_u32(tiles, "pack_with_feedback")?,
+        t.tiles,
         scale,
     );
     Ok(())
@@ -309,27 +336,18 @@ pub fn unpack<R: Runtime, F: GradElement, O: GradElement>(
     outputs: &[&DeviceBuffer<R, O>],
     scale: f32,
 ) -> Result<(), KernelError> {
-    let outputs: Vec<&DeviceBuffer<R, O>> =
-        outputs.iter().copied().filter(|b| !b.is_empty()).collect();
-    let lens: Vec<usize> = outputs.iter().map(|b| b.len).collect();
-    let v = vector_size(lens.iter().copied());
-    let table = tile_table(&lens, bucket.len, v, "unpack")?;
-    if bucket.is_empty() {
+    let Some(t) = Tiled::new(client, outputs, bucket.len, "unpack")? else {
         return Ok(());
-    }
-    let tiles = table.len() / kernels::TILE_FIELDS;
-    let table = DeviceBuffer::<R, u32>::upload_u32(client, &table);
-    let seq = outputs.iter().map(|b| b.arg()).collect();
-    let (count, dim) = tile_shape(client, tiles);
+    };
     kernels::unpack_kernel::launch::<F, O, R>(
         client,
-        count,
-        dim,
-        v,
+        t.count.clone(),
+        t.dim,
+        t.vector,
         bucket.arg(),
-        table.arg_u32(),
-        seq,
-        count_u32(tiles, "unpack")?,
+        t.table.arg_u32(),
+        t.sequence(),
+        t.tiles,
         scale,
     );
     Ok(())

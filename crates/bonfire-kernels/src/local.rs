@@ -114,33 +114,40 @@ impl<R: Runtime> LocalRing<R> {
             }
             return Ok(());
         }
-        // Reduce-scatter: at step k device d sends segment (d - k) mod n to d + 1.
-        for step in 0..n - 1 {
-            for d in 0..n {
-                let s = (d + n - step) % n;
-                let to = (d + 1) % n;
-                let (start, count) = Self::segment(len, n, s);
-                if count == 0 {
-                    continue;
-                }
-                let chunk = copy_range(
-                    &self.clients[d],
-                    &buffers[d],
-                    start,
-                    count,
-                    &self.clients[to],
-                );
+        // Reduce-scatter: at step k device d sends segment (d - k) mod n to d + 1, which adds it
+        // to its own (and scales at the last step).
+        self.ring_pass(
+            buffers,
+            |d, step| (d + n - step) % n,
+            |step, to, chunk, start| {
                 let k = if step == n - 2 { scale } else { 1.0 };
-                crate::accumulate_at(&self.clients[to], &buffers[to], &chunk, start, k)?;
-            }
-        }
+                crate::accumulate_at(&self.clients[to], &buffers[to], chunk, start, k)
+            },
+        )?;
         // Device d now owns segment (d + 1) mod n. All-gather: at step k device d passes segment
-        // (d + 1 - k) mod n to d + 1.
+        // (d + 1 - k) mod n to d + 1, which keeps it.
+        self.ring_pass(
+            buffers,
+            |d, step| (d + 1 + n - step) % n,
+            |_, to, chunk, start| crate::copy_at(&self.clients[to], chunk, &buffers[to], start),
+        )?;
+        Ok(())
+    }
+
+    /// n - 1 steps in which every device d copies segment `segment(d, step)` of its buffer to
+    /// device d + 1, where `land(step, d + 1, chunk, start)` puts it into that device's buffer.
+    fn ring_pass<T: GradElement>(
+        &self,
+        buffers: &[DeviceBuffer<R, T>],
+        segment: impl Fn(usize, usize) -> usize,
+        land: impl Fn(usize, usize, &DeviceBuffer<R, T>, usize) -> Result<(), KernelError>,
+    ) -> Result<(), KernelError> {
+        let n = self.clients.len();
+        let len = buffers[0].len();
         for step in 0..n - 1 {
             for d in 0..n {
-                let s = (d + 1 + n - step) % n;
                 let to = (d + 1) % n;
-                let (start, count) = Self::segment(len, n, s);
+                let (start, count) = Self::segment(len, n, segment(d, step));
                 if count == 0 {
                     continue;
                 }
@@ -151,7 +158,7 @@ impl<R: Runtime> LocalRing<R> {
                     count,
                     &self.clients[to],
                 );
-                crate::copy_at(&self.clients[to], &chunk, &buffers[to], start)?;
+                land(step, to, &chunk, start)?;
             }
         }
         Ok(())

@@ -145,19 +145,13 @@ impl<R: Runtime> LocalRing<R> {
         let n = self.clients.len();
         let len = buffers[0].len();
         for step in 0..n - 1 {
-            for d in 0..n {
+            for (d, (client, buf)) in self.clients.iter().zip(buffers).enumerate() {
                 let to = (d + 1) % n;
                 let (start, count) = Self::segment(len, n, segment(d, step));
                 if count == 0 {
                     continue;
                 }
-                let chunk = copy_range(
-                    &self.clients[d],
-                    &buffers[d],
-                    start,
-                    count,
-                    &self.clients[to],
-                );
+                let chunk = copy_range(client, buf, start, count, &self.clients[to]);
                 land(step, to, &chunk, start)?;
             }
         }

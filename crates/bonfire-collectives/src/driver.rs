@@ -291,6 +291,16 @@ impl Waiter<'_> {
         let started = Instant::now();
         let deadline = started + ex.timeout;
         loop {
+            // Losses seen *before* looking for frames. A transport files a peer's frames before
+            // it reports the peer lost, so a frame still absent after the loss was seen will
+            // never come; a loss seen only afterwards may have raced with the frame's delivery,
+            // and gets one more look.
+            let lost_before: Vec<u32> = want
+                .map(|(from, _)| from)
+                .into_iter()
+                .chain(self.pending.iter().copied())
+                .filter(|&m| self.inbox.lost(ex.world(m)).is_some())
+                .collect();
             self.file_arrivals()?;
             self.check_aborts()?;
             match want {
@@ -306,8 +316,13 @@ impl Waiter<'_> {
                 .map(|(from, _)| from)
                 .into_iter()
                 .chain(self.pending.iter().copied());
+            let mut look_again = false;
             for m in needed {
                 if let Some(reason) = self.inbox.lost(ex.world(m)) {
+                    if !lost_before.contains(&m) {
+                        look_again = true;
+                        continue;
+                    }
                     return Err(CollectiveError::PeerLost {
                         me: ex.me_world(),
                         collective: ex.fingerprint,
@@ -315,6 +330,9 @@ impl Waiter<'_> {
                         reason,
                     });
                 }
+            }
+            if look_again {
+                continue;
             }
             if tokio::time::timeout_at(deadline, self.inbox.changed())
                 .await

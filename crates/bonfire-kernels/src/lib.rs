@@ -95,27 +95,16 @@ impl<R: Runtime, T> Clone for DeviceBuffer<R, T> {
     }
 }
 
-impl<R: Runtime, T: GradElement> DeviceBuffer<R, T> {
+impl<R: Runtime, T: CubeElement> DeviceBuffer<R, T> {
     /// Copies `data` to the device.
     pub fn upload(client: &ComputeClient<R>, data: &[T]) -> Self {
         // A zero-sized allocation is not portable; empty buffers hold one unused element.
-        let bytes = if data.is_empty() {
-            T::as_bytes(&[T::narrow(0.0)]).to_vec()
+        let handle = if data.is_empty() {
+            client.create_from_slice(&vec![0u8; std::mem::size_of::<T>()])
         } else {
-            T::as_bytes(data).to_vec()
+            client.create_from_slice(T::as_bytes(data))
         };
-        DeviceBuffer {
-            handle: client.create_from_slice(&bytes),
-            len: data.len(),
-            _runtime: PhantomData,
-        }
-    }
-
-    /// A buffer of `len` elements, every one set to `fill`.
-    pub fn filled(client: &ComputeClient<R>, len: usize, fill: T) -> Self {
-        let mut b = Self::upload(client, &vec![fill; len.max(1)]);
-        b.len = len;
-        b
+        Self::from_handle(handle, data.len())
     }
 
     /// Copies the buffer back to the host (waits for the work queued on it).
@@ -150,9 +139,18 @@ impl<R: Runtime, T: GradElement> DeviceBuffer<R, T> {
     }
 
     pub(crate) fn arg(&self) -> ArrayArg<R> {
-        // SAFETY: the handle holds at least `len` elements of `T` (it was made by `upload` or
-        // `filled` with that length).
+        // SAFETY: the handle holds at least `len` elements of `T` (it was made by `upload`,
+        // `filled` or a copy of that length).
         unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
+    }
+}
+
+impl<R: Runtime, T: GradElement> DeviceBuffer<R, T> {
+    /// A buffer of `len` elements, every one set to `fill`.
+    pub fn filled(client: &ComputeClient<R>, len: usize, fill: T) -> Self {
+        let mut b = Self::upload(client, &vec![fill; len.max(1)]);
+        b.len = len;
+        b
     }
 }
 
@@ -258,7 +256,7 @@ impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
         Ok(Some(Tiled {
             buffers,
             vector,
-            table: DeviceBuffer::<R, u32>::upload_u32(client, &table),
+            table: DeviceBuffer::<R, u32>::upload(client, &table),
             tiles: count_u32(tiles, what)?,
             count,
             dim,
@@ -287,7 +285,7 @@ pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
         t.dim,
         t.vector,
         t.sequence(),
-        t.table.arg_u32(),
+        t.table.arg(),
         bucket.arg(),
         t.tiles,
         scale,
@@ -319,7 +317,7 @@ pub fn pack_with_feedback<R: Runtime, F: GradElement, O: GradElement>(
         t.dim,
         t.vector,
         t.sequence(),
-        t.table.arg_u32(),
+        t.table.arg(),
         bucket.arg(),
         residual.arg(),
         t.tiles,
@@ -345,7 +343,7 @@ pub fn unpack<R: Runtime, F: GradElement, O: GradElement>(
         t.dim,
         t.vector,
         bucket.arg(),
-        t.table.arg_u32(),
+        t.table.arg(),
         t.sequence(),
         t.tiles,
         scale,
@@ -473,19 +471,4 @@ pub(crate) fn accumulate_at<R: Runtime, A: GradElement, F: GradElement>(
         scale,
     );
     Ok(())
-}
-
-impl<R: Runtime> DeviceBuffer<R, u32> {
-    fn upload_u32(client: &ComputeClient<R>, data: &[u32]) -> Self {
-        DeviceBuffer {
-            handle: client.create_from_slice(u32::as_bytes(data)),
-            len: data.len(),
-            _runtime: PhantomData,
-        }
-    }
-
-    fn arg_u32(&self) -> ArrayArg<R> {
-        // SAFETY: made by `upload_u32` with `len` elements.
-        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len) }
-    }
 }

@@ -141,6 +141,26 @@ fn wait(mut child: Child, limit: Duration) -> std::process::ExitStatus {
     }
 }
 
+/// Waits for every child (child `r` is rank `r`) and asserts that it succeeded, showing what it
+/// reported otherwise.
+fn assert_all_succeed(children: Vec<Child>, dir: &Path, limit: Duration) {
+    for (r, child) in children.into_iter().enumerate() {
+        assert!(wait(child, limit).success(), "rank {r}: {}", result(dir, r));
+    }
+}
+
+/// A clean 2-rank `digest` run on loopback; returns the folder with its results.
+fn clean_digest_run(name: &str, secret: &str) -> PathBuf {
+    let clean = out_dir(name);
+    let port = free_local_port().unwrap();
+    let ranks = vec![
+        spawn_rank(0, 2, port, secret, &clean, "digest"),
+        spawn_rank(1, 2, port, secret, &clean, "digest"),
+    ];
+    assert_all_succeed(ranks, &clean, Duration::from_secs(60));
+    clean
+}
+
 #[test]
 fn processes_without_a_rank_are_given_one_by_the_rendezvous() {
     let dir = out_dir("assigned");
@@ -301,21 +321,7 @@ impl Drop for Relay {
 #[test]
 fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
     let secret = "relay-test-secret-0123456789";
-    // Clean run.
-    let clean = out_dir("clean");
-    let port = free_local_port().unwrap();
-    let a = spawn_rank(0, 2, port, secret, &clean, "digest");
-    let b = spawn_rank(1, 2, port, secret, &clean, "digest");
-    assert!(
-        wait(a, Duration::from_secs(60)).success(),
-        "{}",
-        result(&clean, 0)
-    );
-    assert!(
-        wait(b, Duration::from_secs(60)).success(),
-        "{}",
-        result(&clean, 1)
-    );
+    let clean = clean_digest_run("clean", secret);
     // Rank 1 reaches rank 0 only through a relay that drops 1% and delays 20 ms each way.
     let lossy = out_dir("lossy");
     let port = free_local_port().unwrap();
@@ -325,18 +331,11 @@ fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
         Duration::from_millis(20),
         5,
     );
-    let a = spawn_rank(0, 2, port, secret, &lossy, "digest");
-    let b = spawn_rank(1, 2, relay.addr.port(), secret, &lossy, "digest");
-    assert!(
-        wait(a, Duration::from_secs(120)).success(),
-        "{}",
-        result(&lossy, 0)
-    );
-    assert!(
-        wait(b, Duration::from_secs(120)).success(),
-        "{}",
-        result(&lossy, 1)
-    );
+    let ranks = vec![
+        spawn_rank(0, 2, port, secret, &lossy, "digest"),
+        spawn_rank(1, 2, relay.addr.port(), secret, &lossy, "digest"),
+    ];
+    assert_all_succeed(ranks, &lossy, Duration::from_secs(120));
     let (dropped, total) = *relay.dropped.lock().unwrap();
     assert!(
         dropped > 0,
@@ -444,28 +443,14 @@ fn across_two_network_namespaces_through_a_lossy_relay() {
         &dir,
         "digest",
     );
-    assert!(
-        wait(a, Duration::from_secs(120)).success(),
-        "{}",
-        result(&dir, 0)
-    );
-    assert!(
-        wait(b, Duration::from_secs(120)).success(),
-        "{}",
-        result(&dir, 1)
-    );
+    assert_all_succeed(vec![a, b], &dir, Duration::from_secs(120));
     let (dropped, total) = *relay.dropped.lock().unwrap();
     assert!(
         dropped > 0,
         "the relay dropped nothing of {total} datagrams"
     );
     // The same bits as a clean run on loopback (same inputs).
-    let clean = out_dir("netns-clean");
-    let port = free_local_port().unwrap();
-    let c0 = spawn_rank(0, 2, port, secret, &clean, "digest");
-    let c1 = spawn_rank(1, 2, port, secret, &clean, "digest");
-    assert!(wait(c0, Duration::from_secs(60)).success());
-    assert!(wait(c1, Duration::from_secs(60)).success());
+    let clean = clean_digest_run("netns-clean", secret);
     for r in 0..2 {
         assert_eq!(result(&dir, r), result(&clean, r), "rank {r}");
     }

@@ -615,6 +615,29 @@ impl Transport for QuicTransport {
 
 type Links = (Vec<Option<Connection>>, NodeLayout);
 
+/// Waits until `missing()` is empty, re-checking whenever a rank joins or links; on timeout,
+/// the ranks still missing.
+async fn wait_for_ranks(
+    shared: &Shared,
+    deadline: Instant,
+    missing: impl Fn() -> Vec<usize>,
+) -> Result<(), Vec<usize>> {
+    loop {
+        // Registered before looking, so a change between the look and the wait is not lost.
+        let notified = shared.changed.notified();
+        let now_missing = missing();
+        if now_missing.is_empty() {
+            return Ok(());
+        }
+        if tokio::time::timeout_at(deadline.into(), notified)
+            .await
+            .is_err()
+        {
+            return Err(now_missing);
+        }
+    }
+}
+
 fn layout(peers: &[PeerEntry]) -> NodeLayout {
     NodeLayout::from_nodes(peers.iter().map(|p| NodeId(p.node)).collect())
 }
@@ -627,57 +650,47 @@ async fn host_rendezvous(
     deadline: Instant,
 ) -> Result<Links, QuicError> {
     let me = Who(Some(shared.me));
-    loop {
-        let notified = shared.changed.notified();
-        let missing: Vec<usize> = lock(&shared.joined)
+    let arrived = wait_for_ranks(shared, deadline, || {
+        lock(&shared.joined)
             .iter()
             .enumerate()
             .skip(1)
             .filter(|(_, j)| j.is_none())
             .map(|(r, _)| r)
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        if tokio::time::timeout_at(deadline.into(), notified)
-            .await
-            .is_err()
-        {
-            let reason = format!(
-                "the rendezvous timed out waiting for {} of {} ranks ({})",
-                missing.len(),
-                shared.world,
-                list(missing.iter().copied())
-            );
-            shared.master_done.store(true, Ordering::Release);
-            let joined: Vec<Joined> = lock(&shared.joined)
-                .iter_mut()
-                .filter_map(Option::take)
-                .collect();
-            for mut j in joined {
-                let _ = control::write(
-                    &mut j.send,
-                    &Control::Reject {
-                        reason: reason.clone(),
-                    },
-                )
-                .await;
-                let _ = j.send.finish();
-                let _ = tokio::time::timeout(Duration::from_secs(1), j.send.stopped()).await;
-            }
-            return Err(QuicError::Timeout {
-                me,
-                stage: "every rank to join the rendezvous",
-                waited: config.connect_timeout,
-                missing: list(missing),
-            });
-        }
-    }
+            .collect()
+    })
+    .await;
+    // From here on the rendezvous is closed, in success or in failure.
     shared.master_done.store(true, Ordering::Release);
     let mut joined: Vec<Joined> = lock(&shared.joined)
         .iter_mut()
         .filter_map(Option::take)
         .collect();
+    if let Err(missing) = arrived {
+        let reason = format!(
+            "the rendezvous timed out waiting for {} of {} ranks ({})",
+            missing.len(),
+            shared.world,
+            list(missing.iter().copied())
+        );
+        for j in &mut joined {
+            let _ = control::write(
+                &mut j.send,
+                &Control::Reject {
+                    reason: reason.clone(),
+                },
+            )
+            .await;
+            let _ = j.send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(1), j.send.stopped()).await;
+        }
+        return Err(QuicError::Timeout {
+            me,
+            stage: "every rank to join the rendezvous",
+            waited: config.connect_timeout,
+            missing: list(missing),
+        });
+    }
     let own = config
         .advertise
         .unwrap_or_else(|| ep.local_addr().unwrap_or(config.bind));
@@ -859,29 +872,19 @@ async fn finish_join(
         conns[rank as usize] = Some(conn);
     }
     // Wait for every higher rank to dial in.
-    loop {
-        let notified = shared.changed.notified();
-        let missing: Vec<usize> = {
-            let accepted = lock(&shared.accepted);
-            (shared.me.index() + 1..shared.world)
-                .filter(|&r| accepted[r].is_none())
-                .collect()
-        };
-        if missing.is_empty() {
-            break;
-        }
-        if tokio::time::timeout_at(deadline.into(), notified)
-            .await
-            .is_err()
-        {
-            return Err(QuicError::Timeout {
-                me,
-                stage: "links from higher ranks",
-                waited: config.connect_timeout,
-                missing: list(missing),
-            });
-        }
-    }
+    wait_for_ranks(shared, deadline, || {
+        let accepted = lock(&shared.accepted);
+        (shared.me.index() + 1..shared.world)
+            .filter(|&r| accepted[r].is_none())
+            .collect()
+    })
+    .await
+    .map_err(|missing| QuicError::Timeout {
+        me,
+        stage: "links from higher ranks",
+        waited: config.connect_timeout,
+        missing: list(missing),
+    })?;
     let mut accepted = lock(&shared.accepted);
     for r in shared.me.index() + 1..shared.world {
         conns[r] = accepted[r].take();

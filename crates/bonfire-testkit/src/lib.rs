@@ -7,11 +7,14 @@
 //!   is exact (so results can be compared bit for bit).
 //! - [`run_ranks`]: runs one closure per rank on its own thread, with a deadline, and names the
 //!   rank that panicked or did not finish.
+//! - [`nets`]: small models (a CNN, a transformer block) and a plain training loop, for checking
+//!   data-parallel training against single-rank training.
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
 pub mod calls;
 mod chaos;
+pub mod nets;
 pub mod oracle;
 mod ranks;
 

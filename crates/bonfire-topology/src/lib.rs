@@ -5,6 +5,7 @@
 //! rank computes identically from the same inputs, which is what lets ranks agree on schedules
 //! without talking.
 
+mod buckets;
 mod dtype;
 mod ids;
 mod layout;
@@ -12,6 +13,7 @@ mod mesh;
 mod partition;
 mod reduce;
 
+pub use buckets::{Bucket, BucketPlan};
 pub use dtype::DType;
 pub use ids::{GroupId, NodeId, Rank, stable_hash};
 pub use layout::NodeLayout;

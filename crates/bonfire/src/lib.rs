@@ -22,6 +22,17 @@ mod world;
 
 pub use world::{InitError, World, init, init_from, init_with};
 
+pub use bonfire_backend::{
+    DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, StepStats,
+    accumulate, last_step_stats, replicate, total_stats,
+};
+
+/// Lower-level control of the data-parallel decorator: thread bindings for ranks run as threads,
+/// installing a communicator of your own.
+pub mod backend {
+    pub use bonfire_backend::*;
+}
+
 /// Ranks, groups, nodes, the data x tensor-parallel mesh, reduce operations and dtypes.
 pub mod topology {
     pub use bonfire_topology::{
@@ -63,7 +74,7 @@ pub mod prelude {
         Algorithm, Collective, CollectiveError, CommConfig, Communicator, Work,
     };
     pub use crate::topology::{DType, Mesh, Rank, ReduceOp};
-    pub use crate::{World, init};
+    pub use crate::{DataParallel, DistributedSampler, World, accumulate, init, replicate};
 }
 
 /// The book's chapters, compiled and run as doctests so that their code stays true.

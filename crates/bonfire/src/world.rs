@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bonfire_backend::DataParallelConfig;
 use bonfire_collectives::{CommConfig, Communicator, runtime};
 use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
 use bonfire_topology::{NodeLayout, Rank};
@@ -20,6 +21,9 @@ pub enum InitError {
     /// The job could not be joined.
     #[error("bonfire::init: {0}")]
     Connect(#[from] QuicError),
+    /// A data-parallel setting (`BONFIRE_BUCKET_CAP_MB`, `BONFIRE_GRAD_DTYPE`) is malformed.
+    #[error("bonfire::init: {0}")]
+    Config(String),
 }
 
 /// This process's place in its job: its rank, the world communicator, and the links behind it.
@@ -100,6 +104,10 @@ impl Drop for World {
 /// and no `RANK`, the rendezvous assigns this process the lowest free rank (rank 0, which hosts
 /// the rendezvous, must be given).
 ///
+/// It also installs the world communicator for [`crate::DataParallel`], so that
+/// `Autodiff<DataParallel<B>>` averages gradients over the job's ranks (with the bucket cap and
+/// gradient dtype from `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
+///
 /// ```no_run
 /// let world = bonfire::init()?;
 /// let sum = world.comm().all_reduce(vec![world.rank().0 as f32], bonfire::topology::ReduceOp::Sum).wait()?;
@@ -121,8 +129,10 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
     if let Some(t) = env.timeout {
         config.timeout = t;
     }
+    let dp = DataParallelConfig::from_env().map_err(InitError::Config)?;
     if env.world_size == 1 {
         let comm = Communicator::in_process(1, config).remove(0);
+        bonfire_backend::install(comm.clone(), dp);
         return Ok(World {
             rank: Rank(0),
             comm,
@@ -173,6 +183,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         .config(config)
         .build()
         .map_err(|e| InitError::Secret(format!("cannot build the world communicator: {e}")))?;
+    bonfire_backend::install(comm.clone(), dp);
     Ok(World {
         rank,
         comm,

@@ -1,0 +1,241 @@
+//! Where a rank's data-parallel state lives. `DataParallel<B>` is a zero-sized type with static
+//! methods, so its state cannot live in `self`: it is found, in this order, through a binding of
+//! the calling thread ([`bind_thread`], for ranks run as threads of one process), a binding of
+//! the device (burn-train's one-process DDP, one rank per device), or the process's communicator
+//! ([`install`], which `bonfire::init` calls).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use bonfire_collectives::{CommConfig, Communicator};
+use burn_backend::DeviceId;
+
+use crate::stats::StepStats;
+use crate::sync::SyncState;
+
+/// The element type gradients travel in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GradDType {
+    /// Full precision (the default).
+    #[default]
+    F32,
+    /// bfloat16, half the bytes. The rounding error of each step is kept on the rank and added to
+    /// the next step's gradient (error feedback), so it does not bias training.
+    Bf16,
+}
+
+/// What a rank does when gradient synchronisation fails (a peer died, left early, timed out, or
+/// runs a different model). Burn's ops cannot return errors, so `backward` cannot either.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Print the error (which names the rank, the collective and the sizes) and exit the process
+    /// with status 1. The default: under `bonfire launch`, the launcher then stops the job.
+    #[default]
+    Exit,
+    /// Panic with the error, for ranks run as threads (tests, one-process jobs), where the
+    /// thread's join reports it.
+    Panic,
+}
+
+/// How `DataParallel` synchronises gradients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataParallelConfig {
+    /// Bucket cap in bytes of communicated gradient (default 25 MiB, as PyTorch DDP). Larger
+    /// buckets mean fewer collectives; smaller ones start communication earlier in backward.
+    pub bucket_cap_bytes: usize,
+    /// Cap of the first bucket (default 1 MiB), so the first all-reduce starts early.
+    pub first_bucket_cap_bytes: usize,
+    /// The element type gradients travel in.
+    pub grad_dtype: GradDType,
+    /// What to do when synchronisation fails.
+    pub failure: FailurePolicy,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        DataParallelConfig {
+            bucket_cap_bytes: 25 << 20,
+            first_bucket_cap_bytes: 1 << 20,
+            grad_dtype: GradDType::F32,
+            failure: FailurePolicy::Exit,
+        }
+    }
+}
+
+impl DataParallelConfig {
+    /// The defaults, changed by `BONFIRE_BUCKET_CAP_MB` (a positive number, fractions allowed)
+    /// and `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`). A malformed value is an error naming the
+    /// variable.
+    pub fn from_env() -> Result<Self, String> {
+        let mut config = DataParallelConfig::default();
+        if let Ok(v) = std::env::var("BONFIRE_BUCKET_CAP_MB") {
+            match v.trim().parse::<f64>() {
+                Ok(mb) if mb > 0.0 && mb.is_finite() => {
+                    config.bucket_cap_bytes = ((mb * 1048576.0) as usize).max(4);
+                    config.first_bucket_cap_bytes =
+                        config.first_bucket_cap_bytes.min(config.bucket_cap_bytes);
+                }
+                _ => {
+                    return Err(format!(
+                        "BONFIRE_BUCKET_CAP_MB={v:?}: expected a positive number of MiB, e.g. 25"
+                    ));
+                }
+            }
+        }
+        if let Ok(v) = std::env::var("BONFIRE_GRAD_DTYPE") {
+            config.grad_dtype = match v.trim().to_ascii_lowercase().as_str() {
+                "f32" | "float32" => GradDType::F32,
+                "bf16" | "bfloat16" => GradDType::Bf16,
+                _ => return Err(format!("BONFIRE_GRAD_DTYPE={v:?}: expected f32 or bf16")),
+            };
+        }
+        Ok(config)
+    }
+}
+
+/// One rank's data-parallel state: its communicator and its gradient buckets.
+pub(crate) struct Replica {
+    pub(crate) comm: Communicator,
+    pub(crate) config: DataParallelConfig,
+    /// Average (true, the default) or sum the gradients over the ranks.
+    pub(crate) mean: bool,
+    state: Mutex<SyncState>,
+    stats: Mutex<(StepStats, StepStats)>,
+}
+
+impl Replica {
+    fn new(comm: Communicator, config: DataParallelConfig, mean: bool) -> Arc<Replica> {
+        Arc::new(Replica {
+            comm,
+            config,
+            mean,
+            state: Mutex::new(SyncState::default()),
+            stats: Mutex::new((StepStats::default(), StepStats::default())),
+        })
+    }
+
+    /// The state, even after a panic on another thread left the lock poisoned.
+    pub(crate) fn state(&self) -> MutexGuard<'_, SyncState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn record(&self, step: StepStats) {
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.1.add(&step);
+        s.0 = step;
+    }
+
+    pub(crate) fn stats(&self) -> (StepStats, StepStats) {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Reports a synchronisation failure according to the policy. Never returns.
+    pub(crate) fn fail(&self, message: impl std::fmt::Display) -> ! {
+        let message = format!(
+            "bonfire: data-parallel gradient sync failed on rank {} of {}: {message}",
+            self.comm.world_rank().0,
+            self.comm.size()
+        );
+        match self.config.failure {
+            FailurePolicy::Exit => {
+                eprintln!("{message}");
+                std::process::exit(1);
+            }
+            FailurePolicy::Panic => panic!("{message}"),
+        }
+    }
+}
+
+static PROCESS: RwLock<Option<Arc<Replica>>> = RwLock::new(None);
+
+thread_local! {
+    static THREAD: RefCell<Option<Arc<Replica>>> = const { RefCell::new(None) };
+}
+
+fn devices() -> &'static Mutex<HashMap<DeviceId, Arc<Replica>>> {
+    static DEVICES: std::sync::OnceLock<Mutex<HashMap<DeviceId, Arc<Replica>>>> =
+        std::sync::OnceLock::new();
+    DEVICES.get_or_init(Default::default)
+}
+
+/// Makes `comm` the communicator `DataParallel` reduces gradients over in this process (one
+/// process per rank, as under `bonfire launch`). `bonfire::init` calls it; call it yourself only
+/// with a communicator of your own. Replaces an earlier one, with its buckets.
+pub fn install(comm: Communicator, config: DataParallelConfig) {
+    *PROCESS.write().unwrap_or_else(|e| e.into_inner()) = Some(Replica::new(comm, config, true));
+}
+
+/// Whether a process-wide communicator is installed.
+pub fn is_installed() -> bool {
+    PROCESS.read().unwrap_or_else(|e| e.into_inner()).is_some()
+}
+
+/// Binds the calling thread to `comm` until the guard drops: `DataParallel` on this thread
+/// reduces gradients over it. For ranks run as threads of one process (tests, examples);
+/// a binding of the thread wins over [`install`]'s.
+pub fn bind_thread(comm: Communicator, config: DataParallelConfig) -> BindGuard {
+    let previous = THREAD.with(|t| t.replace(Some(Replica::new(comm, config, true))));
+    BindGuard {
+        previous,
+        _not_send: PhantomData,
+    }
+}
+
+/// Restores the thread's previous binding when dropped.
+pub struct BindGuard {
+    previous: Option<Arc<Replica>>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for BindGuard {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        THREAD.with(|t| *t.borrow_mut() = previous);
+    }
+}
+
+/// Gives each device of a one-process job its own rank, over an in-process group (burn-train's
+/// DDP strategy calls this through `DistributedBackend::start_communication_server`).
+pub(crate) fn bind_devices(ids: &[DeviceId], mean: bool) {
+    let comms = Communicator::in_process(ids.len(), CommConfig::default());
+    let mut config = DataParallelConfig::from_env().unwrap_or_default();
+    // One process: a panic in a worker thread is reported by burn-train.
+    config.failure = FailurePolicy::Panic;
+    let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());
+    for (id, comm) in ids.iter().zip(comms) {
+        map.insert(*id, Replica::new(comm, config.clone(), mean));
+    }
+}
+
+pub(crate) fn unbind_device(id: DeviceId) {
+    devices()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
+}
+
+/// The replica for a call on `device`: the thread's, the device's, or the process's.
+pub(crate) fn current(device: Option<DeviceId>) -> Option<Arc<Replica>> {
+    if let Some(r) = THREAD.with(|t| t.borrow().clone()) {
+        return Some(r);
+    }
+    if let Some(id) = device
+        && let Some(r) = devices().lock().unwrap_or_else(|e| e.into_inner()).get(&id)
+    {
+        return Some(r.clone());
+    }
+    PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The replica of a process that joined no job: a world of one, so that `DataParallel` is a
+/// pass-through and [`crate::no_sync`] still accumulates.
+pub(crate) fn solo() -> Arc<Replica> {
+    static SOLO: std::sync::OnceLock<Arc<Replica>> = std::sync::OnceLock::new();
+    SOLO.get_or_init(|| {
+        let comm = Communicator::in_process(1, CommConfig::default()).remove(0);
+        Replica::new(comm, DataParallelConfig::default(), true)
+    })
+    .clone()
+}

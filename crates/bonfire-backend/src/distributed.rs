@@ -1,0 +1,75 @@
+//! `DataParallel<B>`'s `DistributedBackend` impl: Burn's gradient-ready hook, routed to the
+//! synchroniser in `sync.rs`.
+
+use burn_backend::distributed::{
+    CollectiveTensor, DistributedBackend, DistributedConfig, DistributedParams, ReduceOperation,
+    TensorRef,
+};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, DeviceId, DeviceOps, TensorData, TensorMetadata};
+
+use crate::backend::DataParallel;
+use crate::{context, sync};
+
+impl<B: Backend> DistributedBackend for DataParallel<B> {
+    /// burn-train's one-process DDP: every listed device becomes a rank of an in-process group.
+    /// Under `bonfire launch` (one process per rank) this is not needed: `bonfire::init` has
+    /// installed the job's communicator.
+    fn start_communication_server(devices: &[Self::Device], config: DistributedConfig) {
+        if devices.len() > 1 {
+            let ids: Vec<DeviceId> = devices.iter().map(|d| d.id()).collect();
+            context::bind_devices(&ids, config.all_reduce_op == ReduceOperation::Mean);
+        }
+    }
+
+    fn close_communication_server(device: &Self::Device) {
+        context::unbind_device(device.id());
+    }
+
+    fn register_sync_parameters(device: &Self::Device, params: Vec<DistributedParams>) {
+        sync::begin::<B>(device, params);
+    }
+
+    fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
+        sync::gradient::<B>(tensor, params);
+    }
+
+    fn submit_sync_collective(device: &Self::Device) {
+        sync::finish::<B>(device);
+    }
+
+    /// An explicit all-reduce over the calling rank's group (the device ids are not needed: the
+    /// group is the job's). It completes before returning.
+    fn all_reduce(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        _device_ids: Vec<DeviceId>,
+    ) -> CollectiveTensor<Self> {
+        let device = B::float_device(&tensor);
+        let rep = context::current(Some(device.id())).unwrap_or_else(context::solo);
+        let shape = tensor.shape();
+        let dtype = tensor.dtype();
+        let data = match futures::executor::block_on(B::float_into_data(tensor)) {
+            Ok(d) => d.convert::<f32>(),
+            Err(e) => rep.fail(format!("all_reduce cannot read its tensor: {e}")),
+        };
+        let values = data.into_vec::<f32>().unwrap_or_default();
+        let n = values.len();
+        let op = match op {
+            ReduceOperation::Sum => bonfire_topology::ReduceOp::Sum,
+            ReduceOperation::Mean => bonfire_topology::ReduceOp::Mean,
+        };
+        let reduced = match rep.comm.all_reduce(values, op).wait() {
+            Ok(v) => v,
+            Err(e) => rep.fail(format!("all_reduce of {n} elements: {e}")),
+        };
+        let mut data = TensorData::new(reduced, shape);
+        if dtype != DType::F32 {
+            data = data.convert_dtype(dtype);
+        }
+        CollectiveTensor::new(B::float_from_data(data, &device))
+    }
+
+    /// Nothing to wait for: [`DistributedBackend::all_reduce`] completes before it returns.
+    fn sync_collective(_device: &Self::Device) {}
+}

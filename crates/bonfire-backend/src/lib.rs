@@ -1,0 +1,51 @@
+//! Burn backend decorators for distributed training.
+//!
+//! [`DataParallel<B>`] is the data-parallel decorator: a Burn 0.21 project that trains on
+//! `Autodiff<B>` trains data-parallel on `Autodiff<DataParallel<B>>`, with gradients averaged
+//! across ranks in buckets while backward is still running.
+//!
+//! ```ignore
+//! type B = Autodiff<DataParallel<Flex>>;          // was Autodiff<Flex>
+//! let world = bonfire::init()?;                    // joins the job, installs its communicator
+//! let model = bonfire::replicate(model);           // rank 0's parameters on every rank
+//! // ... the usual loop: forward, loss.backward(), optimizer step ...
+//! ```
+//!
+//! # What a build must enable
+//!
+//! This crate turns on Burn's `distributed` feature (the gradient-ready hook in `burn-autodiff`,
+//! and parameter marking in `burn-optim`). Cargo unifies features, so in a build that contains
+//! bonfire, `Autodiff<Flex>` and `Autodiff<NdArray>` are no longer autodiff backends: Burn 0.21
+//! then asks every autodiff backend's inner backend to implement `DistributedBackend`, which only
+//! the CubeCL backends, Fusion and `DataParallel` do. Wrap every backend you differentiate through
+//! in `DataParallel` (at world size 1 it is a pass-through that computes exactly what `B` does).
+
+mod backend;
+mod context;
+mod convert;
+mod distributed;
+mod passthrough;
+mod replicate;
+mod sampler;
+mod stats;
+mod sync;
+
+pub use backend::DataParallel;
+pub use context::{
+    BindGuard, DataParallelConfig, FailurePolicy, GradDType, bind_thread, install, is_installed,
+};
+pub use replicate::{accumulate, replicate};
+pub use sampler::DistributedSampler;
+pub use stats::{StepStats, last_step_stats, total_stats};
+
+#[cfg(test)]
+mod send_sync {
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn user_types_are_send_and_sync() {
+        assert_send_sync::<crate::DataParallelConfig>();
+        assert_send_sync::<crate::StepStats>();
+        assert_send_sync::<crate::DistributedSampler>();
+    }
+}

@@ -1,0 +1,154 @@
+//! Start every rank from the same parameters, and tell the synchroniser the model's parameters.
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use burn_backend::DeviceOps;
+use burn_backend::distributed::DistributedParamId;
+
+use crate::context::{self, Replica};
+use crate::sync::ParamInfo;
+use std::sync::Arc;
+
+/// Makes `module` a replica of rank 0's, as the constructor of PyTorch's
+/// `DistributedDataParallel` does: every float parameter (values and id) is broadcast from rank 0,
+/// marked for gradient synchronisation, and registered with `DataParallel` in module order, which
+/// is the order buckets are planned in. Call it on every rank, after [`bonfire::init`] and before
+/// the first forward pass; call it again after loading a checkpoint on rank 0 only.
+///
+/// At world size 1 it only marks and registers the parameters.
+///
+/// A rank whose model differs (another architecture, other shapes) fails with an error naming
+/// it, on every rank (see [`crate::FailurePolicy`]).
+///
+/// [`bonfire::init`]: https://docs.rs/bonfire
+pub fn replicate<B, M>(module: M) -> M
+where
+    B: AutodiffBackend,
+    M: Module<B>,
+{
+    let mut mapper = Replicator {
+        rep: None,
+        params: Vec::new(),
+        path: Vec::new(),
+        broadcast: true,
+    };
+    let module = module.map(&mut mapper);
+    if let Some(rep) = mapper.rep {
+        rep.state().set_params(mapper.params);
+    }
+    module
+}
+
+/// Gradient accumulation without synchronisation, as PyTorch DDP's `no_sync()`: runs
+/// `loss.backward()` and keeps the gradients on this rank, adding them to those of earlier
+/// `accumulate` calls, without communicating. The next ordinary `loss.backward()` all-reduces the
+/// **sum** of its own gradients and every accumulated one, so one all-reduce serves `n`
+/// micro-batches:
+///
+/// ```ignore
+/// for (i, batch) in micro_batches.iter().enumerate() {
+///     let loss = model.forward(batch) / n as f32;           // scaled as for one big batch
+///     if i + 1 < n {
+///         model = bonfire::accumulate(model, loss);       // no communication
+///     } else {
+///         let grads = loss.backward();                    // sum of all n, averaged over ranks
+///         model = optim.step(lr, model, GradientsParams::from_grads(grads, &model));
+///     }
+/// }
+/// ```
+///
+/// Returns the model with its parameters marked again for synchronisation (Burn's autodiff
+/// consumes the marks in every backward; optimizers renew them, `accumulate` does for the steps
+/// in between). Calling `loss.backward()` twice between optimizer steps without it would leave
+/// the second backward unsynchronised.
+pub fn accumulate<B, M>(module: M, loss: Tensor<B, 1>) -> M
+where
+    B: AutodiffBackend,
+    M: Module<B>,
+{
+    {
+        let _quiet = crate::sync::no_sync();
+        drop(loss.backward());
+    }
+    let mut mapper = Replicator {
+        rep: None,
+        params: Vec::new(),
+        path: Vec::new(),
+        broadcast: false,
+    };
+    module.map(&mut mapper)
+}
+
+struct Replicator {
+    rep: Option<Arc<Replica>>,
+    params: Vec<ParamInfo>,
+    path: Vec<String>,
+    /// Broadcast rank 0's values and ids (`replicate`), or only mark again (`accumulate`).
+    broadcast: bool,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !self.broadcast {
+            let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let device = tensor.device();
+        let rep = self
+            .rep
+            .get_or_insert_with(|| {
+                context::current(Some(device.id())).unwrap_or_else(context::solo)
+            })
+            .clone();
+        let require_grad = tensor.is_require_grad();
+        let name = self.path.join(".");
+        let numel = tensor.shape().num_elements();
+        let (id, tensor) = if rep.comm.size() > 1 {
+            let data = tensor.into_data();
+            let (shape, dtype) = (data.shape.clone(), data.dtype);
+            let ids = rep
+                .comm
+                .broadcast(vec![id.val() as i64], 0)
+                .wait()
+                .unwrap_or_else(|e| rep.fail(format!("broadcasting parameter {name}'s id: {e}")));
+            let bytes = rep
+                .comm
+                .broadcast(data.into_bytes().to_vec(), 0)
+                .wait()
+                .unwrap_or_else(|e| {
+                    rep.fail(format!(
+                        "broadcasting parameter {name} ({numel} elements, shape {shape:?}): {e}"
+                    ))
+                });
+            let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+            (
+                ParamId::from(ids[0] as u64),
+                Tensor::from_data(data, &device),
+            )
+        } else {
+            (id, tensor.detach())
+        };
+        let tensor = if require_grad {
+            tensor.require_grad()
+        } else {
+            tensor
+        };
+        let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
+        self.params.push(ParamInfo {
+            id: id.val(),
+            numel: Some(numel),
+            name,
+        });
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}

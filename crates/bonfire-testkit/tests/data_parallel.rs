@@ -1,0 +1,186 @@
+//! `Autodiff<DataParallel<Flex>>` against single-rank training, with ranks as threads of this
+//! process over the in-process transport. N ranks with batch b each must end with the same
+//! parameters as one rank with batch N x b, after K optimizer steps (f32, max abs difference at
+//! most 1e-5), and two runs must agree bit for bit.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bonfire::backend::{DataParallelConfig, FailurePolicy, GradDType, bind_thread};
+use bonfire::collectives::{CommConfig, Communicator};
+use bonfire_testkit::nets::{
+    Batch, DpFlex, Net, SmallCnn, SmallTransformer, max_abs_diff, parameters, random_batches,
+    seeded, train,
+};
+use bonfire_testkit::run_ranks;
+use burn::module::AutodiffModule;
+
+type Device = burn::backend::flex::FlexDevice;
+type Params = Vec<Vec<f32>>;
+
+const STEPS: usize = 3;
+const TOLERANCE: f32 = 1e-5;
+
+fn config() -> DataParallelConfig {
+    DataParallelConfig {
+        failure: FailurePolicy::Panic,
+        ..DataParallelConfig::default()
+    }
+}
+
+fn comm_config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(20),
+        ..CommConfig::default()
+    }
+}
+
+/// One rank, whole batches, `micro` micro-batches per step.
+fn single<M>(make: fn(&Device) -> M, batches: &[Batch], micro: usize) -> Params
+where
+    M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
+{
+    let device = Device::default();
+    // A world of one of this thread's own, so that tests running side by side share nothing.
+    let _bind = bind_thread(
+        Communicator::in_process(1, comm_config()).remove(0),
+        config(),
+    );
+    let model = seeded::<DpFlex, _>(1, &device, make);
+    let model = bonfire::replicate(model);
+    parameters(&train(model, batches, micro, &device).0)
+}
+
+/// `world` ranks as threads, each on its slice of every batch. Rank 0's model starts from the
+/// single-rank run's seed; the others from other seeds (replicate must copy rank 0's).
+fn data_parallel<M>(
+    world: usize,
+    make: fn(&Device) -> M,
+    batches: &[Batch],
+    micro: usize,
+    dp: DataParallelConfig,
+) -> Vec<Params>
+where
+    M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
+{
+    let device = Device::default();
+    let models: Vec<Option<M>> = (0..world)
+        .map(|r| Some(seeded::<DpFlex, _>(1 + 1000 * r as u64, &device, make)))
+        .collect();
+    let models = Arc::new(Mutex::new(models));
+    let batches = batches.to_vec();
+    run_ranks(
+        Communicator::in_process(world, comm_config()),
+        Duration::from_secs(300),
+        move |comm| {
+            let r = comm.rank();
+            let device = Device::default();
+            let model = models.lock().unwrap()[r]
+                .take()
+                .expect("one model per rank");
+            let _bind = bind_thread(comm, dp.clone());
+            let model = bonfire::replicate(model);
+            let shard: Vec<Batch> = batches
+                .iter()
+                .map(|b| {
+                    let n = b.rows() / world;
+                    b.slice(r * n, n)
+                })
+                .collect();
+            let (model, _) = train(model, &shard, micro, &device);
+            let stats = bonfire::last_step_stats().expect("bound");
+            assert_eq!(stats.steps, 1);
+            assert!(stats.buckets >= 1 && stats.bytes > 0, "{stats:?}");
+            assert!((0.0..=1.0).contains(&stats.hidden_fraction()));
+            parameters(&model)
+        },
+    )
+}
+
+fn assert_matches(reference: &Params, ranks: &[Params], tolerance: f32, what: &str) {
+    for (r, p) in ranks.iter().enumerate() {
+        let d = max_abs_diff(reference, p);
+        assert!(
+            d <= tolerance,
+            "{what}: rank {r} differs from one rank by {d:e}"
+        );
+        // Replicas stay identical to each other, bit for bit.
+        assert_eq!(p, &ranks[0], "{what}: rank {r} drifted from rank 0");
+    }
+    // The run really trained (parameters moved from their initial values).
+    assert!(reference.iter().flatten().all(|x| x.is_finite()));
+}
+
+#[test]
+fn cnn_on_two_ranks_matches_one_rank_with_the_whole_batch() {
+    let batches = random_batches(7, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    let initial = parameters(&seeded::<DpFlex, _>(1, &Device::default(), SmallCnn::new));
+    assert!(
+        max_abs_diff(&reference, &initial) > 1e-3,
+        "training moved the parameters"
+    );
+    let ranks = data_parallel(2, SmallCnn::new, &batches, 1, config());
+    assert_matches(&reference, &ranks, TOLERANCE, "cnn, 2 ranks");
+}
+
+#[test]
+fn transformer_block_on_two_ranks_matches_one_rank() {
+    let batches = random_batches(8, STEPS, 6, SmallTransformer::<DpFlex>::FEATURES, 5);
+    let reference = single(SmallTransformer::new, &batches, 1);
+    let ranks = data_parallel(2, SmallTransformer::new, &batches, 1, config());
+    assert_matches(&reference, &ranks, TOLERANCE, "transformer, 2 ranks");
+}
+
+#[test]
+fn three_ranks_with_many_small_buckets_match_one_rank() {
+    // 256-byte buckets: every parameter in a bucket of its own or nearly, many in flight at once.
+    let batches = random_batches(9, STEPS, 12, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    let dp = DataParallelConfig {
+        bucket_cap_bytes: 256,
+        first_bucket_cap_bytes: 64,
+        ..config()
+    };
+    let ranks = data_parallel(3, SmallCnn::new, &batches, 1, dp);
+    assert_matches(&reference, &ranks, TOLERANCE, "cnn, 3 ranks, small buckets");
+}
+
+#[test]
+fn two_runs_with_the_same_seed_are_bitwise_identical() {
+    let batches = random_batches(10, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let dp = DataParallelConfig {
+        bucket_cap_bytes: 512,
+        ..config()
+    };
+    let a = data_parallel(2, SmallCnn::new, &batches, 1, dp.clone());
+    let b = data_parallel(2, SmallCnn::new, &batches, 1, dp);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn accumulation_without_sync_matches_the_whole_batch() {
+    let batches = random_batches(11, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    // Two ranks, each with two micro-batches of 2: one all-reduce per step.
+    let ranks = data_parallel(2, SmallCnn::new, &batches, 2, config());
+    assert_matches(&reference, &ranks, TOLERANCE, "2 ranks x 2 micro-batches");
+    // One rank accumulating alone gives the same (world size 1 keeps no_sync's meaning).
+    let alone = single(SmallCnn::new, &batches, 4);
+    assert!(max_abs_diff(&reference, &alone) <= TOLERANCE);
+}
+
+#[test]
+fn bf16_communication_with_error_feedback_stays_close() {
+    let batches = random_batches(12, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    let dp = DataParallelConfig {
+        grad_dtype: GradDType::Bf16,
+        ..config()
+    };
+    let ranks = data_parallel(2, SmallCnn::new, &batches, 1, dp);
+    let d = max_abs_diff(&reference, &ranks[0]);
+    assert!(d > 0.0, "bf16 rounding must show");
+    assert!(d <= 5e-3, "bf16 communication drifted by {d:e}");
+    assert_eq!(ranks[0], ranks[1]);
+}

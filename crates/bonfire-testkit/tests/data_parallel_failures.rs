@@ -1,0 +1,145 @@
+//! `DataParallel` fails loudly, on every rank, naming what went wrong: a rank with another model,
+//! a rank that stops training early, a parameter that has a gradient on some ranks only.
+
+use std::sync::{Arc, Mutex};
+
+use std::time::{Duration, Instant};
+
+use bonfire::backend::{DataParallelConfig, FailurePolicy, bind_thread};
+use bonfire::collectives::{CommConfig, Communicator};
+use bonfire_testkit::nets::{
+    DpFlex, Net, SmallCnn, SmallTransformer, random_batches, seeded, train,
+};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::{Tensor, TensorData};
+
+type Device = burn::backend::flex::FlexDevice;
+
+fn config() -> DataParallelConfig {
+    DataParallelConfig {
+        failure: FailurePolicy::Panic,
+        ..DataParallelConfig::default()
+    }
+}
+
+/// Runs `f` on two rank threads and returns each rank's panic message (None if it finished).
+fn two_ranks<F>(timeout: Duration, f: F) -> Vec<Option<String>>
+where
+    F: Fn(usize) + Send + Sync + 'static,
+{
+    let comms = Communicator::in_process(
+        2,
+        CommConfig {
+            timeout,
+            ..CommConfig::default()
+        },
+    );
+    let f = Arc::new(f);
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let _bind = bind_thread(comm, config());
+                f(r)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join().err().map(|p| {
+                p.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn a_rank_with_another_model_fails_every_rank_naming_the_parameter() {
+    let out = two_ranks(Duration::from_secs(10), |r| {
+        let device = Device::default();
+        if r == 0 {
+            let _ = bonfire::replicate(seeded::<DpFlex, _>(1, &device, SmallCnn::new));
+        } else {
+            let _ = bonfire::replicate(seeded::<DpFlex, _>(2, &device, SmallTransformer::new));
+        }
+    });
+    for (r, msg) in out.iter().enumerate() {
+        let msg = msg
+            .as_deref()
+            .unwrap_or_else(|| panic!("rank {r} did not fail"));
+        assert!(msg.contains(&format!("rank {r} of 2")), "{msg}");
+        assert!(msg.contains("weight"), "names the parameter: {msg}");
+        assert!(msg.contains("elements"), "{msg}");
+    }
+}
+
+#[test]
+fn a_rank_that_stops_early_fails_the_other_within_the_timeout() {
+    let device = Device::default();
+    let batches = random_batches(3, 3, 4, SmallCnn::<DpFlex>::FEATURES, 10);
+    let models = Arc::new(Mutex::new(vec![
+        Some(seeded::<DpFlex, _>(1, &device, SmallCnn::new)),
+        Some(seeded::<DpFlex, _>(1, &device, SmallCnn::new)),
+    ]));
+    let start = Instant::now();
+    let out = two_ranks(Duration::from_secs(3), move |r| {
+        let device = Device::default();
+        let model = models.lock().unwrap()[r].take().unwrap();
+        let model = bonfire::replicate(model);
+        // Rank 1 runs out of data after one step; rank 0 tries three.
+        let steps = if r == 1 { 1 } else { 3 };
+        let _ = train(model, &batches[..steps], 1, &device);
+    });
+    assert!(
+        out[1].is_none(),
+        "rank 1 finished its one step: {:?}",
+        out[1]
+    );
+    let msg = out[0].as_deref().expect("rank 0 must fail");
+    assert!(msg.contains("rank 1"), "names the rank that left: {msg}");
+    assert!(msg.contains("bucket"), "names the collective: {msg}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// Two heads; which ones a rank uses is up to the test.
+#[derive(Module, Debug)]
+struct TwoHeads<B: burn::tensor::backend::Backend> {
+    a: Linear<B>,
+    b: Linear<B>,
+}
+
+#[test]
+fn a_parameter_used_on_one_rank_only_is_named() {
+    let out = two_ranks(Duration::from_secs(10), |r| {
+        let device = Device::default();
+        let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
+            a: LinearConfig::new(4, 2).init(d),
+            b: LinearConfig::new(4, 2).init(d),
+        });
+        let model = bonfire::replicate(model);
+        let x = Tensor::<DpFlex, 2>::from_data(TensorData::new(vec![0.5f32; 8], [2, 4]), &device);
+        let mut y = model.a.forward(x.clone()).sum();
+        if r == 0 {
+            y = y + model.b.forward(x).sum();
+        }
+        let grads = GradientsParams::from_grads(y.backward(), &model);
+        let _ = SgdConfig::new().init().step(0.1, model, grads);
+    });
+    for msg in &out {
+        let msg = msg.as_deref().expect("both ranks fail");
+        assert!(msg.contains("b.weight") || msg.contains("b.bias"), "{msg}");
+        assert!(msg.contains("1 of 2 ranks"), "{msg}");
+    }
+}

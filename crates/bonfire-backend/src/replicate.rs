@@ -1,6 +1,7 @@
 //! Start every rank from the same parameters, and tell the synchroniser the model's parameters.
 
-use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::DeviceOps;
@@ -16,7 +17,8 @@ use std::sync::Arc;
 /// is the order buckets are planned in. Call it on every rank, after [`bonfire::init`] and before
 /// the first forward pass; call it again after loading a checkpoint on rank 0 only.
 ///
-/// At world size 1 it only marks and registers the parameters.
+/// At world size 1 it only registers the parameters, and leaves them unmarked: `DataParallel`
+/// is then a pure pass-through, with no hook in backward.
 ///
 /// A rank whose model differs (another architecture, other shapes) fails with an error naming
 /// it, on every rank (see [`crate::FailurePolicy`]).
@@ -65,12 +67,20 @@ where
 pub fn accumulate<B, M>(module: M, loss: Tensor<B, 1>) -> M
 where
     B: AutodiffBackend,
-    M: Module<B>,
+    M: AutodiffModule<B>,
 {
-    {
+    let grads = {
         let _quiet = crate::sync::no_sync();
-        drop(loss.backward());
-    }
+        loss.backward()
+    };
+    let grads = GradientsParams::from_grads(grads, &module);
+    let mut harvest = Harvest::<B> {
+        grads,
+        rep: None,
+        path: Vec::new(),
+        _backend: std::marker::PhantomData,
+    };
+    module.visit(&mut harvest);
     let mut mapper = Replicator {
         rep: None,
         params: Vec::new(),
@@ -78,6 +88,44 @@ where
         broadcast: false,
     };
     module.map(&mut mapper)
+}
+
+/// Adds each parameter's gradient to the rank's accumulated gradients.
+struct Harvest<B: AutodiffBackend> {
+    grads: GradientsParams,
+    rep: Option<Arc<Replica>>,
+    path: Vec<String>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Harvest<B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        let device = grad.device();
+        let rep = self
+            .rep
+            .get_or_insert_with(|| {
+                context::current(Some(device.id())).unwrap_or_else(context::solo)
+            })
+            .clone();
+        let values = grad
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap_or_else(|e| rep.fail(format!("cannot read a gradient as f32: {e:?}")));
+        let name = self.path.join(".");
+        rep.state().accumulate(param.id.val(), || name, &values);
+    }
 }
 
 struct Replicator {
@@ -143,7 +191,13 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
         } else {
             tensor
         };
-        let tensor = tensor.set_distributed(DistributedParamId::from(id.val()));
+        // At world size 1 the parameters stay unmarked: Burn's hook machinery costs time in
+        // every backward, and there is nothing to average (`accumulate` marks them if needed).
+        let tensor = if rep.comm.size() > 1 {
+            tensor.set_distributed(DistributedParamId::from(id.val()))
+        } else {
+            tensor
+        };
         self.params.push(ParamInfo {
             id: id.val(),
             numel: Some(numel),

@@ -28,10 +28,8 @@ thread_local! {
     static NO_SYNC: Cell<u32> = const { Cell::new(0) };
 }
 
-/// While the guard lives, backward passes on this thread accumulate their gradients on this rank
-/// without communicating; the next synchronised backward all-reduces the sum. Used by
-/// [`crate::accumulate`], which also renews the parameters' marks (Burn consumes them in each
-/// backward).
+/// While the guard lives, backward passes on this thread leave their gradients alone (no
+/// buckets, no communication). Used by [`crate::accumulate`], which takes the gradients itself.
 pub(crate) fn no_sync() -> NoSyncGuard {
     NO_SYNC.with(|c| c.set(c.get() + 1));
     NoSyncGuard {
@@ -76,7 +74,6 @@ pub(crate) struct SyncState {
 }
 
 struct Step {
-    quiet: bool,
     started: Instant,
     /// The plan this step fills; `None` when some parameter's size is not known yet (its first
     /// step): then every gradient is read at the end instead.
@@ -165,6 +162,36 @@ impl SyncState {
         self.agreed = Some(fp);
     }
 
+    /// Adds `grad` to the accumulated gradient of parameter `id` (registering it if new).
+    pub(crate) fn accumulate(&mut self, id: u64, name: impl FnOnce() -> String, grad: &[f32]) {
+        let i = match self.index.get(&id) {
+            Some(&i) => i,
+            None => {
+                let i = self.params.len();
+                self.index.insert(id, i);
+                self.params.push(ParamInfo {
+                    id,
+                    numel: Some(grad.len()),
+                    name: name(),
+                });
+                self.plan = None;
+                i
+            }
+        };
+        self.params[i].numel.get_or_insert(grad.len());
+        let n = self.params.len();
+        let accum = self.accum.get_or_insert_with(Vec::new);
+        accum.resize_with(n, Vec::new);
+        let a = &mut accum[i];
+        if a.is_empty() {
+            a.extend_from_slice(grad);
+        } else {
+            for (x, g) in a.iter_mut().zip(grad) {
+                *x += g;
+            }
+        }
+    }
+
     /// The pre-filled buffers of a step over `plan`: accumulated sums (or zeros), flags zero.
     fn fresh_buffers(&self, plan: &BucketPlan) -> Vec<Vec<f32>> {
         plan.buckets()
@@ -173,8 +200,9 @@ impl SyncState {
                 let mut buf = vec![0.0f32; b.len + b.params.len()];
                 if let Some(accum) = &self.accum {
                     for (&p, &off) in b.params.iter().zip(&b.offsets) {
-                        let a = &accum[p];
-                        buf[off..off + a.len()].copy_from_slice(a);
+                        if let Some(a) = accum.get(p) {
+                            buf[off..off + a.len()].copy_from_slice(a);
+                        }
                     }
                 }
                 buf
@@ -191,10 +219,10 @@ fn replica<D: DeviceOps>(device: &D) -> Arc<Replica> {
 /// `register_sync_parameters`: backward is starting over these parameters.
 pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParams>) {
     let rep = replica(device);
-    let quiet = quiet();
     let mut st = rep.state();
-    if rep.comm.size() == 1 && !quiet && st.accum.is_none() {
-        // Pass-through: nothing to average, nothing accumulated.
+    if quiet() || (rep.comm.size() == 1 && st.accum.is_none()) {
+        // `accumulate`'s own backward, or a pass-through: nothing to average, nothing
+        // accumulated.
         st.step = None;
         return;
     }
@@ -226,7 +254,6 @@ pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParam
     let plan = st.plan(&rep);
     let n = st.params.len();
     let mut step = Step {
-        quiet,
         started: Instant::now(),
         plan: plan.clone(),
         buffers: Vec::new(),
@@ -243,9 +270,7 @@ pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParam
             let i = st.index[&id_of(p.param_id)];
             step.remaining[plan.place(i).0] += 1;
         }
-        if !quiet {
-            launch_ready(&rep, &mut st.residual, &mut step);
-        }
+        launch_ready(&rep, &mut st.residual, &mut step);
     }
     st.step = Some(step);
 }
@@ -303,9 +328,7 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
         let flag = bucket.len + bucket.params.iter().position(|&p| p == i).unwrap_or(0);
         buf[flag] = 1.0;
         step.remaining[b] = step.remaining[b].saturating_sub(1);
-        if !step.quiet {
-            launch_ready(&rep, residual, step);
-        }
+        launch_ready(&rep, residual, step);
     }
 }
 
@@ -356,18 +379,6 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
     }
     let plan = step.plan.clone().expect("planned above");
 
-    if step.quiet {
-        // Keep the sums for the next synchronised step.
-        let mut accum: Vec<Vec<f32>> = (0..st.params.len()).map(|_| Vec::new()).collect();
-        for (b, bucket) in plan.buckets().iter().enumerate() {
-            for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
-                let n = st.params[p].numel.unwrap_or(0);
-                accum[p] = step.buffers[b][off..off + n].to_vec();
-            }
-        }
-        st.accum = Some(accum);
-        return;
-    }
     st.accum = None;
 
     for r in step.remaining.iter_mut() {

@@ -45,6 +45,10 @@ const RULES: &[(&str, &[&str])] = &[
             "bonfire-backend",
         ],
     ),
+    (
+        "bonfire-backend",
+        &["quinn", "bonfire-launch", "bonfire-cli", "bonfire-testkit"],
+    ),
 ];
 
 fn forbidden(dep: &str, rule: &str, own: &str) -> bool {

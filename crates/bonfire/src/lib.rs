@@ -88,4 +88,6 @@ pub mod book {
     pub struct Launching;
     #[doc = include_str!("../../../book/src/kernels.md")]
     pub struct Kernels;
+    #[doc = include_str!("../../../book/src/data-parallel.md")]
+    pub struct DataParallel;
 }

@@ -9,6 +9,7 @@
 //! seed) so the example needs no download; the bundled MNIST job is `bonfire train vision`.
 
 mod data;
+mod model;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,46 +19,16 @@ use bonfire::{DataParallel, DistributedSampler};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Linear, LinearConfig};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
-use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor};
 
 use data::Digits;
+use model::Cnn;
 
 type B = Autodiff<DataParallel<Flex>>; // bonfire: was Autodiff<Flex>
-
-#[derive(Module, Debug)]
-struct Cnn<B: Backend> {
-    conv1: Conv2d<B>,
-    conv2: Conv2d<B>,
-    pool: MaxPool2d,
-    head: Linear<B>,
-}
-
-impl<B: Backend> Cnn<B> {
-    fn new(device: &B::Device) -> Self {
-        Cnn {
-            conv1: Conv2dConfig::new([1, 8], [3, 3]).init(device),
-            conv2: Conv2dConfig::new([8, 16], [3, 3]).init(device),
-            pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
-            head: LinearConfig::new(16 * 5 * 5, 10).init(device),
-        }
-    }
-
-    fn forward(&self, images: Tensor<B, 3>) -> Tensor<B, 2> {
-        let [n, h, w] = images.dims();
-        let x = images.reshape([n, 1, h, w]);
-        let x = self.pool.forward(relu(self.conv1.forward(x))); // 28 -> 26 -> 13
-        let x = self.pool.forward(relu(self.conv2.forward(x))); // 13 -> 11 -> 5
-        self.head.forward(x.reshape([n, 16 * 5 * 5]))
-    }
-}
 
 struct Args {
     epochs: u64,
@@ -158,14 +129,19 @@ fn main() -> ExitCode {
             let seen = count * args.batch * size;
             let acc = accuracy(&model, &test, &device);
             let s = bonfire::total_stats().unwrap_or_default();
+            let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
             println!(
                 "epoch {}: loss {:.4}, test accuracy {:.2}%, {:.0} images/s over {size} ranks, \
-                 communication {:.0}% hidden by backward",
+                 communication {:.0}% hidden by backward ({:.2} ms/step backward, {:.2} ms/step \
+                 communication, {:.2} ms/step exposed)",
                 epoch + 1,
                 sum / count.max(1) as f32,
                 100.0 * acc,
                 seen as f64 / secs,
                 100.0 * s.hidden_fraction(),
+                per_step(s.backward),
+                per_step(s.communication),
+                per_step(s.exposed),
             );
         }
     }

@@ -69,8 +69,14 @@ impl DataParallelConfig {
     /// and `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`). A malformed value is an error naming the
     /// variable.
     pub fn from_env() -> Result<Self, String> {
+        let cap = std::env::var("BONFIRE_BUCKET_CAP_MB").ok();
+        let dtype = std::env::var("BONFIRE_GRAD_DTYPE").ok();
+        Self::from_vars(cap.as_deref(), dtype.as_deref())
+    }
+
+    fn from_vars(cap: Option<&str>, dtype: Option<&str>) -> Result<Self, String> {
         let mut config = DataParallelConfig::default();
-        if let Ok(v) = std::env::var("BONFIRE_BUCKET_CAP_MB") {
+        if let Some(v) = cap {
             match v.trim().parse::<f64>() {
                 Ok(mb) if mb > 0.0 && mb.is_finite() => {
                     config.bucket_cap_bytes = ((mb * 1048576.0) as usize).max(4);
@@ -84,7 +90,7 @@ impl DataParallelConfig {
                 }
             }
         }
-        if let Ok(v) = std::env::var("BONFIRE_GRAD_DTYPE") {
+        if let Some(v) = dtype {
             config.grad_dtype = match v.trim().to_ascii_lowercase().as_str() {
                 "f32" | "float32" => GradDType::F32,
                 "bf16" | "bfloat16" => GradDType::Bf16,
@@ -238,4 +244,63 @@ pub(crate) fn solo() -> Arc<Replica> {
         Replica::new(comm, DataParallelConfig::default(), true)
     })
     .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_bound_device_is_its_own_rank_and_threads_win() {
+        let ids = [
+            DeviceId {
+                type_id: 90,
+                index_id: 0,
+            },
+            DeviceId {
+                type_id: 90,
+                index_id: 1,
+            },
+        ];
+        bind_devices(&ids, true);
+        let r0 = current(Some(ids[0])).expect("bound");
+        let r1 = current(Some(ids[1])).expect("bound");
+        assert_eq!((r0.comm.rank(), r1.comm.rank()), (0, 1));
+        assert_eq!(r0.comm.size(), 2);
+        assert!(r0.mean && r0.config.failure == FailurePolicy::Panic);
+        {
+            let _t = bind_thread(
+                Communicator::in_process(1, CommConfig::default()).remove(0),
+                DataParallelConfig::default(),
+            );
+            assert_eq!(current(Some(ids[1])).unwrap().comm.size(), 1);
+        }
+        assert_eq!(current(Some(ids[1])).unwrap().comm.rank(), 1);
+        unbind_device(ids[0]);
+        unbind_device(ids[1]);
+        assert!(
+            current(Some(ids[0])).is_none_or(|r| r.comm.size() != 2),
+            "unbound devices fall back to the process's communicator"
+        );
+    }
+
+    #[test]
+    fn settings_are_parsed_and_bad_values_name_their_variable() {
+        let c = DataParallelConfig::from_vars(Some("0.5"), Some("BF16")).unwrap();
+        assert_eq!(c.bucket_cap_bytes, 1 << 19);
+        assert_eq!(c.first_bucket_cap_bytes, 1 << 19);
+        assert_eq!(c.grad_dtype, GradDType::Bf16);
+        assert_eq!(
+            DataParallelConfig::from_vars(None, None).unwrap(),
+            DataParallelConfig::default()
+        );
+        for (cap, dtype, var) in [
+            (Some("-1"), None, "BONFIRE_BUCKET_CAP_MB"),
+            (Some("lots"), None, "BONFIRE_BUCKET_CAP_MB"),
+            (None, Some("fp8"), "BONFIRE_GRAD_DTYPE"),
+        ] {
+            let err = DataParallelConfig::from_vars(cap, dtype).unwrap_err();
+            assert!(err.starts_with(var), "{err}");
+        }
+    }
 }

@@ -81,9 +81,37 @@ struct Step {
     buffers: Vec<Vec<f32>>,
     remaining: Vec<usize>,
     launched: Vec<Inflight>,
+    agreement: Option<Agreement>,
     /// `Vec<Option<GradRef<B>>>` by parameter index.
     refs: Box<dyn Any + Send>,
     bytes: u64,
+}
+
+/// A bucket-plan check in flight (see [`SyncState::agree`]).
+struct Agreement {
+    work: bonfire_collectives::Work<Vec<i64>>,
+    params: usize,
+    elements: usize,
+}
+
+impl Agreement {
+    /// Waits for every rank's plan fingerprint; fails naming the ranks that differ from rank 0.
+    fn check(self, rep: &Replica) {
+        let all = match self.work.wait() {
+            Ok(all) => all,
+            Err(e) => rep.fail(format!("while checking the bucket plan: {e}")),
+        };
+        let differ: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
+        if !differ.is_empty() {
+            rep.fail(format!(
+                "ranks {differ:?} have different parameters or bucket settings than rank 0 \
+                 ({} parameters, {} elements, bucket cap {} bytes, {:?} here). Every rank must \
+                 build the same model and call bonfire::replicate(model) before training, with \
+                 the same BONFIRE_BUCKET_CAP_MB and BONFIRE_GRAD_DTYPE",
+                self.params, self.elements, rep.config.bucket_cap_bytes, rep.config.grad_dtype,
+            ));
+        }
+    }
 }
 
 struct Inflight {
@@ -127,8 +155,12 @@ impl SyncState {
         self.plan.clone()
     }
 
-    /// Checks, once per plan, that every rank planned the same buckets over the same parameters.
-    fn agree(&mut self, rep: &Replica) {
+    /// Starts, once per plan, the check that every rank planned the same buckets over the same
+    /// parameters: an all-gather of the plan's fingerprint, finished by [`Agreement::check`].
+    /// It does not wait: Burn runs the first two hooks under its autodiff graph lock, which other
+    /// ranks of the same process take after every backward, so waiting here on a peer could
+    /// deadlock ranks run as threads.
+    fn agree(&mut self, rep: &Replica) -> Option<Agreement> {
         let mut words = vec![
             rep.config.bucket_cap_bytes as u64,
             rep.config.grad_dtype as u64,
@@ -138,28 +170,13 @@ impl SyncState {
             words.push(p.numel.unwrap_or(u64::MAX as usize) as u64);
         }
         let fp = stable_hash(&words);
-        if self.agreed == Some(fp) || rep.comm.size() == 1 {
-            self.agreed = Some(fp);
-            return;
-        }
-        let all = match rep.comm.all_gather(vec![fp as i64]).wait() {
-            Ok(all) => all,
-            Err(e) => rep.fail(format!("while checking the bucket plan: {e}")),
-        };
-        let differ: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
-        if !differ.is_empty() {
-            rep.fail(format!(
-                "ranks {differ:?} have different parameters or bucket settings than rank 0 \
-                 ({} parameters, {} elements, bucket cap {} bytes, {:?} here). Every rank must \
-                 build the same model and call bonfire::replicate(model) before training, with \
-                 the same BONFIRE_BUCKET_CAP_MB and BONFIRE_GRAD_DTYPE",
-                self.params.len(),
-                self.params.iter().filter_map(|p| p.numel).sum::<usize>(),
-                rep.config.bucket_cap_bytes,
-                rep.config.grad_dtype,
-            ));
-        }
+        let first = self.agreed != Some(fp);
         self.agreed = Some(fp);
+        (first && rep.comm.size() > 1).then(|| Agreement {
+            work: rep.comm.all_gather(vec![fp as i64]),
+            params: self.params.len(),
+            elements: self.params.iter().filter_map(|p| p.numel).sum(),
+        })
     }
 
     /// Adds `grad` to the accumulated gradient of parameter `id` (registering it if new).
@@ -259,11 +276,12 @@ pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParam
         buffers: Vec::new(),
         remaining: Vec::new(),
         launched: Vec::new(),
+        agreement: None,
         refs: Box::new((0..n).map(|_| None).collect::<Vec<Option<GradRef<B>>>>()),
         bytes: 0,
     };
     if let Some(plan) = &plan {
-        st.agree(&rep);
+        step.agreement = st.agree(&rep);
         step.buffers = st.fresh_buffers(plan);
         step.remaining = vec![0; plan.buckets().len()];
         for p in &params {
@@ -319,14 +337,7 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
         dtype,
     });
     if let Some(plan) = step.plan.clone() {
-        let (b, off) = plan.place(i);
-        let bucket = &plan.buckets()[b];
-        let buf = &mut step.buffers[b];
-        for (dst, g) in buf[off..off + n].iter_mut().zip(&grad) {
-            *dst += g;
-        }
-        let flag = bucket.len + bucket.params.iter().position(|&p| p == i).unwrap_or(0);
-        buf[flag] = 1.0;
+        let b = add_to_bucket(&plan, &mut step.buffers, i, &grad);
         step.remaining[b] = step.remaining[b].saturating_sub(1);
         launch_ready(&rep, residual, step);
     }
@@ -359,20 +370,13 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
                  bonfire::replicate(model) before training so sizes are known up front"
             ));
         };
-        st.agree(&rep);
+        step.agreement = st.agree(&rep);
         step.buffers = st.fresh_buffers(&plan);
         step.remaining = vec![0; plan.buckets().len()];
         for (i, r) in refs.iter().enumerate() {
             if let Some(r) = r {
                 let grad = read::<B>(&rep, &r.tensor);
-                let (b, off) = plan.place(i);
-                let bucket = &plan.buckets()[b];
-                let buf = &mut step.buffers[b];
-                for (dst, g) in buf[off..off + grad.len()].iter_mut().zip(&grad) {
-                    *dst += g;
-                }
-                let flag = bucket.len + bucket.params.iter().position(|&p| p == i).unwrap_or(0);
-                buf[flag] = 1.0;
+                add_to_bucket(&plan, &mut step.buffers, i, &grad);
             }
         }
         step.plan = Some(plan);
@@ -389,6 +393,10 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
     } = &mut *st;
     launch_ready(&rep, residual, &mut step);
 
+    // Outside Burn's graph lock now: safe to wait on peers.
+    if let Some(agreement) = step.agreement.take() {
+        agreement.check(&rep);
+    }
     let world = rep.comm.size();
     let mut intervals = Vec::with_capacity(step.launched.len());
     for (b, inflight) in step.launched.drain(..).enumerate() {
@@ -447,6 +455,19 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
     };
     drop(st);
     rep.record(stats);
+}
+
+/// Adds parameter `i`'s gradient into its place in its bucket and raises its presence flag.
+/// Returns the bucket.
+fn add_to_bucket(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize, grad: &[f32]) -> usize {
+    let (b, off) = plan.place(i);
+    let bucket = &plan.buckets()[b];
+    let buf = &mut buffers[b];
+    for (dst, g) in buf[off..off + grad.len()].iter_mut().zip(grad) {
+        *dst += g;
+    }
+    buf[bucket.len + plan.slot(i)] = 1.0;
+    b
 }
 
 /// Starts, in bucket order, every bucket whose gradients have all arrived.

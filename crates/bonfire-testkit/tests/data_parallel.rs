@@ -184,3 +184,49 @@ fn bf16_communication_with_error_feedback_stays_close() {
     assert!(d <= 5e-3, "bf16 communication drifted by {d:e}");
     assert_eq!(ranks[0], ranks[1]);
 }
+
+/// What burn-train's DDP does to each replica: `fork` (a copy of every parameter on the worker's
+/// device, same ids) and `ModuleSharder` (marks every parameter with its own id). No broadcast,
+/// no registration with bonfire: sizes are learned in the first backward.
+struct Sharder;
+impl burn::module::ModuleMapper<DpFlex> for Sharder {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<burn::tensor::Tensor<DpFlex, D>>,
+    ) -> burn::module::Param<burn::tensor::Tensor<DpFlex, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let tensor =
+            burn::tensor::Tensor::from_data(tensor.into_data(), &Device::default()).require_grad();
+        let tensor = tensor.set_distributed(
+            burn::tensor::backend::distributed::DistributedParamId::from(id.val()),
+        );
+        burn::module::Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+#[test]
+fn parameters_marked_elsewhere_are_planned_after_their_first_backward() {
+    use burn::module::Module;
+    let batches = random_batches(13, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    // Clones of one model (same ids on every rank, as burn-train's DDP makes them). Clones share
+    // their autodiff nodes, so each rank copies its parameters first, as `fork` does.
+    let model = seeded::<DpFlex, _>(1, &Device::default(), SmallCnn::new);
+    let models = Arc::new(Mutex::new(vec![Some(model.clone()), Some(model)]));
+    let shards: Vec<Vec<Batch>> = (0..2)
+        .map(|r| batches.iter().map(|b| b.slice(r * 4, 4)).collect())
+        .collect();
+    let ranks = run_ranks(
+        Communicator::in_process(2, comm_config()),
+        Duration::from_secs(300),
+        move |comm| {
+            let r = comm.rank();
+            let model = models.lock().unwrap()[r].take().unwrap();
+            let _bind = bind_thread(comm, config());
+            let model = model.map(&mut Sharder);
+            let (model, _) = train(model, &shards[r], 1, &Device::default());
+            parameters(&model)
+        },
+    );
+    assert_matches(&reference, &ranks, TOLERANCE, "marked by a sharder");
+}

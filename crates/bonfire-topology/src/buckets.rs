@@ -26,7 +26,7 @@ pub struct Bucket {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketPlan {
     buckets: Vec<Bucket>,
-    place: Vec<(usize, usize)>,
+    place: Vec<(usize, usize, usize)>,
 }
 
 impl BucketPlan {
@@ -68,10 +68,10 @@ impl BucketPlan {
         if !current.params.is_empty() {
             buckets.push(current);
         }
-        let mut place = vec![(usize::MAX, 0); numels.len()];
+        let mut place = vec![(usize::MAX, 0, 0); numels.len()];
         for (b, bucket) in buckets.iter().enumerate() {
-            for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
-                place[p] = (b, off);
+            for (k, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+                place[p] = (b, off, k);
             }
         }
         BucketPlan { buckets, place }
@@ -84,7 +84,13 @@ impl BucketPlan {
 
     /// The bucket and element offset of parameter `p` (module order).
     pub fn place(&self, p: usize) -> (usize, usize) {
-        self.place[p]
+        let (b, off, _) = self.place[p];
+        (b, off)
+    }
+
+    /// Parameter `p`'s position among its bucket's parameters.
+    pub fn slot(&self, p: usize) -> usize {
+        self.place[p].2
     }
 
     /// Parameters planned.
@@ -106,6 +112,8 @@ mod tests {
         // then [2, 1, 0]? 1 + 1 + 3 = 5 > 4, so [2, 1], [0].
         assert_eq!(got, vec![vec![5], vec![4], vec![3], vec![2, 1], vec![0]]);
         assert_eq!(plan.place(1), (3, 1));
+        assert_eq!(plan.slot(1), 1);
+        assert_eq!(plan.slot(2), 0);
         assert_eq!(plan.buckets()[3].len, 2);
         for (p, &n) in [3usize, 1, 1, 10, 2, 1].iter().enumerate() {
             let (b, off) = plan.place(p);

@@ -35,4 +35,3 @@ impl<B: Backend> Cnn<B> {
         self.head.forward(x.reshape([n, 16 * 5 * 5]))
     }
 }
-

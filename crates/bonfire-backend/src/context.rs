@@ -206,7 +206,10 @@ impl Drop for BindGuard {
 /// DDP strategy calls this through `DistributedBackend::start_communication_server`).
 pub(crate) fn bind_devices(ids: &[DeviceId], mean: bool) {
     let comms = Communicator::in_process(ids.len(), CommConfig::default());
-    let mut config = DataParallelConfig::from_env().unwrap_or_default();
+    let mut config = DataParallelConfig::from_env().unwrap_or_else(|e| {
+        eprintln!("bonfire: {e}; using the default data-parallel settings");
+        DataParallelConfig::default()
+    });
     // One process: a panic in a worker thread is reported by burn-train.
     config.failure = FailurePolicy::Panic;
     let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());

@@ -173,11 +173,6 @@ pub fn install(comm: Communicator, config: DataParallelConfig) {
     *PROCESS.write().unwrap_or_else(|e| e.into_inner()) = Some(Replica::new(comm, config, true));
 }
 
-/// Whether a process-wide communicator is installed.
-pub fn is_installed() -> bool {
-    PROCESS.read().unwrap_or_else(|e| e.into_inner()).is_some()
-}
-
 /// Binds the calling thread to `comm` until the guard drops: `DataParallel` on this thread
 /// reduces gradients over it. For ranks run as threads of one process (tests, examples);
 /// a binding of the thread wins over [`install`]'s.
@@ -238,9 +233,14 @@ pub(crate) fn current(device: Option<DeviceId>) -> Option<Arc<Replica>> {
     PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// The replica for a call on `device`: [`current`]'s, or a world of one.
+pub(crate) fn for_device<D: burn_backend::DeviceOps>(device: &D) -> Arc<Replica> {
+    current(Some(device.id())).unwrap_or_else(solo)
+}
+
 /// The replica of a process that joined no job: a world of one, so that `DataParallel` is a
 /// pass-through and [`crate::no_sync`] still accumulates.
-pub(crate) fn solo() -> Arc<Replica> {
+fn solo() -> Arc<Replica> {
     static SOLO: std::sync::OnceLock<Arc<Replica>> = std::sync::OnceLock::new();
     SOLO.get_or_init(|| {
         let comm = Communicator::in_process(1, CommConfig::default()).remove(0);

@@ -6,7 +6,7 @@ use burn_backend::distributed::{
     TensorRef,
 };
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DType, DeviceId, DeviceOps, TensorData, TensorMetadata};
+use burn_backend::{Backend, DeviceId, DeviceOps, TensorMetadata};
 
 use crate::backend::DataParallel;
 use crate::{context, sync};
@@ -46,14 +46,9 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
         _device_ids: Vec<DeviceId>,
     ) -> CollectiveTensor<Self> {
         let device = B::float_device(&tensor);
-        let rep = context::current(Some(device.id())).unwrap_or_else(context::solo);
-        let shape = tensor.shape();
-        let dtype = tensor.dtype();
-        let data = match futures::executor::block_on(B::float_into_data(tensor)) {
-            Ok(d) => d.convert::<f32>(),
-            Err(e) => rep.fail(format!("all_reduce cannot read its tensor: {e}")),
-        };
-        let values = data.into_vec::<f32>().unwrap_or_default();
+        let rep = context::for_device(&device);
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        let values = sync::to_host::<B>(&rep, tensor, "all_reduce's tensor");
         let n = values.len();
         let op = match op {
             ReduceOperation::Sum => bonfire_topology::ReduceOp::Sum,
@@ -63,11 +58,7 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
             Ok(v) => v,
             Err(e) => rep.fail(format!("all_reduce of {n} elements: {e}")),
         };
-        let mut data = TensorData::new(reduced, shape);
-        if dtype != DType::F32 {
-            data = data.convert_dtype(dtype);
-        }
-        CollectiveTensor::new(B::float_from_data(data, &device))
+        CollectiveTensor::new(sync::from_host::<B>(reduced, shape, dtype, &device))
     }
 
     /// Nothing to wait for: [`DistributedBackend::all_reduce`] completes before it returns.

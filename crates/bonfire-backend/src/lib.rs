@@ -31,9 +31,7 @@ mod stats;
 mod sync;
 
 pub use backend::DataParallel;
-pub use context::{
-    BindGuard, DataParallelConfig, FailurePolicy, GradDType, bind_thread, install, is_installed,
-};
+pub use context::{BindGuard, DataParallelConfig, FailurePolicy, GradDType, bind_thread, install};
 pub use replicate::{accumulate, replicate};
 pub use sampler::DistributedSampler;
 pub use stats::{StepStats, last_step_stats, total_stats};

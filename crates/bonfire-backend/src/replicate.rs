@@ -4,7 +4,6 @@ use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, P
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
-use burn_backend::DeviceOps;
 use burn_backend::distributed::DistributedParamId;
 
 use crate::context::{self, Replica};
@@ -114,9 +113,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Harvest<B> {
         let device = grad.device();
         let rep = self
             .rep
-            .get_or_insert_with(|| {
-                context::current(Some(device.id())).unwrap_or_else(context::solo)
-            })
+            .get_or_insert_with(|| context::for_device(&device))
             .clone();
         let values = grad
             .into_data()
@@ -154,9 +151,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
         let device = tensor.device();
         let rep = self
             .rep
-            .get_or_insert_with(|| {
-                context::current(Some(device.id())).unwrap_or_else(context::solo)
-            })
+            .get_or_insert_with(|| context::for_device(&device))
             .clone();
         let require_grad = tensor.is_require_grad();
         let name = self.path.join(".");

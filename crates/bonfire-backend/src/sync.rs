@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use bonfire_collectives::{CollectiveError, runtime};
 use bonfire_topology::{BucketPlan, ReduceOp, stable_hash};
 use burn_backend::distributed::{DistributedParams, TensorRef};
-use burn_backend::{Backend, DType, DeviceOps, Shape, TensorData};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, Shape, TensorData};
 use half::bf16;
 use tokio::task::JoinHandle;
 
@@ -228,14 +229,9 @@ impl SyncState {
     }
 }
 
-/// Where the calling rank's state is, for a call on `device`.
-fn replica<D: DeviceOps>(device: &D) -> Arc<Replica> {
-    context::current(Some(device.id())).unwrap_or_else(context::solo)
-}
-
 /// `register_sync_parameters`: backward is starting over these parameters.
 pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParams>) {
-    let rep = replica(device);
+    let rep = context::for_device(device);
     let mut st = rep.state();
     if quiet() || (rep.comm.size() == 1 && st.accum.is_none()) {
         // `accumulate`'s own backward, or a pass-through: nothing to average, nothing
@@ -298,7 +294,7 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
     // SAFETY: Burn hands us a pointer into its gradient container, valid and not otherwise
     // accessed until backward returns.
     let device = B::float_device(unsafe { &*tensor.0 });
-    let rep = replica(&device);
+    let rep = context::for_device(&device);
     let mut st = rep.state();
     let SyncState {
         index,
@@ -345,7 +341,7 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
 
 /// `submit_sync_collective`: backward is done; finish every bucket and write the averages back.
 pub(crate) fn finish<B: Backend>(device: &B::Device) {
-    let rep = replica(device);
+    let rep = context::for_device(device);
     let mut st = rep.state();
     let Some(mut step) = st.step.take() else {
         return;
@@ -431,11 +427,7 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
             }
             if let Some(r) = refs[p].take() {
                 let n = r.shape.num_elements();
-                let mut data = TensorData::new(reduced[off..off + n].to_vec(), r.shape);
-                if r.dtype != DType::F32 {
-                    data = data.convert_dtype(r.dtype);
-                }
-                let t = B::float_from_data(data, device);
+                let t = from_host::<B>(reduced[off..off + n].to_vec(), r.shape, r.dtype, device);
                 // SAFETY: as in `gradient`; backward has not returned yet.
                 unsafe { *r.tensor.0 = t };
             }
@@ -527,10 +519,14 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
 /// Reads a gradient to host memory as f32.
 fn read<B: Backend>(rep: &Replica, tensor: &TensorRef<DataParallel<B>>) -> Vec<f32> {
     // SAFETY: see `gradient`.
-    let t = unsafe { (*tensor.0).clone() };
+    to_host::<B>(rep, unsafe { (*tensor.0).clone() }, "a gradient")
+}
+
+/// A float tensor's values in host memory, as f32 (`what` names it in errors).
+pub(crate) fn to_host<B: Backend>(rep: &Replica, t: FloatTensor<B>, what: &str) -> Vec<f32> {
     let data = match futures::executor::block_on(B::float_into_data(t)) {
         Ok(d) => d,
-        Err(e) => rep.fail(format!("cannot read a gradient from the device: {e}")),
+        Err(e) => rep.fail(format!("cannot read {what} from the device: {e}")),
     };
     let data = if data.dtype == DType::F32 {
         data
@@ -539,8 +535,22 @@ fn read<B: Backend>(rep: &Replica, tensor: &TensorRef<DataParallel<B>>) -> Vec<f
     };
     match data.into_vec::<f32>() {
         Ok(v) => v,
-        Err(e) => rep.fail(format!("cannot read a gradient as f32: {e:?}")),
+        Err(e) => rep.fail(format!("cannot read {what} as f32: {e:?}")),
     }
+}
+
+/// A float tensor of `shape` and `dtype` on `device`, from f32 values.
+pub(crate) fn from_host<B: Backend>(
+    values: Vec<f32>,
+    shape: Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    let mut data = TensorData::new(values, shape);
+    if dtype != DType::F32 {
+        data = data.convert_dtype(dtype);
+    }
+    B::float_from_data(data, device)
 }
 
 /// The number inside a parameter id (Burn keeps it private; it is serialised as the bare number).

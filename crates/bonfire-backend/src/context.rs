@@ -139,11 +139,14 @@ impl Replica {
 
     /// Reports a synchronisation failure according to the policy. Never returns.
     pub(crate) fn fail(&self, message: impl std::fmt::Display) -> ! {
-        let message = format!(
+        self.stop(format!(
             "bonfire: data-parallel gradient sync failed on rank {} of {}: {message}",
             self.comm.world_rank().0,
             self.comm.size()
-        );
+        ))
+    }
+
+    fn stop(&self, message: String) -> ! {
         match self.config.failure {
             FailurePolicy::Exit => {
                 eprintln!("{message}");
@@ -154,14 +157,39 @@ impl Replica {
     }
 }
 
+/// Stops this rank's part of the job with `message` (prefixed with the rank), as a failed
+/// gradient synchronisation would: by the [`FailurePolicy`] of the communicator
+/// [`communicator`] returns for `device` (under `bonfire launch`: the message on standard error
+/// and exit status 1, which makes the launcher stop the other ranks). For training loops that
+/// find the ranks disagree (different data set sizes, a checkpoint one rank cannot read).
+pub fn abort<D: burn_backend::DeviceOps>(device: &D, message: impl std::fmt::Display) -> ! {
+    let rep = for_device(device);
+    rep.stop(format!(
+        "bonfire: rank {} of {}: {message}",
+        rep.comm.world_rank().0,
+        rep.comm.size()
+    ))
+}
+
 static PROCESS: RwLock<Option<Arc<Replica>>> = RwLock::new(None);
 
 thread_local! {
     static THREAD: RefCell<Option<Arc<Replica>>> = const { RefCell::new(None) };
+    /// The ranks this thread claimed from shared device pools, by device.
+    static CLAIMS: RefCell<Vec<(DeviceId, Arc<Replica>)>> = const { RefCell::new(Vec::new()) };
 }
 
-fn devices() -> &'static Mutex<HashMap<DeviceId, Arc<Replica>>> {
-    static DEVICES: std::sync::OnceLock<Mutex<HashMap<DeviceId, Arc<Replica>>>> =
+/// The ranks bound to each device of a one-process job, and which of them threads have claimed.
+/// Several ranks may share one device (`vec![FlexDevice; 2]`: two replicas trained by two
+/// threads on the same CPU backend); each thread that trains on the device claims one of them.
+#[derive(Default)]
+struct DevicePool {
+    replicas: Vec<Arc<Replica>>,
+    claimed: usize,
+}
+
+fn devices() -> &'static Mutex<HashMap<DeviceId, DevicePool>> {
+    static DEVICES: std::sync::OnceLock<Mutex<HashMap<DeviceId, DevicePool>>> =
         std::sync::OnceLock::new();
     DEVICES.get_or_init(Default::default)
 }
@@ -198,7 +226,8 @@ impl Drop for BindGuard {
 }
 
 /// Gives each device of a one-process job its own rank, over an in-process group (burn-train's
-/// DDP strategy calls this through `DistributedBackend::start_communication_server`).
+/// DDP strategy calls this through `DistributedBackend::start_communication_server`). A device
+/// listed `k` times gets `k` ranks; each thread that trains on it claims one (see [`current`]).
 pub(crate) fn bind_devices(ids: &[DeviceId], mean: bool) {
     let comms = Communicator::in_process(ids.len(), CommConfig::default());
     let mut config = DataParallelConfig::from_env().unwrap_or_else(|e| {
@@ -208,8 +237,14 @@ pub(crate) fn bind_devices(ids: &[DeviceId], mean: bool) {
     // One process: a panic in a worker thread is reported by burn-train.
     config.failure = FailurePolicy::Panic;
     let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());
+    for id in ids {
+        map.remove(id);
+    }
     for (id, comm) in ids.iter().zip(comms) {
-        map.insert(*id, Replica::new(comm, config.clone(), mean));
+        map.entry(*id)
+            .or_default()
+            .replicas
+            .push(Replica::new(comm, config.clone(), mean));
     }
 }
 
@@ -221,16 +256,54 @@ pub(crate) fn unbind_device(id: DeviceId) {
 }
 
 /// The replica for a call on `device`: the thread's, the device's, or the process's.
+///
+/// A device gives each thread the rank it claimed on its first call, or the next unclaimed one;
+/// a thread that finds them all claimed by others gets the first (it is not one of the job's
+/// training threads).
 pub(crate) fn current(device: Option<DeviceId>) -> Option<Arc<Replica>> {
     if let Some(r) = THREAD.with(|t| t.borrow().clone()) {
         return Some(r);
     }
     if let Some(id) = device
-        && let Some(r) = devices().lock().unwrap_or_else(|e| e.into_inner()).get(&id)
+        && let Some(r) = from_pool(id)
     {
-        return Some(r.clone());
+        return Some(r);
     }
     PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn from_pool(id: DeviceId) -> Option<Arc<Replica>> {
+    let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());
+    CLAIMS.with(|claims| {
+        let mut claims = claims.borrow_mut();
+        // A claim outlives its pool's removal: burn-train closes the communication server as
+        // soon as the other workers have joined, possibly while this worker is still finishing
+        // its last backward. It ends when a new job binds the device to other ranks.
+        claims.retain(|(d, r)| {
+            map.get(d)
+                .is_none_or(|p| p.replicas.iter().any(|x| Arc::ptr_eq(x, r)))
+        });
+        if let Some((_, r)) = claims.iter().find(|(d, _)| *d == id) {
+            return Some(r.clone());
+        }
+        let pool = map.get_mut(&id)?;
+        if pool.claimed < pool.replicas.len() {
+            let r = pool.replicas[pool.claimed].clone();
+            pool.claimed += 1;
+            claims.push((id, r.clone()));
+            Some(r)
+        } else {
+            Some(pool.replicas[0].clone())
+        }
+    })
+}
+
+/// The communicator `DataParallel` reduces gradients over for a call on `device` from this
+/// thread: the thread's binding, the device's rank, the job's (installed by `bonfire::init`), or
+/// a world of one when the process joined no job. Training loops use it to learn their rank and
+/// to agree with the other ranks (burn-train's data-parallel strategy does).
+pub fn communicator<D: burn_backend::DeviceOps>(device: &D) -> Communicator {
+    for_device(device).comm.clone()
 }
 
 /// The replica for a call on `device`: [`current`]'s, or a world of one.
@@ -281,10 +354,45 @@ mod tests {
         assert_eq!(current(Some(ids[1])).unwrap().comm.rank(), 1);
         unbind_device(ids[0]);
         unbind_device(ids[1]);
+        // A thread that trained on a device keeps its rank after the server closes (it may
+        // still be finishing its last backward); other threads fall back to the process's.
+        assert_eq!(current(Some(ids[0])).unwrap().comm.rank(), 0);
+        let other = std::thread::spawn(move || current(Some(ids[0])).map(|r| r.comm.size()));
         assert!(
-            current(Some(ids[0])).is_none_or(|r| r.comm.size() != 2),
+            other.join().unwrap().is_none_or(|n| n != 2),
             "unbound devices fall back to the process's communicator"
         );
+        // A new job on the device replaces the old claims.
+        bind_devices(&ids[..1], true);
+        assert!(!Arc::ptr_eq(&current(Some(ids[0])).unwrap(), &r0));
+        unbind_device(ids[0]);
+    }
+
+    #[test]
+    fn a_device_listed_twice_gives_each_thread_its_own_rank() {
+        let id = DeviceId {
+            type_id: 91,
+            index_id: 0,
+        };
+        bind_devices(&[id, id], true);
+        let ranks: Vec<(usize, usize)> = (0..2)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    let first = current(Some(id)).expect("bound").comm.rank();
+                    let again = current(Some(id)).expect("bound").comm.rank();
+                    (first, again)
+                })
+            })
+            .map(|h| h.join().unwrap())
+            .collect();
+        let mut firsts: Vec<usize> = ranks.iter().map(|r| r.0).collect();
+        firsts.sort();
+        assert_eq!(firsts, vec![0, 1], "each thread claims its own rank");
+        assert!(ranks.iter().all(|(a, b)| a == b), "and keeps it: {ranks:?}");
+        // A third thread finds every rank claimed and is not a training thread.
+        let third = std::thread::spawn(move || current(Some(id)).unwrap().comm.rank());
+        assert_eq!(third.join().unwrap(), 0);
+        unbind_device(id);
     }
 
     #[test]

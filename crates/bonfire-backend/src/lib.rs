@@ -31,10 +31,14 @@ mod stats;
 mod sync;
 
 pub use backend::DataParallel;
-pub use context::{BindGuard, DataParallelConfig, FailurePolicy, GradDType, bind_thread, install};
-pub use replicate::{accumulate, replicate};
+pub use context::{
+    BindGuard, DataParallelConfig, FailurePolicy, GradDType, abort, bind_thread, communicator,
+    install,
+};
+pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
 pub use stats::{StepStats, last_step_stats, total_stats};
+pub use sync::{NoSyncGuard, no_sync};
 
 #[cfg(test)]
 mod send_sync {

@@ -72,14 +72,7 @@ where
         let _quiet = crate::sync::no_sync();
         loss.backward()
     };
-    let grads = GradientsParams::from_grads(grads, &module);
-    let mut harvest = Harvest::<B> {
-        grads,
-        rep: None,
-        path: Vec::new(),
-        _backend: std::marker::PhantomData,
-    };
-    module.visit(&mut harvest);
+    keep_gradients(&module, GradientsParams::from_grads(grads, &module));
     let mut mapper = Replicator {
         rep: None,
         params: Vec::new(),
@@ -87,6 +80,31 @@ where
         broadcast: false,
     };
     module.map(&mut mapper)
+}
+
+/// Adds `grads` (from a backward run under [`crate::no_sync`]) to this rank's accumulated
+/// gradients: the next synchronised backward all-reduces the sum of its own gradients and the
+/// kept ones. [`accumulate`] is `no_sync` + `backward` + `keep_gradients` + marking the
+/// parameters again; use this piece when something else runs backward for you (a burn-train
+/// `TrainStep`), and mark the parameters again yourself (burn-train's `Learner::grad_sharded`).
+pub fn keep_gradients<B, M>(module: &M, grads: GradientsParams)
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    let mut harvest = Harvest::<B> {
+        grads,
+        rep: None,
+        path: Vec::new(),
+        _backend: std::marker::PhantomData,
+    };
+    module.visit(&mut harvest);
+}
+
+/// Drops the gradients kept on this rank by [`accumulate`] or [`keep_gradients`] since the last
+/// synchronised backward (an epoch that ends in the middle of an accumulation window).
+pub fn discard_kept_gradients<D: burn_backend::DeviceOps>(device: &D) {
+    context::for_device(device).state().discard_accumulated();
 }
 
 /// Adds each parameter's gradient to the rank's accumulated gradients.

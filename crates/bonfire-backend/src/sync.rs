@@ -29,17 +29,19 @@ thread_local! {
     static NO_SYNC: Cell<u32> = const { Cell::new(0) };
 }
 
-/// While the guard lives, backward passes on this thread leave their gradients alone (no
-/// buckets, no communication). Used by [`crate::accumulate`], which takes the gradients itself.
-pub(crate) fn no_sync() -> NoSyncGuard {
+/// While the guard lives, backward passes on this thread leave their gradients alone: no buckets,
+/// no communication, as inside PyTorch DDP's `no_sync()`. The gradients backward returns are
+/// this rank's only; hand them to [`crate::keep_gradients`] so that the next synchronised
+/// backward includes them ([`crate::accumulate`] does both).
+pub fn no_sync() -> NoSyncGuard {
     NO_SYNC.with(|c| c.set(c.get() + 1));
     NoSyncGuard {
         _not_send: std::marker::PhantomData,
     }
 }
 
-/// Ends a `no_sync` region when dropped.
-pub(crate) struct NoSyncGuard {
+/// Ends a [`no_sync`] region when dropped.
+pub struct NoSyncGuard {
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -178,6 +180,11 @@ impl SyncState {
             params: self.params.len(),
             elements: self.params.iter().filter_map(|p| p.numel).sum(),
         })
+    }
+
+    /// Forgets the accumulated gradients.
+    pub(crate) fn discard_accumulated(&mut self) {
+        self.accum = None;
     }
 
     /// Adds `grad` to the accumulated gradient of parameter `id` (registering it if new).

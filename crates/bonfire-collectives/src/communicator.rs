@@ -38,6 +38,8 @@ const P2P: u64 = 0x0050_3250; // "P2P"
 pub struct Communicator {
     group: Arc<Group>,
     algorithm: Algorithm,
+    /// Overrides the group's [`CommConfig::timeout`] for calls through this handle.
+    timeout: Option<std::time::Duration>,
 }
 
 struct Group {
@@ -132,6 +134,7 @@ impl CommunicatorBuilder {
                 recvs: Mutex::new(HashMap::new()),
             }),
             algorithm: Algorithm::Auto,
+            timeout: None,
         })
     }
 }
@@ -204,6 +207,19 @@ impl Communicator {
         Communicator {
             group: self.group.clone(),
             algorithm,
+            timeout: self.timeout,
+        }
+    }
+
+    /// A handle to the same group whose waits time out after `timeout` instead of the group's
+    /// [`CommConfig::timeout`]: for a call that is expected to wait long for a peer (the other
+    /// ranks waiting while rank 0 validates and writes a checkpoint), without lengthening every
+    /// other wait. The members of one call may use different timeouts.
+    pub fn with_timeout(&self, timeout: std::time::Duration) -> Communicator {
+        Communicator {
+            group: self.group.clone(),
+            algorithm: self.algorithm,
+            timeout: Some(timeout),
         }
     }
 
@@ -351,6 +367,7 @@ impl Communicator {
                 recvs: Mutex::new(HashMap::new()),
             }),
             algorithm: self.algorithm,
+            timeout: self.timeout,
         }))
     }
 
@@ -527,7 +544,7 @@ impl Communicator {
             me: g.me,
             context,
             fingerprint,
-            timeout: g.config.timeout,
+            timeout: self.timeout.unwrap_or(g.config.timeout),
         }
     }
 

@@ -9,11 +9,14 @@
 //!   rank that panicked or did not finish.
 //! - [`nets`]: small models (a CNN, a transformer block) and a plain training loop, for checking
 //!   data-parallel training against single-rank training.
+//! - [`learn`]: a burn-train workload (MLP regressor, data, `TrainStep`) trained under bonfire's
+//!   strategy or burn-train's DDP, for checking them against single-rank training.
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
 pub mod calls;
 mod chaos;
+pub mod learn;
 pub mod nets;
 pub mod oracle;
 mod ranks;

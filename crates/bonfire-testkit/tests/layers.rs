@@ -47,6 +47,16 @@ const RULES: &[(&str, &[&str])] = &[
     ),
     (
         "bonfire-backend",
+        &[
+            "quinn",
+            "bonfire-launch",
+            "bonfire-cli",
+            "bonfire-testkit",
+            "bonfire-train",
+        ],
+    ),
+    (
+        "bonfire-train",
         &["quinn", "bonfire-launch", "bonfire-cli", "bonfire-testkit"],
     ),
 ];

@@ -24,8 +24,15 @@ pub use world::{InitError, World, init, init_from, init_with};
 
 pub use bonfire_backend::{
     DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, StepStats,
-    accumulate, last_step_stats, replicate, total_stats,
+    accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync, replicate,
+    total_stats,
 };
+
+/// burn-train: the data-parallel learning strategy for one process per rank
+/// ([`train::DataParallelStrategy`], installed with [`train::DataParallelTraining`]).
+pub mod train {
+    pub use bonfire_train::*;
+}
 
 /// Lower-level control of the data-parallel decorator: thread bindings for ranks run as threads,
 /// installing a communicator of your own.

@@ -253,3 +253,26 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 use burn::tensor::ElementConversion;
+
+/// Writes parameters (module order, little-endian f32) to `path`, creating its directory: how the
+/// multi-process checks hand a rank's result to the test.
+pub fn write_params(path: &std::path::Path, params: &[Vec<f32>]) -> std::io::Result<()> {
+    let bytes: Vec<u8> = params
+        .iter()
+        .flatten()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, bytes)
+}
+
+/// Reads what [`write_params`] wrote, flattened. Panics naming the file if it cannot.
+pub fn read_params(path: &std::path::Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}

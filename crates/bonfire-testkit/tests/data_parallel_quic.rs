@@ -2,15 +2,14 @@
 //! with batch b, against one rank with batch 2b trained in this process (same parameters after
 //! K steps, max abs difference at most 1e-5), for the CNN and the transformer block.
 
-use std::path::Path;
 use std::time::Duration;
 
 use bonfire::backend::{DataParallelConfig, FailurePolicy, bind_thread};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_launch::{LaunchConfig, launch};
 use bonfire_testkit::nets::{
-    DpFlex, Net, SmallCnn, SmallTransformer, max_abs_diff, parameters, random_batches, seeded,
-    train,
+    DpFlex, Net, SmallCnn, SmallTransformer, max_abs_diff, parameters, random_batches, read_params,
+    seeded, train,
 };
 use burn::backend::flex::FlexDevice;
 use burn::module::AutodiffModule;
@@ -41,14 +40,6 @@ fn flat(p: &[Vec<f32>]) -> Vec<f32> {
     p.iter().flatten().copied().collect()
 }
 
-fn read(path: &Path) -> Vec<f32> {
-    std::fs::read(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
 fn two_processes(model: &str) -> (Vec<f32>, Vec<f32>) {
     let dir = std::env::temp_dir().join(format!("bonfire-dp-{model}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -61,7 +52,10 @@ fn two_processes(model: &str) -> (Vec<f32>, Vec<f32>) {
     ];
     c.timeout = Some(Duration::from_secs(60));
     launch(&c).expect("the two-process job succeeds");
-    let out = (read(&dir.join("rank0.bin")), read(&dir.join("rank1.bin")));
+    let out = (
+        read_params(&dir.join("rank0.bin")),
+        read_params(&dir.join("rank1.bin")),
+    );
     let _ = std::fs::remove_dir_all(&dir);
     out
 }

@@ -11,7 +11,7 @@ use bonfire::backend::{DataParallelConfig, FailurePolicy, bind_thread};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_launch::{LaunchConfig, launch};
 use bonfire_testkit::learn::{How, Run, fit, interleave, samples};
-use bonfire_testkit::nets::max_abs_diff;
+use bonfire_testkit::nets::{max_abs_diff, read_params};
 use bonfire_testkit::run_ranks;
 
 const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-train-check");
@@ -111,14 +111,6 @@ fn burn_train_ddp_over_one_cpu_device_twice_matches_one_rank() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-fn read(path: &Path) -> Vec<f32> {
-    std::fs::read(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
 fn two_processes(dir: &Path, args: &[&str]) -> Result<(Vec<f32>, Vec<f32>), String> {
     let mut c = LaunchConfig::local(2, CHECK);
     c.args = std::iter::once(dir.as_os_str().to_owned())
@@ -126,7 +118,10 @@ fn two_processes(dir: &Path, args: &[&str]) -> Result<(Vec<f32>, Vec<f32>), Stri
         .collect();
     c.timeout = Some(Duration::from_secs(60));
     launch(&c).map_err(|e| e.to_string())?;
-    Ok((read(&dir.join("rank0.bin")), read(&dir.join("rank1.bin"))))
+    Ok((
+        read_params(&dir.join("rank0.bin")),
+        read_params(&dir.join("rank1.bin")),
+    ))
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use bonfire_testkit::nets::{
     DpFlex, Net, SmallCnn, SmallTransformer, parameters, random_batches, seeded, train,
+    write_params,
 };
 use burn::backend::flex::FlexDevice;
 use burn::module::AutodiffModule;
@@ -66,18 +67,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let bytes: Vec<u8> = params
-        .iter()
-        .flatten()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    if let Err(e) = std::fs::create_dir_all(out).and_then(|()| {
-        std::fs::write(
-            std::path::Path::new(out).join(format!("rank{rank}.bin")),
-            bytes,
-        )
-    }) {
-        eprintln!("bonfire-dp-check: cannot write to {out}: {e}");
+    let path = std::path::Path::new(out).join(format!("rank{rank}.bin"));
+    if let Err(e) = write_params(&path, &params) {
+        eprintln!("bonfire-dp-check: cannot write {}: {e}", path.display());
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bonfire_testkit::learn::{How, Run, fit, samples};
+use bonfire_testkit::nets::write_params;
 
 /// The data of every check: 48 training samples, 16 validation samples, batches of 4 per rank.
 pub fn check_run(epochs: usize, accumulation: Option<usize>, resume: Option<usize>) -> Run {
@@ -60,12 +61,7 @@ fn main() -> ExitCode {
     // Each rank starts from parameters of its own; the strategy must replace them with rank 0's.
     run.seed += 1000 * rank as u64;
     let params = fit(&run, How::Bonfire, &dir.join("run"));
-    let bytes: Vec<u8> = params
-        .iter()
-        .flatten()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-    if let Err(e) = std::fs::write(dir.join(format!("rank{rank}.bin")), bytes) {
+    if let Err(e) = write_params(&dir.join(format!("rank{rank}.bin")), &params) {
         eprintln!("bonfire-train-check: writing rank {rank}'s parameters: {e}");
         return ExitCode::FAILURE;
     }

@@ -276,15 +276,18 @@ fn from_pool(id: DeviceId) -> Option<Arc<Replica>> {
     let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());
     CLAIMS.with(|claims| {
         let mut claims = claims.borrow_mut();
-        // A claim outlives its pool's removal: burn-train closes the communication server as
-        // soon as the other workers have joined, possibly while this worker is still finishing
-        // its last backward. It ends when a new job binds the device to other ranks.
-        claims.retain(|(d, r)| {
-            map.get(d)
-                .is_none_or(|p| p.replicas.iter().any(|x| Arc::ptr_eq(x, r)))
-        });
-        if let Some((_, r)) = claims.iter().find(|(d, _)| *d == id) {
-            return Some(r.clone());
+        if let Some(k) = claims.iter().position(|(d, _)| *d == id) {
+            // A claim outlives its pool's removal: burn-train closes the communication server
+            // as soon as the other workers have joined, possibly while this worker is still
+            // finishing its last backward. It ends when a new job binds the device.
+            let mine = &claims[k].1;
+            if map
+                .get(&id)
+                .is_none_or(|p| p.replicas.iter().any(|r| Arc::ptr_eq(r, mine)))
+            {
+                return Some(mine.clone());
+            }
+            claims.swap_remove(k);
         }
         let pool = map.get_mut(&id)?;
         if pool.claimed < pool.replicas.len() {

@@ -176,6 +176,20 @@ pub struct Run {
     pub resume: Option<usize>,
 }
 
+/// The run of the burn-train checks (`bonfire-train-check` and `tests/train.rs`): 48 training
+/// samples, 16 validation samples, batches of 4 per rank, initial parameters from seed 7.
+pub fn check_run(epochs: usize, accumulation: Option<usize>, resume: Option<usize>) -> Run {
+    Run {
+        seed: 7,
+        train: samples(48, 3),
+        valid: samples(16, 4),
+        batch: 4,
+        epochs,
+        accumulation,
+        resume,
+    }
+}
+
 /// Trains [`Mlp`] with burn-train (Adam, constant learning rate 0.01, loss metrics, file
 /// checkpoints in `dir`) and returns its parameters in module order.
 pub fn fit(run: &Run, how: How, dir: &Path) -> Vec<Vec<f32>> {

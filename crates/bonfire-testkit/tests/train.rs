@@ -10,12 +10,11 @@ use std::time::Duration;
 use bonfire::backend::{DataParallelConfig, FailurePolicy, bind_thread};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_launch::{LaunchConfig, launch};
-use bonfire_testkit::learn::{How, Run, fit, interleave, samples};
+use bonfire_testkit::learn::{How, Run, check_run, fit, interleave};
 use bonfire_testkit::nets::{max_abs_diff, read_params};
 use bonfire_testkit::run_ranks;
 
 const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-train-check");
-const BATCH: usize = 4;
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("bonfire-train-{name}-{}", std::process::id()));
@@ -31,20 +30,7 @@ fn panic_on_failure() -> DataParallelConfig {
     }
 }
 
-/// The run `bonfire-train-check` makes (seed 7 for rank 0).
-fn check_run(epochs: usize, accumulation: Option<usize>) -> Run {
-    Run {
-        seed: 7,
-        train: samples(48, 3),
-        valid: samples(16, 4),
-        batch: BATCH,
-        epochs,
-        accumulation,
-        resume: None,
-    }
-}
-
-/// One rank with batches of `ranks * BATCH`, on the samples in the order `ranks` shards see them.
+/// One rank with batches of `ranks * run.batch`, on the samples in the order `ranks` shards see them.
 fn single(run: &Run, ranks: usize, dir: &Path) -> Vec<f32> {
     let _one = bind_thread(
         Communicator::in_process(1, CommConfig::default()).remove(0),
@@ -69,7 +55,7 @@ fn close(name: &str, reference: &[f32], got: &[f32]) {
 #[test]
 fn strategy_with_ranks_as_threads_matches_one_rank() {
     for accumulation in [None, Some(2)] {
-        let run = check_run(2, accumulation);
+        let run = check_run(2, accumulation, None);
         let base = dir(&format!("threads-{accumulation:?}"));
         let reference = single(&run, 2, &base.join("single"));
         let comms = Communicator::in_process(2, CommConfig::default());
@@ -103,7 +89,7 @@ fn strategy_with_ranks_as_threads_matches_one_rank() {
 
 #[test]
 fn burn_train_ddp_over_one_cpu_device_twice_matches_one_rank() {
-    let run = check_run(2, None);
+    let run = check_run(2, None, None);
     let base = dir("burn-ddp");
     let reference = single(&run, 2, &base.join("single"));
     let got = fit(&run, How::BurnDdp(2), &base.join("ddp")).concat();
@@ -127,7 +113,7 @@ fn two_processes(dir: &Path, args: &[&str]) -> Result<(Vec<f32>, Vec<f32>), Stri
 #[test]
 fn strategy_across_processes_matches_one_rank_and_resumes() {
     let base = dir("processes");
-    let reference = single(&check_run(2, None), 2, &base.join("single"));
+    let reference = single(&check_run(2, None, None), 2, &base.join("single"));
 
     // Two epochs straight through.
     let straight = base.join("straight");

@@ -7,21 +7,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use bonfire_testkit::learn::{How, Run, fit, samples};
+use bonfire_testkit::learn::{How, check_run, fit};
 use bonfire_testkit::nets::write_params;
-
-/// The data of every check: 48 training samples, 16 validation samples, batches of 4 per rank.
-pub fn check_run(epochs: usize, accumulation: Option<usize>, resume: Option<usize>) -> Run {
-    Run {
-        seed: 7,
-        train: samples(48, 3),
-        valid: samples(16, 4),
-        batch: 4,
-        epochs,
-        accumulation,
-        resume,
-    }
-}
 
 fn number(s: Option<&String>, what: &str) -> Result<Option<usize>, String> {
     match s.map(|s| s.as_str()) {

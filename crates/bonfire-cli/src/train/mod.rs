@@ -418,6 +418,16 @@ fn vision_main(a: VisionArgs) -> Result<(), String> {
             .extra_env
             .push(("BONFIRE_GRAD_DTYPE".into(), "bf16".into()));
     }
+    // Like torchrun's OMP_NUM_THREADS: the ranks share this machine's cores instead of each
+    // starting a compute thread per core (with 2 ranks on 2 cores, 2 threads each cost 10-20% of
+    // the throughput; see BENCHMARKS.md). An explicit RAYON_NUM_THREADS is kept.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (cores / s.config.ranks).max(1);
+        config
+            .extra_env
+            .push(("RAYON_NUM_THREADS".into(), threads.to_string().into()));
+    }
     launch(&config).map_err(|e| e.to_string())
 }
 

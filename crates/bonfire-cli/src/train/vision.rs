@@ -131,12 +131,14 @@ pub(crate) fn run<B: Backend>(
     if main {
         println!(
             "bonfire train vision: {} ({} images, {} per rank), {} test images, {size} rank(s), \
-             backend {}, batch {} per rank, Adam lr {} (x{} per epoch){}",
+             backend {} ({} compute thread(s) per rank), batch {} per rank, Adam lr {} (x{} per \
+             epoch){}",
             train.description(),
             train.len() * size,
             train.len(),
             test.split_len().min(c.test_limit.unwrap_or(usize::MAX)),
             s.backend,
+            std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into()),
             c.batch,
             c.lr,
             c.lr_decay,

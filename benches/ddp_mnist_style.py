@@ -13,6 +13,11 @@ the weak-scaling efficiency = images/s(N) / (N x images/s(1)).
 linear head; 19,810 parameters) with Adam, for `bonfire train vision`'s weak-scaling figure
 (use `--batch 64 --steps 100`).
 
+`--device cuda` runs every rank on a GPU (rank i on GPU i % count), NCCL when each rank has a
+GPU of its own and gloo when ranks share one (NCCL refuses two ranks on one GPU); the timing then
+waits for the GPU before it stops the clock. The bundled ResNet on a GPU is the peer of
+`bonfire train vision --backend cuda` (BENCHMARKS.md, "On a GPU").
+
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
 
@@ -62,26 +67,31 @@ def make_resnet(torch, width=8):
     )
 
 
-def run(rank, world, port, batch, steps, queue, model_name="cnn"):
+def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch.manual_seed(42)
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    dev = torch.device(f"cuda:{rank % gpus}") if gpus else torch.device("cpu")
     model = make_resnet(torch) if model_name == "resnet" else make_model(torch)
+    model = model.to(dev)
     if world > 1:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        backend = "nccl" if gpus >= world else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        ids = [dev.index] if gpus else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if model_name == "resnet":
         opt = torch.optim.Adam(model.parameters(), lr=0.003)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(rank)
-    data = torch.rand(batch * 16, 1, 28, 28, generator=g)
-    labels = torch.randint(0, 10, (batch * 16,), generator=g)
+    data = torch.rand(batch * 16, 1, 28, 28, generator=g).to(dev)
+    labels = torch.randint(0, 10, (batch * 16,), generator=g).to(dev)
     warm = 10
     for step in range(steps + warm):
         if step == warm:
@@ -91,6 +101,8 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn"):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+    if gpus:
+        torch.cuda.synchronize(dev)
     elapsed = time.perf_counter() - start
     if world > 1:
         dist.barrier()
@@ -98,7 +110,7 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn"):
     queue.put(steps * batch / elapsed)
 
 
-def measure(world, batch, steps, model_name="cnn"):
+def measure(world, batch, steps, model_name="cnn", device="cpu"):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -106,7 +118,7 @@ def measure(world, batch, steps, model_name="cnn"):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [queue.get(timeout=600) for _ in procs]
@@ -121,15 +133,23 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--model", choices=["cnn", "resnet"], default="cnn")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     a = ap.parse_args()
     try:
         import torch  # noqa: F401
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
         return 0
-    one = measure(1, a.batch, a.steps, a.model)
-    many = measure(a.nproc, a.batch, a.steps, a.model)
-    print(f"pytorch ddp (gloo, cpu), {a.model}, batch {a.batch} per rank, 1 thread per rank")
+    one = measure(1, a.batch, a.steps, a.model, a.device)
+    many = measure(a.nproc, a.batch, a.steps, a.model, a.device)
+    if a.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        how = f"{'nccl' if gpus >= a.nproc else 'gloo'}, {gpus} gpu(s): {torch.cuda.get_device_name(0)}"
+    else:
+        how = "gloo, cpu"
+    print(f"pytorch ddp ({how}), {a.model}, batch {a.batch} per rank, 1 thread per rank")
     print(f"  1 rank:  {one:.0f} images/s")
     print(f"  {a.nproc} ranks: {many:.0f} images/s")
     print(f"  weak-scaling efficiency: {100 * many / (a.nproc * one):.1f}%")

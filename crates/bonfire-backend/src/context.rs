@@ -51,6 +51,9 @@ pub struct DataParallelConfig {
     pub grad_dtype: GradDType,
     /// What to do when synchronisation fails.
     pub failure: FailurePolicy,
+    /// Pack and unpack buckets on the device with the fused kernels when the inner backend is a
+    /// CubeCL one (wgpu, CUDA; default true). False reads and writes every gradient on its own.
+    pub device_pack: bool,
 }
 
 impl Default for DataParallelConfig {
@@ -60,18 +63,24 @@ impl Default for DataParallelConfig {
             first_bucket_cap_bytes: 1 << 20,
             grad_dtype: GradDType::F32,
             failure: FailurePolicy::Exit,
+            device_pack: true,
         }
     }
 }
 
 impl DataParallelConfig {
     /// The defaults, changed by `BONFIRE_BUCKET_CAP_MB` (a positive number, fractions allowed)
-    /// and `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`). A malformed value is an error naming the
-    /// variable.
+    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`) and `BONFIRE_DEVICE_PACK` (`1` or `0`). A
+    /// malformed value is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         let cap = std::env::var("BONFIRE_BUCKET_CAP_MB").ok();
         let dtype = std::env::var("BONFIRE_GRAD_DTYPE").ok();
-        Self::from_vars(cap.as_deref(), dtype.as_deref())
+        let mut config = Self::from_vars(cap.as_deref(), dtype.as_deref())?;
+        if let Ok(v) = std::env::var("BONFIRE_DEVICE_PACK") {
+            config.device_pack = parse_switch(&v)
+                .ok_or_else(|| format!("BONFIRE_DEVICE_PACK={v:?}: expected 1 or 0"))?;
+        }
+        Ok(config)
     }
 
     fn from_vars(cap: Option<&str>, dtype: Option<&str>) -> Result<Self, String> {
@@ -98,6 +107,15 @@ impl DataParallelConfig {
             };
         }
         Ok(config)
+    }
+}
+
+/// `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no`.
+fn parse_switch(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
     }
 }
 
@@ -416,5 +434,8 @@ mod tests {
             let err = DataParallelConfig::from_vars(cap, dtype).unwrap_err();
             assert!(err.starts_with(var), "{err}");
         }
+        assert_eq!(parse_switch(" Off"), Some(false));
+        assert_eq!(parse_switch("1"), Some(true));
+        assert_eq!(parse_switch("maybe"), None);
     }
 }

@@ -24,6 +24,7 @@ mod backend;
 mod context;
 mod convert;
 mod distributed;
+mod lane;
 mod passthrough;
 mod replicate;
 mod sampler;

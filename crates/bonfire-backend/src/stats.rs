@@ -27,6 +27,10 @@ pub struct StepStats {
     pub bytes: u64,
     /// Buckets all-reduced.
     pub buckets: u64,
+    /// Buckets whose gradients were packed on the device by the fused pack kernel (and crossed
+    /// to the host in one transfer). 0 on host backends (Flex, NdArray), or with
+    /// `BONFIRE_DEVICE_PACK=0`.
+    pub device_packed: u64,
 }
 
 impl StepStats {
@@ -46,6 +50,7 @@ impl StepStats {
         self.exposed += other.exposed;
         self.bytes += other.bytes;
         self.buckets += other.buckets;
+        self.device_packed += other.device_packed;
     }
 }
 

@@ -2,10 +2,13 @@
 //! backward produces gradients, all-reduced in order in the background, written back before
 //! backward returns.
 //!
-//! Gradients travel through host memory (`float_into_data`, then the collectives): the path every
-//! inner backend supports. Each bucket carries one presence flag per parameter after its data, so
-//! a parameter that has a gradient on some ranks but not others is caught (and named) instead of
-//! silently averaged with nothing.
+//! On CubeCL inner backends (wgpu, CUDA, plain or fused) a bucket's gradients are packed on the
+//! device by the fused pack kernel once the last of them is final, and cross to the host in one
+//! transfer; the averaged bucket comes back in one transfer and the fused unpack kernel writes it
+//! into the gradients ([`crate::lane`]). Other inner backends read each gradient to the host
+//! (`float_into_data`), the path every backend supports. Each bucket carries one presence flag per
+//! parameter after its data, so a parameter that has a gradient on some ranks but not others is
+//! caught (and named) instead of silently averaged with nothing.
 
 use std::any::Any;
 use std::cell::Cell;
@@ -23,6 +26,7 @@ use tokio::task::JoinHandle;
 
 use crate::backend::DataParallel;
 use crate::context::{self, GradDType, Replica};
+use crate::lane;
 use crate::stats::StepStats;
 
 thread_local! {
@@ -84,6 +88,10 @@ struct Step {
     buffers: Vec<Vec<f32>>,
     remaining: Vec<usize>,
     launched: Vec<Inflight>,
+    /// Per bucket, the parameters whose gradients wait on the device to be packed together.
+    pending: Vec<Vec<usize>>,
+    /// Buckets packed on the device this step.
+    packed: u64,
     agreement: Option<Agreement>,
     /// `Vec<Option<GradRef<B>>>` by parameter index.
     refs: Box<dyn Any + Send>,
@@ -279,6 +287,8 @@ pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParam
         buffers: Vec::new(),
         remaining: Vec::new(),
         launched: Vec::new(),
+        pending: Vec::new(),
+        packed: 0,
         agreement: None,
         refs: Box::new((0..n).map(|_| None).collect::<Vec<Option<GradRef<B>>>>()),
         bytes: 0,
@@ -287,6 +297,7 @@ pub(crate) fn begin<B: Backend>(device: &B::Device, params: Vec<DistributedParam
         step.agreement = st.agree(&rep);
         step.buffers = st.fresh_buffers(plan);
         step.remaining = vec![0; plan.buckets().len()];
+        step.pending = vec![Vec::new(); plan.buckets().len()];
         for p in &params {
             let i = st.index[&id_of(p.param_id)];
             step.remaining[plan.place(i).0] += 1;
@@ -319,8 +330,13 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
             "a gradient arrived for parameter {id:#018x}, which was not registered when backward started"
         ));
     };
-    let grad = read::<B>(&rep, &tensor);
-    let n = grad.len();
+    let shape = unsafe { burn_backend::TensorMetadata::shape(&*tensor.0) };
+    let dtype = unsafe { burn_backend::TensorMetadata::dtype(&*tensor.0) };
+    // With a plan, a device gradient waits for the rest of its bucket to be packed with it.
+    let on_device =
+        step.plan.is_some() && rep.config.device_pack && lane::supports::<B>(unsafe { &*tensor.0 });
+    let grad = (!on_device).then(|| read::<B>(&rep, &tensor));
+    let n = shape.num_elements();
     match params[i].numel {
         Some(known) if known != n => rep.fail(format!(
             "{} changed size from {known} to {n} elements",
@@ -328,8 +344,6 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
         )),
         _ => params[i].numel = Some(n),
     }
-    let shape = unsafe { burn_backend::TensorMetadata::shape(&*tensor.0) };
-    let dtype = unsafe { burn_backend::TensorMetadata::dtype(&*tensor.0) };
     let refs = step
         .refs
         .downcast_mut::<Vec<Option<GradRef<B>>>>()
@@ -340,9 +354,64 @@ pub(crate) fn gradient<B: Backend>(tensor: TensorRef<DataParallel<B>>, param: Di
         dtype,
     });
     if let Some(plan) = step.plan.clone() {
-        let b = add_to_bucket(&plan, &mut step.buffers, i, &grad);
+        let b = match grad {
+            Some(grad) => add_to_bucket(&plan, &mut step.buffers, i, &grad),
+            None => {
+                let b = plan.place(i).0;
+                step.pending[b].push(i);
+                b
+            }
+        };
         step.remaining[b] = step.remaining[b].saturating_sub(1);
+        if step.remaining[b] == 0 {
+            flush::<B>(&rep, &plan, step, b);
+        }
         launch_ready(&rep, residual, step);
+    }
+}
+
+/// Adds bucket `b`'s gradients that wait on the device to its host buffer: one launch of the
+/// fused pack kernel and one transfer (the host path, gradient by gradient, if the lane turns
+/// them down).
+fn flush<B: Backend>(rep: &Replica, plan: &BucketPlan, step: &mut Step, b: usize) {
+    let Some(pending) = step.pending.get_mut(b).map(std::mem::take) else {
+        return;
+    };
+    if pending.is_empty() {
+        return;
+    }
+    let refs = step
+        .refs
+        .downcast_ref::<Vec<Option<GradRef<B>>>>()
+        .expect("one backend per rank");
+    let tensors: Vec<&TensorRef<DataParallel<B>>> = pending
+        .iter()
+        .map(|&i| {
+            &refs[i]
+                .as_ref()
+                .expect("a pending gradient has arrived")
+                .tensor
+        })
+        .collect();
+    // SAFETY: as in `gradient`.
+    let grads: Vec<FloatTensor<B>> = tensors.iter().map(|t| unsafe { (*t.0).clone() }).collect();
+    match lane::pack_read::<B>(&grads) {
+        Some(Ok(values)) => {
+            let mut at = 0;
+            for (&i, g) in pending.iter().zip(&grads) {
+                let n = burn_backend::TensorMetadata::shape(g).num_elements();
+                add_to_bucket(plan, &mut step.buffers, i, &values[at..at + n]);
+                at += n;
+            }
+            step.packed += 1;
+        }
+        Some(Err(e)) => rep.fail(format!("bucket {b} of {}: {e}", plan.buckets().len())),
+        None => {
+            for (&i, t) in pending.iter().zip(tensors) {
+                let grad = read::<B>(rep, t);
+                add_to_bucket(plan, &mut step.buffers, i, &grad);
+            }
+        }
     }
 }
 
@@ -354,6 +423,12 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
         return;
     };
     let backward_end = Instant::now();
+    if let Some(plan) = step.plan.clone() {
+        // Buckets some of whose parameters got no gradient in this backward.
+        for b in 0..plan.buckets().len() {
+            flush::<B>(&rep, &plan, &mut step, b);
+        }
+    }
     let mut refs = *std::mem::replace(&mut step.refs, Box::new(()))
         .downcast::<Vec<Option<GradRef<B>>>>()
         .expect("one backend per rank");
@@ -417,7 +492,7 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
             )),
         };
         let bucket = &plan.buckets()[b];
-        for (k, (&p, &off)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+        for (k, &p) in bucket.params.iter().enumerate() {
             let share = if rep.mean {
                 reduced[bucket.len + k]
             } else {
@@ -432,6 +507,12 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
                     share * world as f32
                 ));
             }
+        }
+        if rep.config.device_pack && write_back_on_device::<B>(&rep, &plan, b, &reduced, &mut refs)
+        {
+            continue;
+        }
+        for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
             if let Some(r) = refs[p].take() {
                 let n = r.shape.num_elements();
                 let t = from_host::<B>(reduced[off..off + n].to_vec(), r.shape, r.dtype, device);
@@ -451,9 +532,62 @@ pub(crate) fn finish<B: Backend>(device: &B::Device) {
             .unwrap_or_default(),
         bytes: step.bytes,
         buckets: intervals.len() as u64,
+        device_packed: step.packed,
     };
     drop(st);
     rep.record(stats);
+}
+
+/// Writes bucket `b`'s averages into its gradients with one upload and one launch of the fused
+/// unpack kernel, when they live on a CubeCL device in f32. False (nothing written) otherwise.
+fn write_back_on_device<B: Backend>(
+    rep: &Replica,
+    plan: &BucketPlan,
+    b: usize,
+    reduced: &[f32],
+    refs: &mut [Option<GradRef<B>>],
+) -> bool {
+    let bucket = &plan.buckets()[b];
+    let present: Vec<usize> = bucket
+        .params
+        .iter()
+        .copied()
+        .filter(|&p| refs[p].is_some())
+        .collect();
+    let Some(&first) = present.first() else {
+        return false;
+    };
+    if present
+        .iter()
+        .any(|&p| refs[p].as_ref().is_some_and(|r| r.dtype != DType::F32))
+    {
+        return false;
+    }
+    // One output per parameter of the bucket (the unpack fills the whole bucket); those without
+    // a gradient in this step are dropped.
+    let shapes: Vec<Shape> = (0..bucket.params.len())
+        .map(|k| match &refs[bucket.params[k]] {
+            Some(r) => r.shape.clone(),
+            None => {
+                let end = bucket.offsets.get(k + 1).copied().unwrap_or(bucket.len);
+                Shape::new([end - bucket.offsets[k]])
+            }
+        })
+        .collect();
+    // SAFETY: as in `gradient`; backward has not returned yet.
+    let like = unsafe { &*refs[first].as_ref().expect("present").tensor.0 };
+    let tensors = match lane::upload_unpack::<B>(like, &reduced[..bucket.len], &shapes) {
+        None => return false,
+        Some(Ok(t)) => t,
+        Some(Err(e)) => rep.fail(format!("bucket {b} of {}: {e}", plan.buckets().len())),
+    };
+    for (&p, t) in bucket.params.iter().zip(tensors) {
+        if let Some(r) = refs[p].take() {
+            // SAFETY: as in `gradient`; backward has not returned yet.
+            unsafe { *r.tensor.0 = t };
+        }
+    }
+    true
 }
 
 /// Adds parameter `i`'s gradient into its place in its bucket and raises its presence flag.

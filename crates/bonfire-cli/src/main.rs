@@ -1,6 +1,7 @@
 //! The `bonfire` command: `launch`, `train` and `bench` (`doctor` when it lands).
 
 mod bench;
+mod gpu;
 mod launch;
 mod size;
 mod train;

@@ -13,29 +13,48 @@ use cubecl::prelude::*;
 /// Fields per tile in the tile table.
 pub(crate) const TILE_FIELDS: usize = 4;
 
-/// `bucket[tile.out + u] = O(scale * f32(inputs[tile.input][tile.start + u]))`.
-#[cube(launch)]
+/// `bucket[tile.out + v] = O(scale * f32(inputs[tile.input][tile.start + v]))` for the tile's
+/// vectors `v`: unit `u` of the cube moves vectors `u`, `u + units`, `u + 2 units`, ... (`per_unit`
+/// of them, loaded together before any is stored, so that several loads are in flight per unit).
+///
+/// Launched unchecked: every index is bounded by the tile table, which the host builds from the
+/// buffers' lengths ([`crate::tile_table`]).
+#[cube(launch_unchecked)]
 pub(crate) fn pack_kernel<F: Float, O: Float, N: Size>(
     inputs: &Sequence<Array<Vector<F, N>>>,
     tiles: &Array<u32>,
     bucket: &mut Array<Vector<O, N>>,
     num_tiles: u32,
     scale: f32,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
 ) {
     let tile = CUBE_POS;
     if tile < usize::cast_from(num_tiles) {
         let base = tile * 4;
         let which = tiles[base];
+        let start = usize::cast_from(tiles[base + 1]);
+        let out = usize::cast_from(tiles[base + 2]);
+        let count = usize::cast_from(tiles[base + 3]);
         let unit = usize::cast_from(UNIT_POS);
-        if unit < usize::cast_from(tiles[base + 3]) {
-            let src = usize::cast_from(tiles[base + 1]) + unit;
-            let dst = usize::cast_from(tiles[base + 2]) + unit;
-            let k = comptime!(inputs.len());
-            #[unroll]
-            for j in 0..k {
-                if which == u32::cast_from(j) {
-                    let x = Vector::<f32, N>::cast_from(inputs[j][src]);
-                    bucket[dst] = Vector::<O, N>::cast_from(x * Vector::new(scale));
+        let k = comptime!(inputs.len());
+        #[unroll]
+        for j in 0..k {
+            if which == u32::cast_from(j) {
+                let mut regs = Array::<Vector<f32, N>>::new(per_unit);
+                #[unroll]
+                for i in 0..per_unit {
+                    let v = unit + i * units;
+                    if v < count {
+                        regs[i] = Vector::<f32, N>::cast_from(inputs[j][start + v]);
+                    }
+                }
+                #[unroll]
+                for i in 0..per_unit {
+                    let v = unit + i * units;
+                    if v < count {
+                        bucket[out + v] = Vector::<O, N>::cast_from(regs[i] * Vector::new(scale));
+                    }
                 }
             }
         }
@@ -44,7 +63,7 @@ pub(crate) fn pack_kernel<F: Float, O: Float, N: Size>(
 
 /// [`pack_kernel`] with error feedback: `v = scale * f32(input) + residual`, the bucket gets
 /// `O(v)` and the residual keeps what the cast lost, `v - f32(O(v))`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub(crate) fn pack_feedback_kernel<F: Float, O: Float, N: Size>(
     inputs: &Sequence<Array<Vector<F, N>>>,
     tiles: &Array<u32>,
@@ -52,54 +71,78 @@ pub(crate) fn pack_feedback_kernel<F: Float, O: Float, N: Size>(
     residual: &mut Array<Vector<f32, N>>,
     num_tiles: u32,
     scale: f32,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
 ) {
     let tile = CUBE_POS;
     if tile < usize::cast_from(num_tiles) {
         let base = tile * 4;
         let which = tiles[base];
+        let start = usize::cast_from(tiles[base + 1]);
+        let out = usize::cast_from(tiles[base + 2]);
+        let count = usize::cast_from(tiles[base + 3]);
         let unit = usize::cast_from(UNIT_POS);
-        if unit < usize::cast_from(tiles[base + 3]) {
-            let src = usize::cast_from(tiles[base + 1]) + unit;
-            let dst = usize::cast_from(tiles[base + 2]) + unit;
-            let k = comptime!(inputs.len());
-            #[unroll]
-            for j in 0..k {
-                if which == u32::cast_from(j) {
-                    let v = Vector::<f32, N>::cast_from(inputs[j][src]) * Vector::new(scale)
-                        + residual[dst];
-                    let q = Vector::<O, N>::cast_from(v);
-                    bucket[dst] = q;
-                    residual[dst] = v - Vector::<f32, N>::cast_from(q);
+        let k = comptime!(inputs.len());
+        #[unroll]
+        for j in 0..k {
+            if which == u32::cast_from(j) {
+                #[unroll]
+                for i in 0..per_unit {
+                    let v = unit + i * units;
+                    if v < count {
+                        let dst = out + v;
+                        let x = Vector::<f32, N>::cast_from(inputs[j][start + v])
+                            * Vector::new(scale)
+                            + residual[dst];
+                        let q = Vector::<O, N>::cast_from(x);
+                        bucket[dst] = q;
+                        residual[dst] = x - Vector::<f32, N>::cast_from(q);
+                    }
                 }
             }
         }
     }
 }
 
-/// `outputs[tile.output][tile.start + u] = O(scale * f32(bucket[tile.out + u]))`.
-#[cube(launch)]
+/// `outputs[tile.output][tile.start + v] = O(scale * f32(bucket[tile.out + v]))`, the tile's
+/// vectors shared among the cube's units as in [`pack_kernel`].
+#[cube(launch_unchecked)]
 pub(crate) fn unpack_kernel<F: Float, O: Float, N: Size>(
     bucket: &Array<Vector<F, N>>,
     tiles: &Array<u32>,
     outputs: &mut Sequence<Array<Vector<O, N>>>,
     num_tiles: u32,
     scale: f32,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
 ) {
     let tile = CUBE_POS;
     if tile < usize::cast_from(num_tiles) {
         let base = tile * 4;
         let which = tiles[base];
+        let start = usize::cast_from(tiles[base + 1]);
+        let out = usize::cast_from(tiles[base + 2]);
+        let count = usize::cast_from(tiles[base + 3]);
         let unit = usize::cast_from(UNIT_POS);
-        if unit < usize::cast_from(tiles[base + 3]) {
-            let dst = usize::cast_from(tiles[base + 1]) + unit;
-            let src = usize::cast_from(tiles[base + 2]) + unit;
-            let x = Vector::<f32, N>::cast_from(bucket[src]) * Vector::new(scale);
-            let k = comptime!(outputs.len());
-            #[unroll]
-            for j in 0..k {
-                if which == u32::cast_from(j) {
-                    let output = outputs.index_mut(j);
-                    output[dst] = Vector::<O, N>::cast_from(x);
+        let mut regs = Array::<Vector<f32, N>>::new(per_unit);
+        #[unroll]
+        for i in 0..per_unit {
+            let v = unit + i * units;
+            if v < count {
+                regs[i] = Vector::<f32, N>::cast_from(bucket[out + v]) * Vector::new(scale);
+            }
+        }
+        let k = comptime!(outputs.len());
+        #[unroll]
+        for j in 0..k {
+            if which == u32::cast_from(j) {
+                let output = outputs.index_mut(j);
+                #[unroll]
+                for i in 0..per_unit {
+                    let v = unit + i * units;
+                    if v < count {
+                        output[start + v] = Vector::<O, N>::cast_from(regs[i]);
+                    }
                 }
             }
         }
@@ -144,16 +187,17 @@ pub(crate) fn accumulate_kernel<A: Float, F: Float, N: Size>(
     }
 }
 
-/// `dst[offset + i] = src[i]` (offset in vectors).
+/// `dst[dst_offset + i] = src[src_offset + i]` (offsets in vectors).
 #[cube(launch)]
 pub(crate) fn copy_kernel<T: Float, N: Size>(
     dst: &mut Array<Vector<T, N>>,
     src: &Array<Vector<T, N>>,
-    offset: u32,
+    dst_offset: u32,
+    src_offset: u32,
     vectors: u32,
 ) {
     let pos = ABSOLUTE_POS;
     if pos < usize::cast_from(vectors) {
-        dst[usize::cast_from(offset) + pos] = src[pos];
+        dst[usize::cast_from(dst_offset) + pos] = src[usize::cast_from(src_offset) + pos];
     }
 }

@@ -28,6 +28,7 @@ mod local;
 pub mod reference;
 
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -115,6 +116,21 @@ impl<R: Runtime, T: CubeElement> DeviceBuffer<R, T> {
         Ok(T::from_bytes(&bytes)[..self.len].to_vec())
     }
 
+    /// An uninitialised buffer of `len` elements (for kernels to write every element of).
+    pub fn empty(client: &ComputeClient<R>, len: usize) -> Self {
+        Self::from_handle(client.empty(len.max(1) * std::mem::size_of::<T>()), len)
+    }
+
+    /// A buffer over memory the caller already holds: a tensor's handle, for example.
+    ///
+    /// # Safety
+    ///
+    /// `handle` must hold at least `len` contiguous elements of `T` from its start, and live on
+    /// the device of the client the buffer is used with.
+    pub unsafe fn from_raw_handle(handle: Handle, len: usize) -> Self {
+        Self::from_handle(handle, len)
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
@@ -165,8 +181,50 @@ pub enum KernelError {
     Device(String),
 }
 
-/// Units per cube in the tiled kernels; each unit moves one vector.
+/// Units per cube in the tiled kernels (pack, unpack).
 const TILE: usize = 256;
+
+/// Vectors each unit of the tiled kernels moves; 0: chosen per launch (see
+/// [`set_vectors_per_unit`]).
+static VECTORS_PER_UNIT: AtomicU32 = AtomicU32::new(0);
+
+/// Tiles (cubes) a launch should have at least before its units take more vectors each: about
+/// four cubes per streaming multiprocessor of a large GPU.
+const MIN_TILES: usize = 512;
+
+/// Sets how many vectors each unit of the pack and unpack kernels moves, for every later launch
+/// in this process: 1, 2, 4, 8 or 16 (other values are rounded down to one of these), or 0 (the
+/// default) to choose per launch: the most, up to 8, that still leaves the launch 512 cubes.
+/// More vectors per unit keep more loads in flight, which a GPU's memory needs to reach its
+/// bandwidth; fewer give more cubes to spread over the device. `bonfire bench kernels
+/// --vectors-per-unit 0,1,2,4,8` compares them (BENCHMARKS.md has an H100's figures).
+pub fn set_vectors_per_unit(n: u32) {
+    let n = match n {
+        0 => 0,
+        1 => 1,
+        2 | 3 => 2,
+        4..=7 => 4,
+        8..=15 => 8,
+        _ => 16,
+    };
+    VECTORS_PER_UNIT.store(n, Ordering::Relaxed);
+}
+
+/// The setting of [`set_vectors_per_unit`] (0: chosen per launch).
+pub fn vectors_per_unit() -> u32 {
+    VECTORS_PER_UNIT.load(Ordering::Relaxed)
+}
+
+/// Vectors per unit for a launch over `vectors` vectors.
+fn per_unit_for(vectors: usize) -> usize {
+    match vectors_per_unit() {
+        0 => [8, 4, 2]
+            .into_iter()
+            .find(|&p| vectors >= MIN_TILES * TILE * p)
+            .unwrap_or(1),
+        n => n as usize,
+    }
+}
 
 /// The widest vector (4, 2 or 1 elements) that divides every length.
 fn vector_size(lens: impl IntoIterator<Item = usize>) -> usize {
@@ -178,9 +236,15 @@ fn vector_size(lens: impl IntoIterator<Item = usize>) -> usize {
 }
 
 /// The tile table of buffers of `lens` laid end to end in a bucket of `total` elements, in
-/// vectors of `v`: four u32 per tile (buffer, first vector in the buffer, first vector in the
+/// vectors of `v`, at most `per_tile` vectors a tile: four u32 per tile (buffer, first vector in the buffer, first vector in the
 /// bucket, vectors in the tile). Checks that the lengths add up to the bucket.
-fn tile_table(lens: &[usize], total: usize, v: usize, what: &str) -> Result<Vec<u32>, KernelError> {
+fn tile_table(
+    lens: &[usize],
+    total: usize,
+    v: usize,
+    per_tile: usize,
+    what: &str,
+) -> Result<Vec<u32>, KernelError> {
     let sum: usize = lens.iter().sum();
     if sum != total {
         return Err(KernelError::Shape(format!(
@@ -192,8 +256,8 @@ fn tile_table(lens: &[usize], total: usize, v: usize, what: &str) -> Result<Vec<
     let mut base = 0usize;
     for (j, &len) in lens.iter().enumerate() {
         let vectors = len / v;
-        for start in (0..vectors).step_by(TILE) {
-            for field in [j, start, base + start, TILE.min(vectors - start)] {
+        for start in (0..vectors).step_by(per_tile) {
+            for field in [j, start, base + start, per_tile.min(vectors - start)] {
                 table.push(u32::try_from(field).map_err(|_| too_big())?);
             }
         }
@@ -232,6 +296,7 @@ struct Tiled<'a, R: Runtime, T> {
     tiles: u32,
     count: CubeCount,
     dim: CubeDim,
+    per_unit: usize,
 }
 
 impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
@@ -247,7 +312,8 @@ impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
             buffers.iter().copied().filter(|b| !b.is_empty()).collect();
         let lens: Vec<usize> = buffers.iter().map(|b| b.len).collect();
         let vector = vector_size(lens.iter().copied());
-        let table = tile_table(&lens, total, vector, what)?;
+        let per_unit = per_unit_for(total / vector);
+        let table = tile_table(&lens, total, vector, TILE * per_unit, what)?;
         if total == 0 {
             return Ok(None);
         }
@@ -260,6 +326,7 @@ impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
             tiles: count_u32(tiles, what)?,
             count,
             dim,
+            per_unit,
         }))
     }
 
@@ -279,17 +346,23 @@ pub fn pack<R: Runtime, F: GradElement, O: GradElement>(
     let Some(t) = Tiled::new(client, inputs, bucket.len, "pack")? else {
         return Ok(());
     };
-    kernels::pack_kernel::launch::<F, O, R>(
-        client,
-        t.count.clone(),
-        t.dim,
-        t.vector,
-        t.sequence(),
-        t.table.arg(),
-        bucket.arg(),
-        t.tiles,
-        scale,
-    );
+    // SAFETY: every index the kernel touches is bounded by the tile table, built from the
+    // buffers' own lengths, which add up to the bucket's (checked by `Tiled::new`).
+    unsafe {
+        kernels::pack_kernel::launch_unchecked::<F, O, R>(
+            client,
+            t.count.clone(),
+            t.dim,
+            t.vector,
+            t.sequence(),
+            t.table.arg(),
+            bucket.arg(),
+            t.tiles,
+            scale,
+            TILE,
+            t.per_unit,
+        );
+    }
     Ok(())
 }
 
@@ -311,18 +384,24 @@ pub fn pack_with_feedback<R: Runtime, F: GradElement, O: GradElement>(
     let Some(t) = Tiled::new(client, inputs, bucket.len, "pack_with_feedback")? else {
         return Ok(());
     };
-    kernels::pack_feedback_kernel::launch::<F, O, R>(
-        client,
-        t.count.clone(),
-        t.dim,
-        t.vector,
-        t.sequence(),
-        t.table.arg(),
-        bucket.arg(),
-        residual.arg(),
-        t.tiles,
-        scale,
-    );
+    // SAFETY: every index the kernel touches is bounded by the tile table, built from the
+    // buffers' own lengths, which add up to the bucket's (checked by `Tiled::new`).
+    unsafe {
+        kernels::pack_feedback_kernel::launch_unchecked::<F, O, R>(
+            client,
+            t.count.clone(),
+            t.dim,
+            t.vector,
+            t.sequence(),
+            t.table.arg(),
+            bucket.arg(),
+            residual.arg(),
+            t.tiles,
+            scale,
+            TILE,
+            t.per_unit,
+        );
+    }
     Ok(())
 }
 
@@ -337,17 +416,23 @@ pub fn unpack<R: Runtime, F: GradElement, O: GradElement>(
     let Some(t) = Tiled::new(client, outputs, bucket.len, "unpack")? else {
         return Ok(());
     };
-    kernels::unpack_kernel::launch::<F, O, R>(
-        client,
-        t.count.clone(),
-        t.dim,
-        t.vector,
-        bucket.arg(),
-        t.table.arg(),
-        t.sequence(),
-        t.tiles,
-        scale,
-    );
+    // SAFETY: every index the kernel touches is bounded by the tile table, built from the
+    // buffers' own lengths, which add up to the bucket's (checked by `Tiled::new`).
+    unsafe {
+        kernels::unpack_kernel::launch_unchecked::<F, O, R>(
+            client,
+            t.count.clone(),
+            t.dim,
+            t.vector,
+            bucket.arg(),
+            t.table.arg(),
+            t.sequence(),
+            t.tiles,
+            scale,
+            TILE,
+            t.per_unit,
+        );
+    }
     Ok(())
 }
 
@@ -410,11 +495,29 @@ pub(crate) fn copy_at<R: Runtime, T: GradElement>(
     dst: &DeviceBuffer<R, T>,
     offset: usize,
 ) -> Result<(), KernelError> {
-    if src.is_empty() {
+    copy_between(client, src, 0, dst, offset, src.len)
+}
+
+/// `dst[dst_offset..dst_offset + len] = src[src_offset..src_offset + len]`, on one device.
+pub(crate) fn copy_between<R: Runtime, T: GradElement>(
+    client: &ComputeClient<R>,
+    src: &DeviceBuffer<R, T>,
+    src_offset: usize,
+    dst: &DeviceBuffer<R, T>,
+    dst_offset: usize,
+    len: usize,
+) -> Result<(), KernelError> {
+    if src_offset + len > src.len || dst_offset + len > dst.len {
+        return Err(KernelError::Shape(format!(
+            "copy: {len} elements from {src_offset} of {} into {dst_offset} of {}",
+            src.len, dst.len
+        )));
+    }
+    if len == 0 {
         return Ok(());
     }
-    let v = vector_size([src.len, offset]);
-    let vectors = src.len / v;
+    let v = vector_size([len, src_offset, dst_offset]);
+    let vectors = len / v;
     let (count, dim) = launch_shape(client, vectors);
     kernels::copy_kernel::launch::<T, R>(
         client,
@@ -423,7 +526,8 @@ pub(crate) fn copy_at<R: Runtime, T: GradElement>(
         v,
         dst.arg(),
         src.arg(),
-        count_u32(offset / v, "copy")?,
+        count_u32(dst_offset / v, "copy")?,
+        count_u32(src_offset / v, "copy")?,
         count_u32(vectors, "copy")?,
     );
     Ok(())

@@ -5,6 +5,7 @@
 //! NCCL, which uses NVLink or PCIe peer access where the devices have it) with no host
 //! round-trip; on wgpu, which has no device-to-device path, it is staged through the host. Burn
 //! 0.21's `Tensor::to_device` between two wgpu devices panics, so bonfire never relies on it.
+//! Two clients of one device copy with the copy kernel instead.
 
 use cubecl::prelude::*;
 
@@ -30,6 +31,14 @@ fn copy_range<R: Runtime, T: GradElement>(
     if len == 0 {
         return DeviceBuffer::filled(to, 0, T::narrow(0.0));
     }
+    if same_device(from, to) {
+        // A copy within one device is a kernel: CUDA's client-to-client transfer (NCCL) to the
+        // device it starts from never completes.
+        let out = DeviceBuffer::empty(to, len);
+        crate::copy_between(from, buf, start, &out, 0, len)
+            .expect("the range lies within the buffer");
+        return out;
+    }
     let size = std::mem::size_of::<T>() as u64;
     // Offsets add to the view the handle already is (allocations may be padded).
     let total = buf.handle().size_in_used();
@@ -41,6 +50,11 @@ fn copy_range<R: Runtime, T: GradElement>(
     let dtype = T::as_type_native_unchecked().elem_type();
     let handle = from.clone().to_client(view, to, dtype);
     DeviceBuffer::from_handle(handle, len)
+}
+
+/// Whether two clients drive the same device (clients of one device share its server's state).
+fn same_device<R: Runtime>(a: &ComputeClient<R>, b: &ComputeClient<R>) -> bool {
+    std::ptr::eq(a.info(), b.info())
 }
 
 /// The devices of one node, in ring order.

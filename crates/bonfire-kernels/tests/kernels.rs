@@ -226,6 +226,7 @@ fn check_errors<R: Runtime>(client: &ComputeClient<R>) {
 fn check_ring<R: Runtime, T: GradElement>(clients: &[ComputeClient<R>], seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let n = clients.len();
+    eprintln!("  ring over {n} device(s)");
     for len in [1usize, 63, 64, 1000, 4099] {
         let host: Vec<Vec<T>> = (0..n).map(|_| random(&mut rng, len)).collect();
         let bufs: Vec<DeviceBuffer<R, T>> = host
@@ -267,18 +268,32 @@ fn check_ring<R: Runtime, T: GradElement>(clients: &[ComputeClient<R>], seed: u6
 }
 
 fn all<R: Runtime>(client: &ComputeClient<R>) {
+    // Each kernel variant is compiled on first use (seconds each on some devices): say where
+    // the run is, so a slow device is not mistaken for a hung one.
+    let started = std::time::Instant::now();
+    let done = |what: &str| eprintln!("  {what}: ok ({:.1} s)", started.elapsed().as_secs_f64());
     check_errors(client);
-    check_pack::<R, f32, f32>(client, 1);
+    done("errors");
+    for per_unit in [1, 4, 16, 0] {
+        bonfire_kernels::set_vectors_per_unit(per_unit);
+        check_pack::<R, f32, f32>(client, 1);
+        done(&format!(
+            "pack/unpack f32, vectors per unit {per_unit} (0: chosen)"
+        ));
+    }
     check_reduce::<R, f32, f32>(client, 2);
+    done("reduce f32");
     if !skip::<R, f16>(client, "f16") {
         check_pack::<R, f32, f16>(client, 3);
         check_reduce::<R, f16, f32>(client, 4);
         check_feedback::<R, f16>(client, 5);
+        done("f16");
     }
     if !skip::<R, bf16>(client, "bf16") {
         check_pack::<R, f32, bf16>(client, 6);
         check_reduce::<R, bf16, f32>(client, 7);
         check_feedback::<R, bf16>(client, 8);
+        done("bf16");
     }
 }
 

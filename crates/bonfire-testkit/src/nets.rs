@@ -67,6 +67,34 @@ impl<B: Backend> Net<B> for SmallCnn<B> {
     }
 }
 
+/// Two linear layers with a ReLU between: the cheapest model with several parameters of
+/// different sizes, for checks on backends whose kernels are slow to compile (wgpu on a software
+/// GPU).
+#[derive(Module, Debug)]
+pub struct SmallMlp<B: Backend> {
+    hidden: Linear<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> SmallMlp<B> {
+    /// A freshly initialised model (uses the backend's random generator).
+    pub fn new(device: &B::Device) -> Self {
+        SmallMlp {
+            hidden: LinearConfig::new(12, 8).init(device),
+            head: LinearConfig::new(8, 3).init(device),
+        }
+    }
+}
+
+impl<B: Backend> Net<B> for SmallMlp<B> {
+    const FEATURES: usize = 12;
+    const CLASSES: usize = 3;
+
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.head.forward(relu(self.hidden.forward(x)))
+    }
+}
+
 /// One pre-norm transformer encoder layer over 6 tokens of width 16, mean-pooled, and a head.
 #[derive(Module, Debug)]
 pub struct SmallTransformer<B: Backend> {

@@ -4,16 +4,16 @@
 use std::time::Instant;
 
 use bonfire_kernels::cubecl::prelude::{ComputeClient, Runtime};
-use bonfire_kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use bonfire_kernels::{DeviceBuffer, GradElement, copy, pack, reduce, supports, unpack};
-use burn::backend::Wgpu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_cubecl::{CubeBackend, CubeRuntime};
 use half::f16;
 
 use crate::size;
 
-type B = Wgpu;
+/// Burn's CubeCL backend over runtime `R`, without fusion: what the fused kernels replace.
+type Burn<R> = CubeBackend<R, f32, i32, u32>;
 
 /// Arguments of `bonfire bench kernels`.
 #[derive(clap::Args)]
@@ -27,6 +27,14 @@ pub(crate) struct Args {
     /// Timed iterations per measurement [default: enough to move about 1 GiB, 3 to 200].
     #[arg(long)]
     iters: Option<usize>,
+    /// Vectors per unit of the pack and unpack kernels to measure, comma-separated (1, 2, 4, 8,
+    /// 16; 0: chosen per launch, the library's default) [default: 0]
+    #[arg(long, value_delimiter = ',')]
+    vectors_per_unit: Vec<u32>,
+    /// The CubeCL runtime: wgpu (any GPU, or Mesa's software Vulkan) or cuda (a build with
+    /// `--features cuda`).
+    #[arg(long, default_value = "wgpu", value_parser = ["wgpu", "cuda"])]
+    runtime: String,
 }
 
 /// Lengths of `buffers` buffers adding up to `total`: uneven, like a model's parameters, and
@@ -55,7 +63,7 @@ fn time(iters: usize, mut f: impl FnMut(), sync: &dyn Fn()) -> f64 {
 }
 
 struct Row {
-    what: &'static str,
+    what: String,
     fused: f64,
     burn: f64,
     bytes_moved: usize,
@@ -64,7 +72,7 @@ struct Row {
 fn print_row(row: &Row, copy_gbps: f64) {
     let gbps = row.bytes_moved as f64 / row.fused / 1e9;
     println!(
-        "  {:<26} {:>11.1} {:>11.1} {:>8.2} {:>10.3} {:>9.3}",
+        "  {:<30} {:>11.1} {:>11.1} {:>8.2} {:>10.3} {:>9.3}",
         row.what,
         row.fused * 1e6,
         row.burn * 1e6,
@@ -84,19 +92,49 @@ fn upload_all<R: Runtime, T: GradElement>(
 }
 
 pub(crate) fn run(args: Args) -> Result<(), String> {
-    let device = WgpuDevice::default();
-    let client = WgpuRuntime::client(&device);
+    match args.runtime.as_str() {
+        "wgpu" => {
+            use bonfire_kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+            run_on::<WgpuRuntime>(&args, WgpuDevice::default(), crate::gpu::WGPU_HINT)
+        }
+        "cuda" => cuda(&args),
+        other => Err(format!("unknown runtime {other:?}")),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(args: &Args) -> Result<(), String> {
+    use bonfire_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    run_on::<CudaRuntime>(args, CudaDevice::default(), crate::gpu::CUDA_HINT)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Args) -> Result<(), String> {
+    Err("this bonfire was built without CUDA: rebuild it with \
+         `cargo build --release -p bonfire-cli --features cuda` (needs the CUDA toolkit)"
+        .into())
+}
+
+fn run_on<R: CubeRuntime>(args: &Args, device: R::Device, hint: &str) -> Result<(), String> {
+    let client = crate::gpu::open::<R>(&device, &args.runtime, hint)?;
     let sync = || {
-        let _ = <B as Backend>::sync(&device);
+        let _ = <Burn<R> as Backend>::sync(&device);
         let _ = bonfire_kernels::cubecl::future::block_on(client.sync());
     };
-    let half_ok = supports::<WgpuRuntime, f16>(&client);
+    let half_ok = supports::<R, f16>(&client);
+    let settings = if args.vectors_per_unit.is_empty() {
+        vec![bonfire_kernels::vectors_per_unit()]
+    } else {
+        args.vectors_per_unit.clone()
+    };
     println!(
-        "# bonfire bench kernels: wgpu default device, {} gradient buffers per bucket; Burn 0.21 tensor ops on the same device (fusion off)",
+        "# bonfire bench kernels: {} default device ({}), {} gradient buffers per bucket; Burn 0.21 tensor ops on the same device (fusion off)",
+        args.runtime,
+        R::name(&client),
         args.buffers
     );
     println!(
-        "# {:<26} {:>11} {:>11} {:>8} {:>10} {:>9}",
+        "# {:<30} {:>11} {:>11} {:>8} {:>10} {:>9}",
         "operation", "fused(us)", "burn(us)", "speedup", "GB/s", "vs copy"
     );
     for &bytes in &args.sizes {
@@ -115,9 +153,9 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
             })
             .collect();
         let grads = upload_all(&client, &host);
-        let grad_refs: Vec<&DeviceBuffer<WgpuRuntime, f32>> = grads.iter().collect();
-        let bucket = DeviceBuffer::<WgpuRuntime, f32>::filled(&client, n, 0.0);
-        let burn_grads: Vec<Tensor<B, 1>> = host
+        let grad_refs: Vec<&DeviceBuffer<R, f32>> = grads.iter().collect();
+        let bucket = DeviceBuffer::<R, f32>::filled(&client, n, 0.0);
+        let burn_grads: Vec<Tensor<Burn<R>, 1>> = host
             .iter()
             .map(|h| Tensor::from_data(TensorData::new(h.clone(), [h.len()]), &device))
             .collect();
@@ -128,7 +166,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         );
 
         // The roofline: one kernel copying the bucket (read n, write n).
-        let copy_src = DeviceBuffer::<WgpuRuntime, f32>::filled(&client, n, 1.0);
+        let copy_src = DeviceBuffer::<R, f32>::filled(&client, n, 1.0);
         let copy = time(
             iters,
             || copy(&client, &copy_src, &bucket).expect("copy"),
@@ -136,7 +174,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         );
         let copy_gbps = (2 * n * 4) as f64 / copy / 1e9;
         println!(
-            "  {:<26} {:>11.1} {:>11} {:>8} {:>10.3} {:>9.3}",
+            "  {:<30} {:>11.1} {:>11} {:>8} {:>10.3} {:>9.3}",
             "device copy (roofline)",
             copy * 1e6,
             "-",
@@ -146,65 +184,16 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         );
 
         let scale = 0.5f32;
-        let fused = time(
-            iters,
-            || pack(&client, &grad_refs, &bucket, scale).expect("pack"),
-            &sync,
-        );
-        let burn = time(
-            iters,
-            || {
-                let _ = Tensor::cat(burn_grads.clone(), 0).mul_scalar(scale);
-            },
-            &sync,
-        );
-        print_row(
-            &Row {
-                what: "pack + scale (f32)",
-                fused,
-                burn,
-                bytes_moved: 2 * n * 4,
-            },
-            copy_gbps,
-        );
-
-        if half_ok {
-            let bucket16 = DeviceBuffer::<WgpuRuntime, f16>::filled(&client, n, f16::ZERO);
-            let fused = time(
-                iters,
-                || pack(&client, &grad_refs, &bucket16, scale).expect("pack"),
-                &sync,
-            );
-            let burn = time(
-                iters,
-                || {
-                    let _ = Tensor::cat(burn_grads.clone(), 0)
-                        .mul_scalar(scale)
-                        .cast(FloatDType::F16);
-                },
-                &sync,
-            );
-            print_row(
-                &Row {
-                    what: "pack + scale + cast f16",
-                    fused,
-                    burn,
-                    bytes_moved: n * 4 + n * 2,
-                },
-                copy_gbps,
-            );
-        }
-
-        let other = DeviceBuffer::<WgpuRuntime, f32>::filled(&client, n, 0.25);
-        let out = DeviceBuffer::<WgpuRuntime, f32>::filled(&client, n, 0.0);
+        let other = DeviceBuffer::<R, f32>::filled(&client, n, 0.25);
+        let out = DeviceBuffer::<R, f32>::filled(&client, n, 0.0);
         let fused = time(
             iters,
             || reduce(&client, &[&bucket, &other], &out, 0.5).expect("reduce"),
             &sync,
         );
         let (ta, tb) = (
-            Tensor::<B, 1>::from_data(TensorData::new(vec![0.5f32; n], [n]), &device),
-            Tensor::<B, 1>::from_data(TensorData::new(vec![0.25f32; n], [n]), &device),
+            Tensor::<Burn<R>, 1>::from_data(TensorData::new(vec![0.5f32; n], [n]), &device),
+            Tensor::<Burn<R>, 1>::from_data(TensorData::new(vec![0.25f32; n], [n]), &device),
         );
         let burn = time(
             iters,
@@ -215,7 +204,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         );
         print_row(
             &Row {
-                what: "reduce 2 buckets, mean",
+                what: "reduce 2 buckets, mean".into(),
                 fused,
                 burn,
                 bytes_moved: 3 * n * 4,
@@ -223,40 +212,96 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
             copy_gbps,
         );
 
-        let outs = upload_all(&client, &host);
-        let out_refs: Vec<&DeviceBuffer<WgpuRuntime, f32>> = outs.iter().collect();
-        let fused = time(
-            iters,
-            || unpack(&client, &bucket, &out_refs, 0.5).expect("unpack"),
-            &sync,
-        );
-        let mut starts = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for &l in &lens {
-            starts.push(at..at + l);
-            at += l;
+        for &per_unit in &settings {
+            bonfire_kernels::set_vectors_per_unit(per_unit);
+            let tag = match bonfire_kernels::vectors_per_unit() {
+                0 => " [auto]".to_string(),
+                n => format!(" [x{n}]"),
+            };
+            let fused = time(
+                iters,
+                || pack(&client, &grad_refs, &bucket, scale).expect("pack"),
+                &sync,
+            );
+            let burn = time(
+                iters,
+                || {
+                    let _ = Tensor::cat(burn_grads.clone(), 0).mul_scalar(scale);
+                },
+                &sync,
+            );
+            print_row(
+                &Row {
+                    what: format!("pack + scale (f32){tag}"),
+                    fused,
+                    burn,
+                    bytes_moved: 2 * n * 4,
+                },
+                copy_gbps,
+            );
+
+            if half_ok {
+                let bucket16 = DeviceBuffer::<R, f16>::filled(&client, n, f16::ZERO);
+                let fused = time(
+                    iters,
+                    || pack(&client, &grad_refs, &bucket16, scale).expect("pack"),
+                    &sync,
+                );
+                let burn = time(
+                    iters,
+                    || {
+                        let _ = Tensor::cat(burn_grads.clone(), 0)
+                            .mul_scalar(scale)
+                            .cast(FloatDType::F16);
+                    },
+                    &sync,
+                );
+                print_row(
+                    &Row {
+                        what: format!("pack + scale + cast f16{tag}"),
+                        fused,
+                        burn,
+                        bytes_moved: n * 4 + n * 2,
+                    },
+                    copy_gbps,
+                );
+            }
+
+            let outs = upload_all(&client, &host);
+            let out_refs: Vec<&DeviceBuffer<R, f32>> = outs.iter().collect();
+            let fused = time(
+                iters,
+                || unpack(&client, &bucket, &out_refs, 0.5).expect("unpack"),
+                &sync,
+            );
+            let mut starts = Vec::with_capacity(lens.len());
+            let mut at = 0;
+            for &l in &lens {
+                starts.push(at..at + l);
+                at += l;
+            }
+            let burn = time(
+                iters,
+                || {
+                    for r in &starts {
+                        let _ = ta.clone().slice([r.clone()]).mul_scalar(0.5);
+                    }
+                },
+                &sync,
+            );
+            print_row(
+                &Row {
+                    what: format!("unpack + scale{tag}"),
+                    fused,
+                    burn,
+                    bytes_moved: 2 * n * 4,
+                },
+                copy_gbps,
+            );
         }
-        let burn = time(
-            iters,
-            || {
-                for r in &starts {
-                    let _ = ta.clone().slice([r.clone()]).mul_scalar(0.5);
-                }
-            },
-            &sync,
-        );
-        print_row(
-            &Row {
-                what: "unpack + scale",
-                fused,
-                burn,
-                bytes_moved: 2 * n * 4,
-            },
-            copy_gbps,
-        );
     }
     println!(
-        "# fused: one bonfire-kernels launch per operation; burn: the same result with Burn tensor ops (cat + mul, + cast; add + mul; slice + mul per buffer)."
+        "# fused: one bonfire-kernels launch per operation ([xN]: N vectors per unit; [auto]: chosen per launch); burn: the same result with Burn tensor ops (cat + mul, + cast; add + mul; slice + mul per buffer)."
     );
     println!(
         "# GB/s: bytes read plus bytes written by the fused kernel per second; vs copy: that over the copy kernel's rate (the roofline), same run."

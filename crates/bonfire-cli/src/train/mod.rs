@@ -477,15 +477,27 @@ fn rank_main(a: VisionArgs) -> Result<(), String> {
     match s.backend.as_str() {
         "flex" => vision::run::<burn::backend::Flex>(&world, &s, burn::backend::flex::FlexDevice),
         "ndarray" => vision::run::<burn::backend::NdArray>(&world, &s, Default::default()),
-        "wgpu" => vision::run::<burn::backend::Wgpu>(&world, &s, Default::default()),
+        "wgpu" => {
+            use bonfire_kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+            let device = WgpuDevice::default();
+            crate::gpu::open::<WgpuRuntime>(&device, "wgpu", crate::gpu::WGPU_HINT)?;
+            vision::run::<burn::backend::Wgpu>(&world, &s, device)
+        }
         "cuda" => cuda(&world, &s),
         other => Err(format!("unknown backend {other:?}")),
     }
 }
 
+/// Local rank `i` trains on CUDA device `i` of its node; with fewer devices than ranks, ranks
+/// share them round-robin (`i % devices`), as several ranks on one GPU do for testing.
 #[cfg(feature = "cuda")]
 fn cuda(world: &bonfire::World, s: &Settings) -> Result<(), String> {
-    let device = burn::backend::cuda::CudaDevice::new(world.local_rank());
+    use bonfire_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    let devices =
+        crate::gpu::open::<CudaRuntime>(&CudaDevice::new(0), "CUDA", crate::gpu::CUDA_HINT)?
+            .device_count_total()
+            .max(1);
+    let device = CudaDevice::new(world.local_rank() % devices);
     vision::run::<burn::backend::Cuda>(world, s, device)
 }
 

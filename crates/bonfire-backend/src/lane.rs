@@ -1,0 +1,197 @@
+//! The device lane: gradients of a CubeCL inner backend (wgpu, CUDA; plain or under Fusion) are
+//! packed into their bucket on the device by the fused pack kernel of `bonfire-kernels` and
+//! cross to the host in one transfer per bucket; the averaged bucket comes back in one transfer
+//! and the fused unpack kernel writes it into fresh gradient tensors.
+//!
+//! Without the lane every gradient is read on its own (`float_into_data`: one device
+//! synchronisation per parameter) and written back on its own (one upload per parameter). Other
+//! inner backends (Flex, NdArray) keep that host path, which costs them nothing extra: their
+//! memory is the host's.
+//!
+//! Which backend a tensor belongs to is found by its type at run time (the primitive types are
+//! `'static`), so `DataParallel<B>` stays generic over any `B`.
+
+use std::any::Any;
+
+use bonfire_kernels::{DeviceBuffer, pack, unpack};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+
+/// Whether `t` is an f32 tensor of a CubeCL backend of this build (plain or fused), which the
+/// lane handles.
+pub(crate) fn supports<B: Backend>(t: &FloatTensor<B>) -> bool {
+    if burn_backend::TensorMetadata::dtype(t) != DType::F32 {
+        return false;
+    }
+    let t = t as &dyn Any;
+    #[cfg(feature = "wgpu")]
+    if is_cube::<cubecl::wgpu::WgpuRuntime>(t) {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    if is_cube::<cubecl::cuda::CudaRuntime>(t) {
+        return true;
+    }
+    let _ = t;
+    false
+}
+
+fn is_cube<R: CubeRuntime>(t: &dyn Any) -> bool {
+    t.is::<CubeTensor<R>>() || t.is::<FusionFloat<R>>()
+}
+
+/// Packs `grads` (f32, in this order) into one buffer on their device with one launch of the
+/// fused pack kernel and reads it to the host in one transfer. `None` when the tensors do not
+/// belong to a CubeCL backend of this build, or are not f32 (the caller takes the host path).
+pub(crate) fn pack_read<B: Backend>(grads: &[FloatTensor<B>]) -> Option<Result<Vec<f32>, String>> {
+    let any: Vec<&dyn Any> = grads.iter().map(|g| g as &dyn Any).collect();
+    #[cfg(feature = "wgpu")]
+    if let Some(r) = pack_read_on::<cubecl::wgpu::WgpuRuntime>(&any) {
+        return Some(r);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(r) = pack_read_on::<cubecl::cuda::CudaRuntime>(&any) {
+        return Some(r);
+    }
+    let _ = any;
+    None
+}
+
+/// Uploads `values` in one transfer and unpacks them with one launch of the fused unpack kernel
+/// into new f32 tensors of `shapes` (their sizes add up to `values.len()`), on the device of
+/// `like`. `None` when `like` does not belong to a CubeCL backend of this build.
+pub(crate) fn upload_unpack<B: Backend>(
+    like: &FloatTensor<B>,
+    values: &[f32],
+    shapes: &[Shape],
+) -> Option<Result<Vec<FloatTensor<B>>, String>> {
+    let like = like as &dyn Any;
+    #[cfg(feature = "wgpu")]
+    if let Some(r) = upload_unpack_on::<cubecl::wgpu::WgpuRuntime, B>(like, values, shapes) {
+        return Some(r);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(r) = upload_unpack_on::<cubecl::cuda::CudaRuntime, B>(like, values, shapes) {
+        return Some(r);
+    }
+    let _ = (like, values, shapes);
+    None
+}
+
+/// The float primitive of `Fusion<CubeBackend<R, ..>>`.
+type FusionFloat<R> = burn_fusion::FusionTensor<burn_cubecl::fusion::FusionCubeRuntime<R>>;
+/// A `CubeBackend` over `R`, to name `R`'s fusion server (its float primitive is `CubeTensor<R>`
+/// whatever the element types).
+type Cube<R> = burn_cubecl::CubeBackend<R, f32, i32, u32>;
+
+/// `t` as a contiguous `CubeTensor<R>`, if it is a plain or fused tensor of runtime `R`.
+fn as_cube<R: CubeRuntime>(t: &dyn Any) -> Option<CubeTensor<R>> {
+    let t = if let Some(c) = t.downcast_ref::<CubeTensor<R>>() {
+        c.clone()
+    } else {
+        let f = t.downcast_ref::<FusionFloat<R>>()?;
+        f.client.resolve_tensor_float::<Cube<R>>(f.clone())
+    };
+    Some(if t.is_contiguous() {
+        t
+    } else {
+        burn_cubecl::kernel::into_contiguous(t)
+    })
+}
+
+fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, String>> {
+    if !is_cube::<R>(*grads.first()?) {
+        return None;
+    }
+    let tensors: Vec<CubeTensor<R>> = grads
+        .iter()
+        .map(|g| as_cube::<R>(*g))
+        .collect::<Option<_>>()?;
+    if tensors.iter().any(|t| t.dtype != DType::F32) {
+        return None;
+    }
+    let client = tensors[0].client.clone();
+    let buffers: Vec<DeviceBuffer<R, f32>> = tensors
+        .iter()
+        .map(|t| {
+            // SAFETY: a contiguous f32 tensor's handle holds its elements from the start.
+            unsafe {
+                DeviceBuffer::from_raw_handle(t.handle.clone(), t.meta.shape().num_elements())
+            }
+        })
+        .collect();
+    let total = buffers.iter().map(|b| b.len()).sum();
+    let bucket = DeviceBuffer::<R, f32>::empty(&client, total);
+    let inputs: Vec<&DeviceBuffer<R, f32>> = buffers.iter().collect();
+    Some(
+        pack(&client, &inputs, &bucket, 1.0)
+            .and_then(|()| bucket.download(&client))
+            .map_err(|e| format!("packing a gradient bucket on the device: {e}")),
+    )
+}
+
+fn upload_unpack_on<R: CubeRuntime, B: Backend>(
+    like: &dyn Any,
+    values: &[f32],
+    shapes: &[Shape],
+) -> Option<Result<Vec<FloatTensor<B>>, String>> {
+    let (client, device, fused) = if let Some(c) = like.downcast_ref::<CubeTensor<R>>() {
+        (c.client.clone(), c.device.clone(), None)
+    } else {
+        let f = like.downcast_ref::<FusionFloat<R>>()?;
+        let device = f.client.device().clone();
+        (R::client(&device), device, Some(f.client.clone()))
+    };
+    let bucket = DeviceBuffer::<R, f32>::upload(&client, values);
+    let outputs: Vec<DeviceBuffer<R, f32>> = shapes
+        .iter()
+        .map(|s| DeviceBuffer::empty(&client, s.num_elements()))
+        .collect();
+    let refs: Vec<&DeviceBuffer<R, f32>> = outputs.iter().collect();
+    if let Err(e) = unpack(&client, &bucket, &refs, 1.0) {
+        return Some(Err(format!(
+            "unpacking a gradient bucket on the device: {e}"
+        )));
+    }
+    let tensors = outputs.into_iter().zip(shapes).map(|(b, shape)| {
+        CubeTensor::new_contiguous(
+            client.clone(),
+            device.clone(),
+            shape.clone(),
+            b.handle().clone(),
+            DType::F32,
+        )
+    });
+    let out: Vec<Box<dyn Any>> = match fused {
+        None => tensors.map(|t| Box::new(t) as Box<dyn Any>).collect(),
+        Some(fc) => tensors
+            .map(|t| Box::new(register_fused::<R>(&fc, t)) as Box<dyn Any>)
+            .collect(),
+    };
+    out.into_iter()
+        .map(|t| t.downcast::<FloatTensor<B>>().ok().map(|t| *t))
+        .collect::<Option<Vec<_>>>()
+        .map(Ok)
+}
+
+/// Hands a computed tensor to the fusion server of its device, as `Fusion::float_from_data`
+/// does with uploaded data.
+fn register_fused<R: CubeRuntime>(
+    client: &burn_fusion::client::GlobalFusionClient<burn_cubecl::fusion::FusionCubeRuntime<R>>,
+    t: CubeTensor<R>,
+) -> FusionFloat<R> {
+    let shape = t.meta.shape().clone();
+    let dtype = t.dtype;
+    let handle = <Cube<R> as burn_ir::BackendIr>::float_tensor_handle(t);
+    let desc =
+        burn_ir::InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            burn_fusion::stream::OperationStreams::default(),
+            burn_ir::OperationIr::Init(desc),
+            burn_fusion::NoOp::<Cube<R>>::new(),
+        )
+        .remove(0)
+}

@@ -1,0 +1,170 @@
+//! `DataParallel` over the GPU backends: wgpu (Mesa's software Vulkan in CI) and CUDA (feature
+//! `cuda`, on a machine with an NVIDIA GPU). Buckets are packed on the device by the fused pack
+//! kernel, cross to the host in one transfer each way, and the averages are written back by the
+//! fused unpack kernel. Checked against one rank with the whole batch (f32, max abs difference at
+//! most 1e-5) and against the host path (every gradient read on its own), which must give the
+//! same bits. Ranks are threads of this process over the in-process transport, sharing one
+//! device (the way burn-train's DDP runs when a device is listed twice).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bonfire::backend::{DataParallelConfig, FailurePolicy, StepStats, bind_thread};
+use bonfire::collectives::{CommConfig, Communicator};
+use bonfire_testkit::nets::{
+    Batch, Net, SmallMlp, max_abs_diff, parameters, random_batches, seeded, train,
+};
+use bonfire_testkit::run_ranks;
+use burn::backend::Autodiff;
+use burn::backend::wgpu::{CubeBackend, Wgpu, WgpuDevice, WgpuRuntime};
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+use burn_fusion::Fusion;
+
+type Params = Vec<Vec<f32>>;
+/// The CubeCL wgpu backend under Fusion: what `Wgpu` is with Burn's default features.
+type DpFused = Autodiff<bonfire::DataParallel<Fusion<CubeBackend<WgpuRuntime, f32, i32, u32>>>>;
+/// The CubeCL wgpu backend without Fusion: what `Wgpu` is in this workspace's build.
+type DpCube = Autodiff<bonfire::DataParallel<Wgpu>>;
+
+const STEPS: usize = 3;
+const TOLERANCE: f32 = 1e-5;
+
+fn config(device_pack: bool) -> DataParallelConfig {
+    DataParallelConfig {
+        failure: FailurePolicy::Panic,
+        // 64 bytes: the head's bias (3 floats) and weight (24) and the hidden layer's bias (8)
+        // and weight (96) fall into several buckets, some of them holding two parameters.
+        bucket_cap_bytes: 64,
+        first_bucket_cap_bytes: 64,
+        device_pack,
+        ..DataParallelConfig::default()
+    }
+}
+
+fn comm_config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(120),
+        ..CommConfig::default()
+    }
+}
+
+/// One rank, whole batches.
+fn single<B>(model: SmallMlp<B>, batches: &[Batch], device: &B::Device) -> Params
+where
+    B: AutodiffBackend,
+    SmallMlp<B>: AutodiffModule<B>,
+{
+    let _bind = bind_thread(
+        Communicator::in_process(1, comm_config()).remove(0),
+        config(true),
+    );
+    let model = bonfire::replicate(model);
+    parameters(&train(model, batches, 1, device).0)
+}
+
+/// Two ranks as threads, each on its half of every batch; rank 1 starts from other parameters
+/// (replicate must copy rank 0's). Returns each rank's parameters and last-step statistics.
+fn two_ranks<B>(
+    rank0: SmallMlp<B>,
+    batches: &[Batch],
+    device_pack: bool,
+    device: &B::Device,
+) -> Vec<(Params, StepStats)>
+where
+    B: AutodiffBackend,
+    SmallMlp<B>: AutodiffModule<B> + 'static,
+{
+    let device = device.clone();
+    let models = vec![
+        Some(rank0),
+        Some(seeded::<B, _>(1001, &device, SmallMlp::new)),
+    ];
+    let models = Arc::new(Mutex::new(models));
+    let batches = batches.to_vec();
+    run_ranks(
+        Communicator::in_process(2, comm_config()),
+        Duration::from_secs(600),
+        move |comm| {
+            let r = comm.rank();
+            let model = models.lock().unwrap()[r]
+                .take()
+                .expect("one model per rank");
+            let _bind = bind_thread(comm, config(device_pack));
+            let model = bonfire::replicate(model);
+            let shard: Vec<Batch> = batches
+                .iter()
+                .map(|b| {
+                    let n = b.rows() / 2;
+                    b.slice(r * n, n)
+                })
+                .collect();
+            let (model, _) = train(model, &shard, 1, &device);
+            let stats = bonfire::last_step_stats().expect("bound");
+            (parameters(&model), stats)
+        },
+    )
+}
+
+fn check<B>(what: &str, device: B::Device)
+where
+    B: AutodiffBackend,
+    SmallMlp<B>: AutodiffModule<B> + 'static,
+{
+    let batches = random_batches(21, STEPS, 8, SmallMlp::<B>::FEATURES, 3);
+    let base = seeded::<B, _>(1, &device, SmallMlp::new);
+    let initial = parameters(&base);
+    let reference = single(base.clone(), &batches, &device);
+    assert!(
+        max_abs_diff(&initial, &reference) > 1e-3,
+        "{what}: the reference run did not train"
+    );
+
+    let on_device = two_ranks(base.clone(), &batches, true, &device);
+    let host = two_ranks(base, &batches, false, &device);
+    for (r, ((dev, dev_stats), (hst, hst_stats))) in on_device.iter().zip(&host).enumerate() {
+        let d = max_abs_diff(&reference, dev);
+        assert!(
+            d <= TOLERANCE,
+            "{what}: rank {r} differs from one rank by {d:e}"
+        );
+        assert_eq!(dev, &on_device[0].0, "{what}: rank {r} drifted from rank 0");
+        // Packing on the device moves the same numbers as reading them one by one.
+        assert_eq!(dev, hst, "{what}: rank {r}, device lane against host path");
+        assert!(dev_stats.buckets >= 3, "{what}: {dev_stats:?}");
+        assert_eq!(
+            dev_stats.device_packed, dev_stats.buckets,
+            "{what}: every bucket packed on the device: {dev_stats:?}"
+        );
+        assert_eq!(hst_stats.device_packed, 0, "{what}: {hst_stats:?}");
+        assert_eq!(dev_stats.bytes, hst_stats.bytes, "{what}");
+    }
+}
+
+#[test]
+fn fused_wgpu_buckets_are_packed_on_the_device_and_match_one_rank() {
+    check::<DpFused>(
+        "Autodiff<DataParallel<Fusion<CubeBackend<WgpuRuntime>>>>",
+        WgpuDevice::default(),
+    );
+}
+
+#[test]
+fn plain_cubecl_buckets_are_packed_on_the_device_and_match_one_rank() {
+    check::<DpCube>("Autodiff<DataParallel<Wgpu>>", WgpuDevice::default());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_buckets_are_packed_on_the_device_and_match_one_rank() {
+    use bonfire::kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    type Cube = CubeBackend<CudaRuntime, f32, i32, u32>;
+    check::<Autodiff<bonfire::DataParallel<Cube>>>(
+        "Autodiff<DataParallel<CubeBackend<CudaRuntime>>>",
+        CudaDevice::default(),
+    );
+    check::<Autodiff<bonfire::DataParallel<Fusion<Cube>>>>(
+        "Autodiff<DataParallel<Fusion<CubeBackend<CudaRuntime>>>>",
+        CudaDevice::default(),
+    );
+}

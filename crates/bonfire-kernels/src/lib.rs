@@ -27,6 +27,9 @@ mod kernels;
 mod local;
 pub mod reference;
 
+use std::any::TypeId;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -287,6 +290,31 @@ fn count_u32(n: usize, what: &str) -> Result<u32, KernelError> {
     u32::try_from(n).map_err(|_| KernelError::Shape(format!("{what}: more than 2^32 - 1 vectors")))
 }
 
+/// What a tile table depends on: the device (its client's shared state, by address), the
+/// runtime, the buffers' lengths and the bucket's, the vector width and the vectors per tile.
+#[derive(PartialEq, Eq, Hash)]
+struct TableKey {
+    device: usize,
+    runtime: TypeId,
+    lens: Vec<usize>,
+    /// The bucket's length: a layout is only cached after `tile_table` found that the lengths
+    /// add up to it.
+    total: usize,
+    vector: usize,
+    per_tile: usize,
+}
+
+/// Tile tables most recently uploaded on this thread; emptied when full.
+const TABLE_CACHE: usize = 64;
+
+thread_local! {
+    /// Tile tables already on the device, by layout: a gradient bucket has the same layout at
+    /// every step, so its table is uploaded once instead of before every launch. Per thread,
+    /// because CubeCL gives each thread its own stream, and a table is then only ever read on
+    /// the stream that wrote it.
+    static TABLES: RefCell<HashMap<TableKey, (Handle, usize)>> = RefCell::new(HashMap::new());
+}
+
 /// A launch over buffers laid end to end in a bucket: the buffers that hold anything, their
 /// vector width, the tile table on the device and the launch shape.
 struct Tiled<'a, R: Runtime, T> {
@@ -313,16 +341,40 @@ impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
         let lens: Vec<usize> = buffers.iter().map(|b| b.len).collect();
         let vector = vector_size(lens.iter().copied());
         let per_unit = per_unit_for(total / vector);
-        let table = tile_table(&lens, total, vector, TILE * per_unit, what)?;
-        if total == 0 {
-            return Ok(None);
-        }
-        let tiles = table.len() / kernels::TILE_FIELDS;
+        let key = TableKey {
+            device: client.info() as *const _ as usize,
+            runtime: TypeId::of::<R>(),
+            lens: lens.clone(),
+            total,
+            vector,
+            per_tile: TILE * per_unit,
+        };
+        let cached = TABLES.with(|t| t.borrow().get(&key).cloned());
+        let (handle, fields) = match cached {
+            Some(hit) => hit,
+            None => {
+                let table = tile_table(&lens, total, vector, TILE * per_unit, what)?;
+                if total == 0 {
+                    return Ok(None);
+                }
+                let buffer = DeviceBuffer::<R, u32>::upload(client, &table);
+                let entry = (buffer.handle().clone(), table.len());
+                TABLES.with(|t| {
+                    let mut t = t.borrow_mut();
+                    if t.len() >= TABLE_CACHE {
+                        t.clear();
+                    }
+                    t.insert(key, entry.clone());
+                });
+                entry
+            }
+        };
+        let tiles = fields / kernels::TILE_FIELDS;
         let (count, dim) = tile_shape(client, tiles);
         Ok(Some(Tiled {
             buffers,
             vector,
-            table: DeviceBuffer::<R, u32>::upload(client, &table),
+            table: DeviceBuffer::<R, u32>::from_handle(handle, fields),
             tiles: count_u32(tiles, what)?,
             count,
             dim,

@@ -216,6 +216,13 @@ fn check_errors<R: Runtime>(client: &ComputeClient<R>) {
         err,
         KernelError::Shape("pack: the buffers hold 5 elements, the bucket 4".into())
     );
+    // The same layout into a bucket that fits (its tile table is then kept for reuse), and then
+    // into the short bucket again: still refused.
+    let fits = DeviceBuffer::<R, f32>::filled(client, 5, 0.0);
+    pack(client, &[&a, &b], &fits, 1.0).unwrap();
+    assert_eq!(fits.download(client).unwrap(), [1.0, 2.0, 3.0, 1.0, 2.0]);
+    assert!(pack(client, &[&a, &b], &bucket, 1.0).is_err());
+    assert!(unpack(client, &bucket, &[&a, &b], 1.0).is_err());
     assert!(reduce::<R, f32, f32>(client, &[&a, &b], &a, 1.0).is_err());
     assert!(accumulate(client, &a, &b, 1.0).is_err());
     assert!(reduce::<R, f32, f32>(client, &[], &a, 1.0).is_err());

@@ -557,9 +557,12 @@ fn write_back_on_device<B: Backend>(
     let Some(&first) = present.first() else {
         return false;
     };
-    if present
-        .iter()
-        .any(|&p| refs[p].as_ref().is_some_and(|r| r.dtype != DType::F32))
+    // SAFETY: as in `gradient`; backward has not returned yet.
+    let like = unsafe { &*refs[first].as_ref().expect("present").tensor.0 };
+    if !lane::supports::<B>(like)
+        || present
+            .iter()
+            .any(|&p| refs[p].as_ref().is_some_and(|r| r.dtype != DType::F32))
     {
         return false;
     }
@@ -574,8 +577,6 @@ fn write_back_on_device<B: Backend>(
             }
         })
         .collect();
-    // SAFETY: as in `gradient`; backward has not returned yet.
-    let like = unsafe { &*refs[first].as_ref().expect("present").tensor.0 };
     let tensors = match lane::upload_unpack::<B>(like, &reduced[..bucket.len], &shapes) {
         None => return false,
         Some(Ok(t)) => t,

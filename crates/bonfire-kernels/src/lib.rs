@@ -290,6 +290,12 @@ fn count_u32(n: usize, what: &str) -> Result<u32, KernelError> {
     u32::try_from(n).map_err(|_| KernelError::Shape(format!("{what}: more than 2^32 - 1 vectors")))
 }
 
+/// Which device a client drives: clients of one device share its server's state, so the address
+/// of that state names the device for as long as the process runs.
+pub(crate) fn device_of<R: Runtime>(client: &ComputeClient<R>) -> usize {
+    client.info() as *const _ as usize
+}
+
 /// What a tile table depends on: the device (its client's shared state, by address), the
 /// runtime, the buffers' lengths and the bucket's, the vector width and the vectors per tile.
 #[derive(PartialEq, Eq, Hash)]
@@ -342,7 +348,7 @@ impl<'a, R: Runtime, T: GradElement> Tiled<'a, R, T> {
         let vector = vector_size(lens.iter().copied());
         let per_unit = per_unit_for(total / vector);
         let key = TableKey {
-            device: client.info() as *const _ as usize,
+            device: device_of(client),
             runtime: TypeId::of::<R>(),
             lens: lens.clone(),
             total,

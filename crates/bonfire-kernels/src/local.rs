@@ -31,7 +31,7 @@ fn copy_range<R: Runtime, T: GradElement>(
     if len == 0 {
         return DeviceBuffer::filled(to, 0, T::narrow(0.0));
     }
-    if same_device(from, to) {
+    if crate::device_of(from) == crate::device_of(to) {
         // A copy within one device is a kernel: CUDA's client-to-client transfer (NCCL) to the
         // device it starts from never completes.
         let out = DeviceBuffer::empty(to, len);
@@ -50,11 +50,6 @@ fn copy_range<R: Runtime, T: GradElement>(
     let dtype = T::as_type_native_unchecked().elem_type();
     let handle = from.clone().to_client(view, to, dtype);
     DeviceBuffer::from_handle(handle, len)
-}
-
-/// Whether two clients drive the same device (clients of one device share its server's state).
-fn same_device<R: Runtime>(a: &ComputeClient<R>, b: &ComputeClient<R>) -> bool {
-    std::ptr::eq(a.info(), b.info())
 }
 
 /// The devices of one node, in ring order.

@@ -1,14 +1,28 @@
 #!/usr/bin/env python3
-"""Writes crates/bonfire-backend/src/passthrough.rs: every method of Burn 0.21's seven op traits,
-defaulted ones included, forwarded from `DataParallel<I>` to `I`.
+"""Writes the op-trait impls of bonfire's backend decorators: every method of Burn 0.21's seven op
+traits, defaulted ones included, one output file per op family (as Burn's own decorators are laid
+out), for each decorator in DECORATORS.
 
-Run it after changing the pinned Burn version (the output is checked in):
+Run it after changing the pinned Burn version, or after adding or removing a hand-written rule
+(the output is checked in):
 
-    python3 crates/bonfire-backend/gen/passthrough.py
+    python3 crates/bonfire-backend/gen/passthrough.py            # every decorator
+    python3 crates/bonfire-backend/gen/passthrough.py tensor_parallel
 
 It reads the trait sources of the burn-backend crate that Cargo resolved for this workspace
-(`cargo metadata`), so the output always matches the pinned version. Methods named in
-OVERRIDDEN are left out; the decorator implements those by hand (see src/backend.rs).
+(`cargo metadata`), so the output always matches the pinned version.
+
+A method's generated body is, in this order:
+- a call to the decorator's hand-written rule of the same name, when its rules folder defines one
+  (`pub(crate) fn <method>` in any file of `rules_dir`: the file is found by scanning, so adding a
+  rule is writing the function and re-running this script);
+- otherwise the decorator's default: `forward` calls the inner backend with the same arguments;
+  `fallback` converts each float argument to the inner backend's full tensor (the decorator's
+  `fallback` module gathers it and counts the gather under the method's name), calls the inner
+  backend, and wraps float results as replicated.
+Arguments and results whose type differs between the decorator and its inner backend are converted
+by the templates in the decorator's `args`/`results` tables; a type missing there must be the same
+type on both sides (the script refuses to guess).
 """
 import json
 import os
@@ -16,39 +30,86 @@ import re
 import subprocess
 import sys
 
-# (trait, file under burn-backend's src/backend/ops)
+# (trait, file under burn-backend's src/backend/ops, output file)
 TRAITS = [
-    ("FloatTensorOps", "tensor.rs"),
-    ("IntTensorOps", "int_tensor.rs"),
-    ("BoolTensorOps", "bool_tensor.rs"),
-    ("ModuleOps", "modules/base.rs"),
-    ("ActivationOps", "activation.rs"),
-    ("QTensorOps", "qtensor.rs"),
-    ("TransactionOps", "transaction.rs"),
+    ("FloatTensorOps", "tensor.rs", "float_ops.rs"),
+    ("IntTensorOps", "int_tensor.rs", "int_ops.rs"),
+    ("BoolTensorOps", "bool_tensor.rs", "bool_ops.rs"),
+    ("ModuleOps", "modules/base.rs", "module_ops.rs"),
+    ("ActivationOps", "activation.rs", "activation_ops.rs"),
+    ("QTensorOps", "qtensor.rs", "qtensor_ops.rs"),
+    ("TransactionOps", "transaction.rs", "transaction_ops.rs"),
 ]
 
-# Methods the decorator writes by hand instead of forwarding (none today: the data-parallel
-# decorator changes no op; it only adds the gradient hook).
-OVERRIDDEN = set()
-
-# Types whose `Self` form is not the inner backend's type: how to convert an argument into the
-# inner form (`{}` is the argument) and a result back (`{}` is the call).
-CONVERT = {
-    "TensorPrimitive": ("convert::primitive_in::<I>({})", "convert::primitive_out::<I>({})"),
-    "QuantizationParametersPrimitive": ("convert::qparams_in::<I>({})", None),
-    "TransactionPrimitive": ("convert::transaction_in::<I>({})", None),
-    "MaxPool1dWithIndices": (None, "convert::max_pool1d_indices_out::<I>({})"),
-    "MaxPool2dWithIndices": (None, "convert::max_pool2d_indices_out::<I>({})"),
-    "MaxPool1dBackward": (None, "convert::max_pool1d_backward_out::<I>({})"),
-    "MaxPool2dBackward": (None, "convert::max_pool2d_backward_out::<I>({})"),
-    "DeformConv2dBackward": (None, "convert::deform_conv2d_backward_out::<I>({})"),
+# The types generic over the backend itself (not over its primitives), which every decorator
+# converts, whatever its primitives. Arguments: `{a}` is the argument, `{op}` the method's name.
+STRUCTS_IN = {
+    "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<I>({a})",
+    "TransactionPrimitive<Self>": "{conv}::transaction_in::<I>({a})",
+    "TensorPrimitive<Self>": "{conv}::primitive_in::<I>({a})",
 }
+STRUCTS_OUT = {
+    "TensorPrimitive<Self>": "{conv}::primitive_out::<I>({c})",
+    "MaxPool1dWithIndices<Self>": "{conv}::max_pool1d_indices_out::<I>({c})",
+    "MaxPool2dWithIndices<Self>": "{conv}::max_pool2d_indices_out::<I>({c})",
+    "MaxPool1dBackward<Self>": "{conv}::max_pool1d_backward_out::<I>({c})",
+    "MaxPool2dBackward<Self>": "{conv}::max_pool2d_backward_out::<I>({c})",
+    "DeformConv2dBackward<Self>": "{conv}::deform_conv2d_backward_out::<I>({c})",
+}
+
+DECORATORS = {
+    # Changes no op: every method calls the inner backend; only the gradient hook is its own.
+    "data_parallel": {
+        "type": "DataParallel",
+        "module": "crate::data_parallel",
+        "dir": "src/data_parallel/ops",
+        "conv": "crate::data_parallel::convert",
+        "rules_dir": None,
+        # Its primitives are the inner backend's: float tensors pass as they are.
+        "float_is_inner": True,
+        "args": dict(STRUCTS_IN),
+        "results": dict(STRUCTS_OUT),
+    },
+    # Float primitives carry a placement; int, bool and quantized ones are the inner backend's
+    # (always replicated). A method without a rule gathers its float inputs and runs locally.
+    "tensor_parallel": {
+        "type": "TensorParallel",
+        "module": "crate::tensor_parallel",
+        "dir": "src/tensor_parallel/ops",
+        "conv": "crate::tensor_parallel::fallback",
+        "rules_dir": "src/tensor_parallel/rules",
+        "float_is_inner": False,
+        "args": {
+            # Float data inside them is gathered, and counted under the method's name.
+            "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<I>({a}, \"{op}\")",
+            "TransactionPrimitive<Self>": "{conv}::transaction_in::<I>({a}, \"{op}\")",
+            "TensorPrimitive<Self>": "{conv}::primitive_in::<I>({a}, \"{op}\")",
+            "FloatTensor<Self>": "{conv}::full::<I>({a}, \"{op}\")",
+            "Option<FloatTensor<Self>>": "{a}.map(|t| {conv}::full::<I>(t, \"{op}\"))",
+            "Vec<FloatTensor<Self>>": "{conv}::full_all::<I>({a}, \"{op}\")",
+        },
+        "results": {
+            **STRUCTS_OUT,
+            "FloatTensor<Self>": "{conv}::replicated::<I>({c})",
+            "(FloatTensor<Self>, IntTensor<Self>)": "{conv}::replicated_first::<I, _>({c})",
+            "(FloatTensor<Self>, FloatTensor<Self>)": "{conv}::replicated_pair::<I>({c})",
+        },
+    },
+}
+
+# Self-typed forms that are the inner backend's own type in every decorator.
+SAME_EVERYWHERE = re.compile(
+    r"^(&)?(IntTensor|BoolTensor|QuantizedTensor|Device)<Self>$"
+    r"|^(Vec|Option)<(IntTensor|BoolTensor|QuantizedTensor)<Self>>$"
+    r"|^\((IntTensor|QuantizedTensor)<Self>, IntTensor<Self>\)$"
+    r"|^impl Future<Output = IntTensor<Self>> \+ 'static \+ Send$"
+)
 
 
 def registry_src():
     meta = json.loads(
         subprocess.check_output(
-            ["cargo", "metadata", "--format-version", "1", ],
+            ["cargo", "metadata", "--format-version", "1"],
             cwd=os.path.dirname(os.path.abspath(__file__)),
         )
     )
@@ -91,7 +152,7 @@ def methods(path, trait):
     depth = 1
     found = []
     while depth > 0:
-        # Skip comments and strings at trait level.
+        # Skip comments at trait level.
         if src.startswith("//", i):
             i = src.index("\n", i)
             continue
@@ -155,71 +216,127 @@ def self_type(t):
     return re.sub(r"\bB\b", "Self", t).replace("crate::", "burn_backend::")
 
 
-def generic_name(t):
-    m = re.match(r"(?:&\s*)?(\w+)<Self>$", t)
-    return m.group(1) if m else None
+def rules_of(crate_dir, rules_dir):
+    """Method name -> the rules file (module path under `rules`) that defines it."""
+    found = {}
+    if not rules_dir:
+        return found
+    root = os.path.join(crate_dir, rules_dir)
+    for dirpath, _, files in os.walk(root):
+        for f in sorted(files):
+            if not f.endswith(".rs") or f == "mod.rs":
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), root)[: -len(".rs")]
+            module = rel.replace(os.sep, "::")
+            for m in re.finditer(r"^pub\(crate\) fn (\w+)", open(os.path.join(dirpath, f)).read(), re.M):
+                if m.group(1) in found:
+                    sys.exit(f"rule {m.group(1)} is defined in both {found[m.group(1)]} and {module}")
+                found[m.group(1)] = module
+    return found
+
+
+def convert(dec, table, t, op, **names):
+    """The conversion of a value of Self-type `t`: a Rust expression, None when the decorator's
+    and the inner backend's types are the same, False when the script does not know."""
+    if t in table:
+        return table[t].format(conv=dec["conv"], op=op, **names)
+    if "Self" not in t or SAME_EVERYWHERE.match(t):
+        return None
+    if dec["float_is_inner"] and SAME_EVERYWHERE.match(t.replace("FloatTensor<Self>", "IntTensor<Self>")):
+        return None
+    return False
+
+
+def imports(text):
+    """The `use` lines the generated `text` needs (only those, so the output has no unused import)."""
+    lines = ["use burn_backend::ops::*;"]
+    if re.search(r"\bQuantization\w*|\bQuantScheme\b|\bQTensor\w*", text):
+        lines.append("use burn_backend::quantization::*;")
+    tensor = [n for n in ("BoolTensor", "Device", "FloatTensor", "IntTensor", "QuantizedTensor") if re.search(r"\b%s\b" % n, text)]
+    if tensor:
+        lines.append("use burn_backend::tensor::{%s};" % ", ".join(tensor))
+    lines.append("use burn_backend::*;")
+    if "Future<" in text:
+        lines.append("use core::future::Future;")
+    if "Range<" in text:
+        lines.append("use core::ops::Range;")
+    return lines
+
+
+def generate(key, dec, ops, version, crate_dir):
+    rules = rules_of(crate_dir, dec["rules_dir"])
+    used = set()
+    ty = dec["type"]
+    out_dir = os.path.join(crate_dir, dec["dir"])
+    os.makedirs(out_dir, exist_ok=True)
+    counts = {"rule": 0, "default": 0}
+    written = []
+    for trait, file, out_file in TRAITS:
+        body = [f"impl<I: Backend> {trait}<Self> for {ty}<I> {{"]
+        for sig in methods(os.path.join(ops, file), trait):
+            name, generics, args, ret = parse(sig)
+            params = ", ".join(f"{n}: {self_type(t)}" for n, t in args)
+            rtype = self_type(ret) if ret else None
+            arrow = f" -> {rtype}" if rtype else ""
+            if name in rules:
+                used.add(name)
+                counts["rule"] += 1
+                call = f"{dec['module']}::rules::{name}::<I>({', '.join(n for n, _ in args)})"
+            else:
+                counts["default"] += 1
+                call_args = []
+                for n, t in args:
+                    c = convert(dec, dec["args"], self_type(t), name, a=n)
+                    if c is False:
+                        sys.exit(f"{key}: {name}: no conversion for argument type {self_type(t)}; write a rule")
+                    call_args.append(c or n)
+                call = f"I::{name}({', '.join(call_args)})"
+                if rtype:
+                    c = convert(dec, dec["results"], rtype, name, c=call)
+                    if c is False:
+                        sys.exit(f"{key}: {name}: no conversion for result type {rtype}; write a rule")
+                    call = c or call
+            body.append(f"    fn {name}{generics}({params}){arrow} {{")
+            body.append(f"        {call}")
+            body.append("    }")
+        body.append("}")
+        body.append("")
+        out = [
+            f"// @generated by crates/bonfire-backend/gen/passthrough.py from burn-backend {version}. Do not edit",
+            "// by hand; run `python3 crates/bonfire-backend/gen/passthrough.py` instead.",
+            "",
+            *imports("\n".join(body)),
+            "",
+            f"use {dec['module']}::{ty};",
+            "",
+            *body,
+        ]
+        dest = os.path.join(out_dir, out_file)
+        with open(dest, "w") as f:
+            f.write("\n".join(out))
+        written.append(dest)
+    unused = set(rules) - used
+    if unused:
+        sys.exit(f"{key}: rules that match no Burn op method (misspelt?): {sorted(unused)}")
+    subprocess.check_call(["rustfmt", "--edition", "2024", *written])
+    print(
+        f"{key}: wrote {len(written)} files in {dec['dir']}: "
+        f"{counts['rule']} methods by hand-written rules, {counts['default']} by default"
+    )
 
 
 def main():
     ops, version = registry_src()
-    out = [
-        "// @generated by crates/bonfire-backend/gen/passthrough.py from burn-backend "
-        + version
-        + ". Do not edit by hand;",
-        "// run `python3 crates/bonfire-backend/gen/passthrough.py` instead.",
-        "//",
-        "// Every method of every op trait, defaulted ones included, forwarded to the inner backend:",
-        "// a default left in place would run Burn's generic fallback instead of the inner backend's",
-        "// kernel, and would break `Autodiff` (which needs `float_set_require_grad` and friends).",
-        "",
-        "use burn_backend::ops::*;",
-        "use burn_backend::quantization::*;",
-        "use burn_backend::tensor::{BoolTensor, Device, FloatTensor, IntTensor, QuantizedTensor};",
-        "use burn_backend::*;",
-        "use core::future::Future;",
-        "use core::ops::Range;",
-        "",
-        "use crate::backend::DataParallel;",
-        "use crate::convert;",
-        "",
-    ]
-    total = 0
-    for trait, file in TRAITS:
-        sigs = methods(os.path.join(ops, file), trait)
-        out.append(f"impl<I: Backend> {trait}<Self> for DataParallel<I> {{")
-        for sig in sigs:
-            name, generics, args, ret = parse(sig)
-            if name in OVERRIDDEN:
-                continue
-            total += 1
-            params = ", ".join(f"{n}: {self_type(t)}" for n, t in args)
-            call_args = []
-            for n, t in args:
-                g = generic_name(self_type(t))
-                conv = CONVERT.get(g, (None, None))[0] if g else None
-                if g in CONVERT and conv is None:
-                    sys.exit(f"{name}: no argument conversion for {g}")
-                call_args.append(conv.format(n) if conv else n)
-            call = f"I::{name}({', '.join(call_args)})"
-            rtype = self_type(ret) if ret else None
-            if rtype:
-                g = generic_name(rtype)
-                if g in CONVERT:
-                    conv = CONVERT[g][1]
-                    if conv is None:
-                        sys.exit(f"{name}: no result conversion for {g}")
-                    call = conv.format(call)
-            arrow = f" -> {rtype}" if rtype else ""
-            out.append(f"    fn {name}{generics}({params}){arrow} {{")
-            out.append(f"        {call}")
-            out.append("    }")
-        out.append("}")
-        out.append("")
-    dest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "passthrough.rs")
-    with open(dest, "w") as f:
-        f.write("\n".join(out))
-    subprocess.check_call(["rustfmt", "--edition", "2024", dest])
-    print(f"wrote {os.path.relpath(dest)}: {total} methods forwarded")
+    crate_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    wanted = sys.argv[1:] or list(DECORATORS)
+    for key in wanted:
+        if key not in DECORATORS:
+            sys.exit(f"unknown decorator {key}; known: {', '.join(DECORATORS)}")
+        dec = DECORATORS[key]
+        if dec["rules_dir"] and not os.path.isdir(os.path.join(crate_dir, dec["rules_dir"])):
+            print(f"{key}: skipped ({dec['rules_dir']} does not exist yet)")
+            continue
+        generate(key, dec, ops, version, crate_dir)
 
 
 if __name__ == "__main__":

@@ -20,26 +20,14 @@
 //! the CubeCL backends, Fusion and `DataParallel` do. Wrap every backend you differentiate through
 //! in `DataParallel` (at world size 1 it is a pass-through that computes exactly what `B` does).
 
-mod backend;
-mod context;
-mod convert;
-mod distributed;
-mod lane;
-mod passthrough;
-mod replicate;
-mod sampler;
-mod stats;
-mod sync;
+mod data_parallel;
 
-pub use backend::DataParallel;
-pub use context::{
-    BindGuard, DataParallelConfig, FailurePolicy, GradDType, abort, bind_thread, communicator,
-    install,
+pub use data_parallel::{
+    BindGuard, ConfigError, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
+    GradDType, NoSyncGuard, StepStats, SyncError, abort, accumulate, bind_thread, communicator,
+    discard_kept_gradients, install, keep_gradients, last_step_stats, no_sync, replicate,
+    total_stats,
 };
-pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
-pub use sampler::DistributedSampler;
-pub use stats::{StepStats, last_step_stats, total_stats};
-pub use sync::{NoSyncGuard, no_sync};
 
 #[cfg(test)]
 mod send_sync {

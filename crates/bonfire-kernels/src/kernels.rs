@@ -172,7 +172,7 @@ pub(crate) fn reduce_kernel<F: Float, O: Float, N: Size>(
 /// In place, at an offset (in vectors):
 /// `acc[offset + i] = A(scale * (f32(acc[offset + i]) + f32(chunk[i])))`, the ring's reduce step.
 #[cube(launch)]
-pub(crate) fn accumulate_kernel<A: Float, F: Float, N: Size>(
+pub(crate) fn add_into_kernel<A: Float, F: Float, N: Size>(
     acc: &mut Array<Vector<A, N>>,
     chunk: &Array<Vector<F, N>>,
     offset: u32,

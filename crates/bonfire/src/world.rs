@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bonfire_backend::DataParallelConfig;
-use bonfire_collectives::{CommConfig, Communicator, runtime};
+use bonfire_backend::{ConfigError, DataParallelConfig};
+use bonfire_collectives::{CollectiveError, CommConfig, Communicator, runtime};
 use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
 use bonfire_topology::{NodeLayout, Rank};
-use bonfire_transport::{QuicConfig, QuicError, QuicTransport, Secret};
+use bonfire_transport::{QuicConfig, QuicError, QuicTransport, Secret, SecretError};
 
 /// Why [`init`] failed. Its message says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -15,15 +15,30 @@ pub enum InitError {
     /// The job environment is malformed.
     #[error("bonfire::init: {0}")]
     Env(#[from] EnvError),
-    /// No usable job secret.
+    /// `BONFIRE_SECRET` holds no usable secret.
+    #[error("bonfire::init: BONFIRE_SECRET: {0}")]
+    SecretVar(#[source] SecretError),
+    /// The secret file named by `BONFIRE_SECRET_FILE` holds no usable secret.
     #[error("bonfire::init: {0}")]
-    Secret(String),
+    SecretFile(#[source] SecretError),
+    /// A job of several ranks was described without a secret.
+    #[error("bonfire::init: this job of {world_size} ranks has no secret: {hint}")]
+    NoSecret {
+        /// Ranks in the job.
+        world_size: usize,
+        /// How to give it one.
+        hint: &'static str,
+    },
     /// The job could not be joined.
     #[error("bonfire::init: {0}")]
     Connect(#[from] QuicError),
-    /// A data-parallel setting (`BONFIRE_BUCKET_CAP_MB`, `BONFIRE_GRAD_DTYPE`) is malformed.
+    /// The world communicator could not be built over the joined transport.
+    #[error("bonfire::init: cannot build the world communicator: {0}")]
+    Communicator(#[from] CollectiveError),
+    /// A data-parallel setting (`BONFIRE_BUCKET_CAP_MB`, `BONFIRE_GRAD_DTYPE`,
+    /// `BONFIRE_DEVICE_PACK`) is malformed.
     #[error("bonfire::init: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
 }
 
 /// This process's place in its job: its rank, the world communicator, and the links behind it.
@@ -129,7 +144,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
     if let Some(t) = env.timeout {
         config.timeout = t;
     }
-    let dp = DataParallelConfig::from_env().map_err(InitError::Config)?;
+    let dp = DataParallelConfig::from_env()?;
     if env.world_size == 1 {
         let comm = Communicator::in_process(1, config).remove(0);
         bonfire_backend::install(comm.clone(), dp);
@@ -147,10 +162,8 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
                 .unwrap_or_default()
                 .as_bytes(),
         )
-        .map_err(|e| InitError::Secret(format!("BONFIRE_SECRET: {e}")))?,
-        SecretSource::File(path) => {
-            Secret::from_file(path).map_err(|e| InitError::Secret(e.to_string()))?
-        }
+        .map_err(InitError::SecretVar)?,
+        SecretSource::File(path) => Secret::from_file(path).map_err(InitError::SecretFile)?,
         SecretSource::Missing => {
             let hint = match env.source {
                 EnvSource::Slurm => "set BONFIRE_SECRET_FILE to a file on a shared file system",
@@ -158,10 +171,10 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
                     "run under `bonfire launch` (which makes one), or set BONFIRE_SECRET_FILE to a file holding it (the same on every node)"
                 }
             };
-            return Err(InitError::Secret(format!(
-                "this job of {} ranks has no secret: {hint}",
-                env.world_size
-            )));
+            return Err(InitError::NoSecret {
+                world_size: env.world_size,
+                hint,
+            });
         }
     };
     let mut quic = QuicConfig::new(env.rank, env.world_size, env.master.clone(), secret);
@@ -181,8 +194,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
     let comm = Communicator::builder(transport.clone())
         .nodes(nodes.clone())
         .config(config)
-        .build()
-        .map_err(|e| InitError::Secret(format!("cannot build the world communicator: {e}")))?;
+        .build()?;
     bonfire_backend::install(comm.clone(), dp);
     Ok(World {
         rank,

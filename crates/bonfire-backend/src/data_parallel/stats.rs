@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use crate::context;
-
 /// What one backward's gradient synchronisation cost on this rank (or, from [`total_stats`], the
 /// sum over every step so far).
 ///
@@ -52,15 +50,4 @@ impl StepStats {
         self.buckets += other.buckets;
         self.device_packed += other.device_packed;
     }
-}
-
-/// The statistics of this rank's last synchronised step (this thread's rank, or the process's).
-/// `None` before `bonfire::init` (or a thread binding).
-pub fn last_step_stats() -> Option<StepStats> {
-    context::current(None).map(|r| r.stats().0)
-}
-
-/// The sum of every synchronised step's statistics on this rank.
-pub fn total_stats() -> Option<StepStats> {
-    context::current(None).map(|r| r.stats().1)
 }

@@ -1,4 +1,4 @@
-//! The device lane: gradients of a CubeCL inner backend (wgpu, CUDA; plain or under Fusion) are
+//! Packing on the device: gradients of a CubeCL inner backend (wgpu, CUDA; plain or under Fusion) are
 //! packed into their bucket on the device by the fused pack kernel of `bonfire-kernels` and
 //! cross to the host in one transfer per bucket; the averaged bucket comes back in one transfer
 //! and the fused unpack kernel writes it into fresh gradient tensors.
@@ -17,7 +17,7 @@
 
 use std::any::Any;
 
-use bonfire_kernels::{DeviceBuffer, pack, unpack};
+use bonfire_kernels::{DeviceBuffer, KernelError, pack, unpack};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -49,7 +49,9 @@ fn is_cube<R: CubeRuntime>(t: &dyn Any) -> bool {
 /// Packs `grads` (f32, in this order) into one buffer on their device with one launch of the
 /// fused pack kernel and reads it to the host in one transfer. `None` when the tensors do not
 /// belong to a CubeCL backend of this build, or are not f32 (the caller takes the host path).
-pub(crate) fn pack_read<B: Backend>(grads: &[FloatTensor<B>]) -> Option<Result<Vec<f32>, String>> {
+pub(crate) fn pack_read<B: Backend>(
+    grads: &[FloatTensor<B>],
+) -> Option<Result<Vec<f32>, KernelError>> {
     let any: Vec<&dyn Any> = grads.iter().map(|g| g as &dyn Any).collect();
     #[cfg(feature = "wgpu")]
     if let Some(r) = pack_read_on::<cubecl::wgpu::WgpuRuntime>(&any) {
@@ -70,7 +72,7 @@ pub(crate) fn upload_unpack<B: Backend>(
     like: &FloatTensor<B>,
     values: &[f32],
     shapes: &[Shape],
-) -> Option<Result<Vec<FloatTensor<B>>, String>> {
+) -> Option<Result<Vec<FloatTensor<B>>, KernelError>> {
     let like = like as &dyn Any;
     #[cfg(feature = "wgpu")]
     if let Some(r) = upload_unpack_on::<cubecl::wgpu::WgpuRuntime, B>(like, values, shapes) {
@@ -105,7 +107,7 @@ fn as_cube<R: CubeRuntime>(t: &dyn Any) -> Option<CubeTensor<R>> {
     })
 }
 
-fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, String>> {
+fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, KernelError>> {
     if !is_cube::<R>(*grads.first()?) {
         return None;
     }
@@ -129,18 +131,14 @@ fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, S
     let total = buffers.iter().map(|b| b.len()).sum();
     let bucket = DeviceBuffer::<R, f32>::empty(&client, total);
     let inputs: Vec<&DeviceBuffer<R, f32>> = buffers.iter().collect();
-    Some(
-        pack(&client, &inputs, &bucket, 1.0)
-            .and_then(|()| bucket.download(&client))
-            .map_err(|e| format!("packing a gradient bucket on the device: {e}")),
-    )
+    Some(pack(&client, &inputs, &bucket, 1.0).and_then(|()| bucket.download(&client)))
 }
 
 fn upload_unpack_on<R: CubeRuntime, B: Backend>(
     like: &dyn Any,
     values: &[f32],
     shapes: &[Shape],
-) -> Option<Result<Vec<FloatTensor<B>>, String>> {
+) -> Option<Result<Vec<FloatTensor<B>>, KernelError>> {
     let (client, device, fused) = if let Some(c) = like.downcast_ref::<CubeTensor<R>>() {
         (c.client.clone(), c.device.clone(), None)
     } else {
@@ -155,9 +153,7 @@ fn upload_unpack_on<R: CubeRuntime, B: Backend>(
         .collect();
     let refs: Vec<&DeviceBuffer<R, f32>> = outputs.iter().collect();
     if let Err(e) = unpack(&client, &bucket, &refs, 1.0) {
-        return Some(Err(format!(
-            "unpacking a gradient bucket on the device: {e}"
-        )));
+        return Some(Err(e));
     }
     let tensors = outputs.into_iter().zip(shapes).map(|(b, shape)| {
         CubeTensor::new_contiguous(

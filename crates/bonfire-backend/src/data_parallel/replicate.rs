@@ -6,9 +6,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedParamId;
 
-use crate::context::{self, Replica};
-use crate::sync::ParamInfo;
 use std::sync::Arc;
+
+use super::context::{self, Replica};
+use super::error::SyncError;
+use super::state::ParamInfo;
 
 /// Makes `module` a replica of rank 0's, as the constructor of PyTorch's
 /// `DistributedDataParallel` does: every float parameter (values and id) is broadcast from rank 0,
@@ -69,7 +71,7 @@ where
     M: AutodiffModule<B>,
 {
     let grads = {
-        let _quiet = crate::sync::no_sync();
+        let _quiet = super::sync::no_sync();
         loss.backward()
     };
     keep_gradients(&module, GradientsParams::from_grads(grads, &module));
@@ -137,7 +139,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Harvest<B> {
             .into_data()
             .convert::<f32>()
             .into_vec::<f32>()
-            .unwrap_or_else(|e| rep.fail(format!("cannot read a gradient as f32: {e:?}")));
+            .unwrap_or_else(|e| {
+                rep.fail(SyncError::Read {
+                    what: "a gradient as f32".into(),
+                    reason: format!("{e:?}"),
+                })
+            });
         let name = self.path.join(".");
         rep.state().accumulate(param.id.val(), || name, &values);
     }
@@ -181,15 +188,23 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
                 .comm
                 .broadcast(vec![id.val() as i64], 0)
                 .wait()
-                .unwrap_or_else(|e| rep.fail(format!("broadcasting parameter {name}'s id: {e}")));
+                .unwrap_or_else(|source| {
+                    rep.fail(SyncError::Broadcast {
+                        param: name.clone(),
+                        what: "its id".into(),
+                        source,
+                    })
+                });
             let bytes = rep
                 .comm
                 .broadcast(data.into_bytes().to_vec(), 0)
                 .wait()
-                .unwrap_or_else(|e| {
-                    rep.fail(format!(
-                        "broadcasting parameter {name} ({numel} elements, shape {shape:?}): {e}"
-                    ))
+                .unwrap_or_else(|source| {
+                    rep.fail(SyncError::Broadcast {
+                        param: name.clone(),
+                        what: format!("{numel} elements, shape {shape:?}"),
+                        source,
+                    })
                 });
             let data = TensorData::from_bytes_vec(bytes, shape, dtype);
             (

@@ -12,112 +12,10 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use bonfire_collectives::{CommConfig, Communicator};
 use burn_backend::DeviceId;
 
-use crate::stats::StepStats;
-use crate::sync::SyncState;
-
-/// The element type gradients travel in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GradDType {
-    /// Full precision (the default).
-    #[default]
-    F32,
-    /// bfloat16, half the bytes. The rounding error of each step is kept on the rank and added to
-    /// the next step's gradient (error feedback), so it does not bias training.
-    Bf16,
-}
-
-/// What a rank does when gradient synchronisation fails (a peer died, left early, timed out, or
-/// runs a different model). Burn's ops cannot return errors, so `backward` cannot either.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FailurePolicy {
-    /// Print the error (which names the rank, the collective and the sizes) and exit the process
-    /// with status 1. The default: under `bonfire launch`, the launcher then stops the job.
-    #[default]
-    Exit,
-    /// Panic with the error, for ranks run as threads (tests, one-process jobs), where the
-    /// thread's join reports it.
-    Panic,
-}
-
-/// How `DataParallel` synchronises gradients.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DataParallelConfig {
-    /// Bucket cap in bytes of communicated gradient (default 25 MiB, as PyTorch DDP). Larger
-    /// buckets mean fewer collectives; smaller ones start communication earlier in backward.
-    pub bucket_cap_bytes: usize,
-    /// Cap of the first bucket (default 1 MiB), so the first all-reduce starts early.
-    pub first_bucket_cap_bytes: usize,
-    /// The element type gradients travel in.
-    pub grad_dtype: GradDType,
-    /// What to do when synchronisation fails.
-    pub failure: FailurePolicy,
-    /// Pack and unpack buckets on the device with the fused kernels when the inner backend is a
-    /// CubeCL one (wgpu, CUDA; default true). False reads and writes every gradient on its own.
-    pub device_pack: bool,
-}
-
-impl Default for DataParallelConfig {
-    fn default() -> Self {
-        DataParallelConfig {
-            bucket_cap_bytes: 25 << 20,
-            first_bucket_cap_bytes: 1 << 20,
-            grad_dtype: GradDType::F32,
-            failure: FailurePolicy::Exit,
-            device_pack: true,
-        }
-    }
-}
-
-impl DataParallelConfig {
-    /// The defaults, changed by `BONFIRE_BUCKET_CAP_MB` (a positive number, fractions allowed)
-    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`) and `BONFIRE_DEVICE_PACK` (`1` or `0`). A
-    /// malformed value is an error naming the variable.
-    pub fn from_env() -> Result<Self, String> {
-        let cap = std::env::var("BONFIRE_BUCKET_CAP_MB").ok();
-        let dtype = std::env::var("BONFIRE_GRAD_DTYPE").ok();
-        let mut config = Self::from_vars(cap.as_deref(), dtype.as_deref())?;
-        if let Ok(v) = std::env::var("BONFIRE_DEVICE_PACK") {
-            config.device_pack = parse_switch(&v)
-                .ok_or_else(|| format!("BONFIRE_DEVICE_PACK={v:?}: expected 1 or 0"))?;
-        }
-        Ok(config)
-    }
-
-    fn from_vars(cap: Option<&str>, dtype: Option<&str>) -> Result<Self, String> {
-        let mut config = DataParallelConfig::default();
-        if let Some(v) = cap {
-            match v.trim().parse::<f64>() {
-                Ok(mb) if mb > 0.0 && mb.is_finite() => {
-                    config.bucket_cap_bytes = ((mb * 1048576.0) as usize).max(4);
-                    config.first_bucket_cap_bytes =
-                        config.first_bucket_cap_bytes.min(config.bucket_cap_bytes);
-                }
-                _ => {
-                    return Err(format!(
-                        "BONFIRE_BUCKET_CAP_MB={v:?}: expected a positive number of MiB, e.g. 25"
-                    ));
-                }
-            }
-        }
-        if let Some(v) = dtype {
-            config.grad_dtype = match v.trim().to_ascii_lowercase().as_str() {
-                "f32" | "float32" => GradDType::F32,
-                "bf16" | "bfloat16" => GradDType::Bf16,
-                _ => return Err(format!("BONFIRE_GRAD_DTYPE={v:?}: expected f32 or bf16")),
-            };
-        }
-        Ok(config)
-    }
-}
-
-/// `1`/`true`/`on`/`yes` or `0`/`false`/`off`/`no`.
-fn parse_switch(v: &str) -> Option<bool> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Some(true),
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => None,
-    }
-}
+use super::config::{DataParallelConfig, FailurePolicy};
+use super::error::SyncError;
+use super::state::SyncState;
+use super::stats::StepStats;
 
 /// One rank's data-parallel state: its communicator and its gradient buckets.
 pub(crate) struct Replica {
@@ -155,10 +53,11 @@ impl Replica {
         self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Reports a synchronisation failure according to the policy. Never returns.
-    pub(crate) fn fail(&self, message: impl std::fmt::Display) -> ! {
+    /// Reports a synchronisation failure according to the policy: the one place a data-parallel
+    /// failure is turned into an exit or a panic. Never returns.
+    pub(crate) fn fail(&self, error: SyncError) -> ! {
         self.stop(format!(
-            "bonfire: data-parallel gradient sync failed on rank {} of {}: {message}",
+            "bonfire: data-parallel gradient sync failed on rank {} of {}: {error}",
             self.comm.world_rank().0,
             self.comm.size()
         ))
@@ -332,6 +231,17 @@ pub(crate) fn for_device<D: burn_backend::DeviceOps>(device: &D) -> Arc<Replica>
     current(Some(device.id())).unwrap_or_else(solo)
 }
 
+/// The statistics of this rank's last synchronised step (this thread's rank, or the process's).
+/// `None` before `bonfire::init` (or a thread binding).
+pub fn last_step_stats() -> Option<StepStats> {
+    current(None).map(|r| r.stats().0)
+}
+
+/// The sum of every synchronised step's statistics on this rank.
+pub fn total_stats() -> Option<StepStats> {
+    current(None).map(|r| r.stats().1)
+}
+
 /// The replica of a process that joined no job: a world of one, so that `DataParallel` is a
 /// pass-through and [`crate::no_sync`] still accumulates.
 fn solo() -> Arc<Replica> {
@@ -414,28 +324,5 @@ mod tests {
         let third = std::thread::spawn(move || current(Some(id)).unwrap().comm.rank());
         assert_eq!(third.join().unwrap(), 0);
         unbind_device(id);
-    }
-
-    #[test]
-    fn settings_are_parsed_and_bad_values_name_their_variable() {
-        let c = DataParallelConfig::from_vars(Some("0.5"), Some("BF16")).unwrap();
-        assert_eq!(c.bucket_cap_bytes, 1 << 19);
-        assert_eq!(c.first_bucket_cap_bytes, 1 << 19);
-        assert_eq!(c.grad_dtype, GradDType::Bf16);
-        assert_eq!(
-            DataParallelConfig::from_vars(None, None).unwrap(),
-            DataParallelConfig::default()
-        );
-        for (cap, dtype, var) in [
-            (Some("-1"), None, "BONFIRE_BUCKET_CAP_MB"),
-            (Some("lots"), None, "BONFIRE_BUCKET_CAP_MB"),
-            (None, Some("fp8"), "BONFIRE_GRAD_DTYPE"),
-        ] {
-            let err = DataParallelConfig::from_vars(cap, dtype).unwrap_err();
-            assert!(err.starts_with(var), "{err}");
-        }
-        assert_eq!(parse_switch(" Off"), Some(false));
-        assert_eq!(parse_switch("1"), Some(true));
-        assert_eq!(parse_switch("maybe"), None);
     }
 }

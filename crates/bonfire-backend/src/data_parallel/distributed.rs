@@ -1,5 +1,5 @@
 //! `DataParallel<B>`'s `DistributedBackend` impl: Burn's gradient-ready hook, routed to the
-//! synchroniser in `sync.rs`.
+//! synchroniser in `sync.rs`. Each hook finds its rank's replica once and hands it on.
 
 use burn_backend::distributed::{
     CollectiveTensor, DistributedBackend, DistributedConfig, DistributedParams, ReduceOperation,
@@ -8,8 +8,8 @@ use burn_backend::distributed::{
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, DeviceOps, TensorMetadata};
 
-use crate::backend::DataParallel;
-use crate::{context, sync};
+use super::error::SyncError;
+use super::{DataParallel, context, sync};
 
 impl<B: Backend> DistributedBackend for DataParallel<B> {
     /// burn-train's one-process DDP: every listed device becomes a rank of an in-process group.
@@ -27,15 +27,18 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
     }
 
     fn register_sync_parameters(device: &Self::Device, params: Vec<DistributedParams>) {
-        sync::begin::<B>(device, params);
+        sync::begin::<B>(&context::for_device(device), params);
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
-        sync::gradient::<B>(tensor, params);
+        // SAFETY: Burn hands us a pointer into its gradient container, valid and not otherwise
+        // accessed until backward returns.
+        let device = B::float_device(unsafe { &*tensor.0 });
+        sync::gradient::<B>(&context::for_device(&device), tensor, params);
     }
 
     fn submit_sync_collective(device: &Self::Device) {
-        sync::finish::<B>(device);
+        sync::finish::<B>(&context::for_device(device), device);
     }
 
     /// An explicit all-reduce over the calling rank's group (the device ids are not needed: the
@@ -56,7 +59,10 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
         };
         let reduced = match rep.comm.all_reduce(values, op).wait() {
             Ok(v) => v,
-            Err(e) => rep.fail(format!("all_reduce of {n} elements: {e}")),
+            Err(source) => rep.fail(SyncError::ExplicitAllReduce {
+                elements: n,
+                source,
+            }),
         };
         CollectiveTensor::new(sync::from_host::<B>(reduced, shape, dtype, &device))
     }

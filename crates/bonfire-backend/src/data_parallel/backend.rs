@@ -1,5 +1,5 @@
-//! The decorator type and its `Backend` impl. The op traits are forwarded in `passthrough.rs`
-//! (generated); the gradient hook is in `distributed.rs`.
+//! The decorator type and its `Backend` impl. The op traits are forwarded in `ops/` (generated);
+//! the gradient hook is in `distributed.rs`.
 
 use core::marker::PhantomData;
 

@@ -9,7 +9,7 @@ use burn_backend::ops::{
 use burn_backend::quantization::QuantizationParametersPrimitive;
 use burn_backend::{Backend, TensorPrimitive};
 
-use crate::backend::DataParallel;
+use super::DataParallel;
 
 pub(crate) fn primitive_in<B: Backend>(t: TensorPrimitive<DataParallel<B>>) -> TensorPrimitive<B> {
     match t {

@@ -1,0 +1,34 @@
+//! `DataParallel<B>`: every rank trains a full replica; gradients are averaged across ranks in
+//! buckets while backward runs.
+//!
+//! How the files depend on each other (no loop): `context` owns each rank's state
+//! (`Replica`: its communicator, `config`, bucket `state` and `stats`); the hooks in `sync` and
+//! the module helpers in `replicate` take a replica from it and act on its state; `distributed`
+//! is Burn's gradient hook, which looks the replica up once per call and hands it to `sync`;
+//! `device_pack` packs buckets on CubeCL devices; `error` names every failure, and
+//! `Replica::fail` applies the failure policy to it.
+
+mod backend;
+mod config;
+mod context;
+mod convert;
+mod device_pack;
+mod distributed;
+mod error;
+mod ops;
+mod replicate;
+mod sampler;
+mod state;
+mod stats;
+mod sync;
+
+pub use backend::DataParallel;
+pub use config::{ConfigError, DataParallelConfig, FailurePolicy, GradDType};
+pub use context::{
+    BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,
+};
+pub use error::SyncError;
+pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
+pub use sampler::DistributedSampler;
+pub use stats::StepStats;
+pub use sync::{NoSyncGuard, no_sync};

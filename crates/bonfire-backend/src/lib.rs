@@ -21,6 +21,7 @@
 //! in `DataParallel` (at world size 1 it is a pass-through that computes exactly what `B` does).
 
 mod data_parallel;
+pub mod tensor_parallel;
 
 pub use data_parallel::{
     BindGuard, ConfigError, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
@@ -28,6 +29,7 @@ pub use data_parallel::{
     discard_kept_gradients, install, keep_gradients, last_step_stats, no_sync, replicate,
     total_stats,
 };
+pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 
 #[cfg(test)]
 mod send_sync {

@@ -11,6 +11,8 @@
 //!   data-parallel training against single-rank training.
 //! - [`learn`]: a burn-train workload (MLP regressor, data, `TrainStep`) trained under bonfire's
 //!   strategy or burn-train's DDP, for checking them against single-rank training.
+//! - [`tp`]: models with tensor-parallel plans (an MLP, Burn's transformer encoder, a GPT-style
+//!   block) and loops, for checking tensor-parallel training against the unsharded model.
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
@@ -20,6 +22,7 @@ pub mod learn;
 pub mod nets;
 pub mod oracle;
 mod ranks;
+pub mod tp;
 
 pub use chaos::{ChaosTransport, chaos_world};
 pub use ranks::run_ranks;

@@ -56,6 +56,7 @@ pub use bonfire_backend::{
     StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync,
     replicate, total_stats,
 };
+pub use bonfire_backend::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 
 /// burn-train: the data-parallel learning strategy for one process per rank
 /// ([`train::DataParallelStrategy`], installed with [`train::DataParallelTraining`]).

@@ -1,0 +1,227 @@
+//! Where a rank's tensor-parallel state lives: its group's communicator, the random generator
+//! every rank of the group draws the same numbers from, and the communication counters.
+//!
+//! `TensorParallel<B>` is a zero-sized type with static methods, so this state is found, in this
+//! order, through a binding of the calling thread ([`bind_thread`], for ranks run as threads of
+//! one process) or the process's group ([`install`], which `bonfire::init` calls when the job has
+//! a tensor-parallel axis, and which [`crate::tensor_parallel()`] calls when nothing is bound).
+//! With neither, the rank is a group of one: every op runs on the inner backend unchanged.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use bonfire_collectives::{CollectiveError, Communicator};
+use rand_burn::SeedableRng;
+use rand_burn::rngs::StdRng;
+
+use crate::FailurePolicy;
+
+/// What one rank's tensor-parallel ops have communicated (from [`stats`]: since the group was
+/// bound).
+///
+/// - `all_reduces`: `Partial` tensors summed over the group (Megatron's communication: a
+///   row-parallel output, a column-parallel input's gradient), and reductions over a split
+///   dimension (a max for a vocabulary-parallel softmax).
+/// - `gathers`: `Shard` tensors assembled whole. Each comes from an op without a rule for its
+///   inputs' placements (a *fallback*, counted in `fallbacks` under the op's name: a place where
+///   the plan leaks) or from an explicit read of a sharded tensor (`into_data`, a checkpoint).
+/// - Bytes are each rank's contribution (its buffer's size in f32).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TpStats {
+    /// All-reduces run.
+    pub all_reduces: u64,
+    /// Bytes this rank contributed to them.
+    pub all_reduce_bytes: u64,
+    /// Gathers run.
+    pub gathers: u64,
+    /// Bytes this rank contributed to them.
+    pub gather_bytes: u64,
+    /// Broadcasts run (a plan's parameters from rank 0).
+    pub broadcasts: u64,
+    /// Gathers made by ops without a rule for their inputs, by op name.
+    pub fallbacks: BTreeMap<&'static str, u64>,
+}
+
+impl TpStats {
+    /// Fallback gathers over every op.
+    pub fn fallback_total(&self) -> u64 {
+        self.fallbacks.values().sum()
+    }
+
+    /// What happened between `earlier` (an earlier reading) and `self`.
+    pub fn since(&self, earlier: &TpStats) -> TpStats {
+        TpStats {
+            all_reduces: self.all_reduces - earlier.all_reduces,
+            all_reduce_bytes: self.all_reduce_bytes - earlier.all_reduce_bytes,
+            gathers: self.gathers - earlier.gathers,
+            gather_bytes: self.gather_bytes - earlier.gather_bytes,
+            broadcasts: self.broadcasts - earlier.broadcasts,
+            fallbacks: self
+                .fallbacks
+                .iter()
+                .filter_map(|(op, &n)| {
+                    let d = n - earlier.fallbacks.get(op).copied().unwrap_or(0);
+                    (d > 0).then_some((*op, d))
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One rank's tensor-parallel state.
+pub(crate) struct TpRank {
+    pub(crate) comm: Communicator,
+    pub(crate) failure: FailurePolicy,
+    rng: Mutex<StdRng>,
+    stats: Mutex<TpStats>,
+    /// Print a line the first time each op falls back (`BONFIRE_TP_LOG=1`).
+    log: bool,
+}
+
+impl TpRank {
+    fn new(comm: Communicator, failure: FailurePolicy, seed: u64) -> Arc<TpRank> {
+        let log = std::env::var("BONFIRE_TP_LOG").is_ok_and(|v| !matches!(v.trim(), "" | "0"));
+        Arc::new(TpRank {
+            comm,
+            failure,
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            stats: Mutex::new(TpStats::default()),
+            log,
+        })
+    }
+
+    /// Ranks in the group.
+    pub(crate) fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// This rank's index in the group.
+    pub(crate) fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub(crate) fn rng(&self) -> MutexGuard<'_, StdRng> {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn reseed(&self, seed: u64) {
+        *self.rng() = StdRng::seed_from_u64(seed);
+    }
+
+    pub(crate) fn stats(&self) -> MutexGuard<'_, TpStats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a fallback gather for `op` (and says so once per op, when logging is on).
+    pub(crate) fn fallback(&self, op: &'static str, what: impl FnOnce() -> String) {
+        let first = {
+            let mut s = self.stats();
+            let n = s.fallbacks.entry(op).or_default();
+            *n += 1;
+            *n == 1
+        };
+        if self.log && first {
+            eprintln!(
+                "bonfire: tensor-parallel rank {} of {}: {op} has no rule for {}; gathered it \
+                 (counted in TpStats::fallbacks; later ones are not printed)",
+                self.rank(),
+                self.size(),
+                what()
+            );
+        }
+    }
+
+    /// Stops this rank after a failed collective, by the failure policy. Never returns.
+    pub(crate) fn fail(&self, op: &str, error: CollectiveError) -> ! {
+        let message = format!(
+            "bonfire: tensor-parallel {op} failed on rank {} of the group of {} (world rank {}): \
+             {error}",
+            self.rank(),
+            self.size(),
+            self.comm.world_rank().0
+        );
+        match self.failure {
+            FailurePolicy::Exit => {
+                eprintln!("{message}");
+                std::process::exit(1);
+            }
+            FailurePolicy::Panic => panic!("{message}"),
+        }
+    }
+}
+
+static PROCESS: RwLock<Option<Arc<TpRank>>> = RwLock::new(None);
+
+thread_local! {
+    static THREAD: RefCell<Option<Arc<TpRank>>> = const { RefCell::new(None) };
+}
+
+/// The seed every rank of `comm`'s group starts its random generator from: rank 0's, broadcast.
+fn agreed_seed(comm: &Communicator) -> Result<u64, CollectiveError> {
+    let mine = if comm.rank() == 0 {
+        rand::random::<u64>()
+    } else {
+        0
+    };
+    if comm.size() == 1 {
+        return Ok(mine);
+    }
+    let seed = comm.broadcast(vec![mine as i64], 0).wait()?;
+    Ok(seed[0] as u64)
+}
+
+/// Makes `comm` the group `TensorParallel` shards tensors over in this process (one process per
+/// rank, as under `bonfire launch`), failing as `failure` says. Collective: every member calls
+/// it (they agree on a random seed). Replaces an earlier group.
+pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), CollectiveError> {
+    let seed = agreed_seed(&comm)?;
+    *PROCESS.write().unwrap_or_else(|e| e.into_inner()) = Some(TpRank::new(comm, failure, seed));
+    Ok(())
+}
+
+/// Binds the calling thread to the group `comm` until the guard drops: `TensorParallel` ops on
+/// this thread shard over it, and a failed collective panics (ranks run as threads: the thread's
+/// join reports it). A thread's binding wins over [`install`]'s. Collective.
+pub fn bind_thread(comm: Communicator) -> Result<TpBindGuard, CollectiveError> {
+    let seed = agreed_seed(&comm)?;
+    let rank = TpRank::new(comm, FailurePolicy::Panic, seed);
+    let previous = THREAD.with(|t| t.replace(Some(rank)));
+    Ok(TpBindGuard {
+        previous,
+        _not_send: PhantomData,
+    })
+}
+
+/// Restores the thread's previous tensor-parallel binding when dropped.
+pub struct TpBindGuard {
+    previous: Option<Arc<TpRank>>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for TpBindGuard {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        THREAD.with(|t| *t.borrow_mut() = previous);
+    }
+}
+
+/// The calling thread's group: its binding, or the process's.
+pub(crate) fn current() -> Option<Arc<TpRank>> {
+    if let Some(r) = THREAD.with(|t| t.borrow().clone()) {
+        return Some(r);
+    }
+    PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The communicator of the calling thread's group, if one is bound or installed.
+pub fn group() -> Option<Communicator> {
+    current().map(|r| r.comm.clone())
+}
+
+/// What this rank's tensor-parallel ops have communicated since its group was bound; `None`
+/// with no group.
+pub fn stats() -> Option<TpStats> {
+    current().map(|r| r.stats().clone())
+}

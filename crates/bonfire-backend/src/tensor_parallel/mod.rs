@@ -1,0 +1,28 @@
+//! `TensorParallel<B>`: tensor-model parallelism as a backend decorator. Each float tensor carries
+//! a placement over the tensor-parallel group (`Replicate`, `Shard`, `Partial`, as PyTorch's
+//! DTensor and GSPMD), each op a rule over placements, and a plan splits an unchanged Burn model's
+//! parameters as Megatron-LM's column- and row-parallel layers do.
+//!
+//! How the files depend on each other (no loop): `placement` is the pure layout arithmetic;
+//! `tensor` the primitive; `context` each rank's group, random generator and counters;
+//! `redistribute` moves a tensor between placements (the only code that communicates); `rules/`
+//! hold one function per op with a rule, `fallback` what every other op does, and `ops/` (generated)
+//! wires Burn's op traits to them; `plan` splits a model's parameters.
+
+mod backend;
+mod context;
+mod distribute;
+mod fallback;
+mod ops;
+mod placement;
+mod plan;
+mod redistribute;
+mod rules;
+mod tensor;
+
+pub use backend::{TensorParallel, TensorParallelBackend};
+pub use context::{TpBindGuard, TpStats, bind_thread, group, install, stats};
+pub use distribute::{distribute, from_terms, local_part, placement};
+pub use placement::Placement;
+pub use plan::{PlanError, Split, TpPlan, placements, tensor_parallel};
+pub use tensor::TpTensor;

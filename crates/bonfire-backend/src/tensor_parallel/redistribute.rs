@@ -379,3 +379,45 @@ pub(crate) fn add_partial<B: Backend>(a: TpTensor<B>, b: TpTensor<B>, sub: bool)
         (Err(wa), Err(wb)) => TpTensor::replicated(op(wa, wb)),
     }
 }
+
+/// The concatenation along `dim` of `Partial`s: each rank's terms concatenated, and the addends
+/// (zeros where a part has none). Summed later from the parts' sums if they are summed first.
+pub(crate) fn cat_partials<B: Backend>(parts: Vec<TpTensor<B>>, dim: usize) -> TpTensor<B> {
+    let cells: Vec<Arc<PartialCell<B>>> = parts
+        .into_iter()
+        .map(|t| match t.repr {
+            Repr::Partial(cell) => cell,
+            _ => unreachable!("cat_partials takes Partials"),
+        })
+        .collect();
+    if let Some(sums) = cells
+        .iter()
+        .map(|c| c.known_sum())
+        .collect::<Option<Vec<_>>>()
+    {
+        return TpTensor::replicated(B::float_cat(sums, dim));
+    }
+    let terms: Vec<_> = cells.iter().map(|c| c.term()).collect();
+    let any_addend = terms.iter().any(|(_, a, _)| a.is_some());
+    let addend = any_addend.then(|| {
+        let addends = terms
+            .iter()
+            .map(|(local, a, _)| {
+                a.clone()
+                    .unwrap_or_else(|| B::float_mul_scalar(local.clone(), 0f32.into()))
+            })
+            .collect();
+        B::float_cat(addends, dim)
+    });
+    let locals = terms.into_iter().map(|(local, _, _)| local).collect();
+    let recipe: Recipe<B> =
+        Arc::new(move |sums: &[FloatTensor<B>]| B::float_cat(sums.to_vec(), dim));
+    TpTensor::from_cell(PartialCell::new(
+        B::float_cat(locals, dim),
+        addend,
+        Some(Origin {
+            sources: cells,
+            recipe,
+        }),
+    ))
+}

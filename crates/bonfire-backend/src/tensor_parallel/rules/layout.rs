@@ -7,7 +7,9 @@ use burn_backend::{Backend, Shape, Slice, TensorMetadata};
 
 use super::{keep_partial, settled};
 use crate::tensor_parallel::placement::{Placement, local_shape, reshape_shard};
-use crate::tensor_parallel::redistribute::{Why, local_of, part, ranks, whole};
+use crate::tensor_parallel::redistribute::{
+    Why, cat_partials, derive_partial, local_of, part, ranks, whole,
+};
 use crate::tensor_parallel::tensor::{Repr, TpTensor};
 
 /// Slices that keep every dimension of `shape` whole except `dim`, cut to `range`.
@@ -221,8 +223,16 @@ pub(crate) fn float_slice_assign<I: Backend>(
     let shape = tensor.shape.clone();
     let zeros = matches!(tensor.repr, Repr::Fill { value: v, .. } if v == 0.0);
     if zeros && matches!(value.repr, Repr::Partial(_)) {
-        let base = local_of::<I>(tensor);
-        return TpTensor::partial(I::float_slice_assign(base, slices, local_of::<I>(value)));
+        // Writing into zeros is linear in the value.
+        let (shape, dtype, device) = (tensor.shape.clone(), tensor.dtype, tensor.device());
+        let owned = slices.to_vec();
+        return derive_partial::<I>(
+            &value,
+            std::sync::Arc::new(move |v| {
+                let zeros = I::float_zeros(shape.clone(), &device, dtype.into());
+                I::float_slice_assign(zeros, &owned, v)
+            }),
+        );
     }
     let (tensor, value) = (
         settled::<I>(tensor, "float_slice_assign"),
@@ -255,8 +265,7 @@ pub(crate) fn float_cat<I: Backend>(tensors: Vec<TpTensor<I>>, dim: usize) -> Tp
     let mut shape = tensors[0].shape.clone();
     shape[dim] = tensors.iter().map(|t| t.shape[dim]).sum();
     if tensors.iter().all(|t| matches!(t.repr, Repr::Partial(_))) {
-        let locals = tensors.into_iter().map(local_of::<I>).collect();
-        return TpTensor::partial(I::float_cat(locals, dim));
+        return cat_partials::<I>(tensors, dim);
     }
     let first = tensors[0].placement();
     let same = tensors.iter().all(|t| t.placement() == first);

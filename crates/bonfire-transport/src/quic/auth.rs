@@ -23,6 +23,11 @@ use sha2::Sha256;
 /// Bytes in a proof.
 pub(crate) const PROOF_LEN: usize = 32;
 
+/// The role a dialling side proves in (a worker to rank 0, a higher rank to a lower one).
+pub(crate) const ROLE_CLIENT: &[u8] = b"bonfire client proof";
+/// The role an accepting side proves in.
+pub(crate) const ROLE_SERVER: &[u8] = b"bonfire server proof";
+
 /// A job's shared secret. Its `Debug` form never shows the bytes.
 #[derive(Clone)]
 pub struct Secret(Arc<[u8]>);

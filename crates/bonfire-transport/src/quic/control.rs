@@ -4,8 +4,9 @@
 //! never pass through here (see `frame`).
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
-use quinn::{RecvStream, SendStream};
+use quinn::{Connection, RecvStream, SendStream, VarInt};
 use serde::{Deserialize, Serialize};
 
 use super::auth::PROOF_LEN;
@@ -15,6 +16,12 @@ pub(crate) const PROTOCOL: u32 = 1;
 
 /// The largest control message accepted (a roster of thousands of ranks fits).
 pub(crate) const MAX_CONTROL: usize = 16 << 20;
+
+/// Application close codes.
+pub(crate) const CLOSE_SHUTDOWN: u32 = 0;
+pub(crate) const CLOSE_REFUSED: u32 = 1;
+pub(crate) const CLOSE_BAD_FRAME: u32 = 2;
+pub(crate) const CLOSE_DROPPED: u32 = 3;
 
 /// What identifies one launch of one job: ranks of different jobs or of different restart rounds
 /// refuse each other.
@@ -117,6 +124,23 @@ pub(crate) async fn read(stream: &mut RecvStream) -> Result<Control, String> {
         .await
         .map_err(|e| format!("connection ended inside a control message: {e}"))?;
     decode(&body)
+}
+
+/// Refuses the peer at the other end of `conn`: sends `Reject` with the reason, gives it a
+/// moment to be read, and closes the connection.
+pub(crate) async fn refuse(
+    conn: &Connection,
+    mut send: SendStream,
+    reason: String,
+) -> Result<(), String> {
+    let msg = encode(&Control::Reject {
+        reason: reason.clone(),
+    });
+    let _ = send.write_all(&msg).await;
+    let _ = send.finish();
+    let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+    conn.close(VarInt::from_u32(CLOSE_REFUSED), b"refused");
+    Err(reason)
 }
 
 #[cfg(test)]

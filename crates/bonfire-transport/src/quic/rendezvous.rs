@@ -1,0 +1,354 @@
+//! The rendezvous: rank 0 admits workers (checks each hello, assigns or confirms its rank,
+//! welcomes it) and, once every rank is in, sends them all the roster; a worker dials rank 0,
+//! proves it holds the secret, learns its rank and waits for the roster.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bonfire_topology::{NodeId, NodeLayout, Rank};
+use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
+
+use super::auth::{PROOF_LEN, ROLE_CLIENT, ROLE_SERVER};
+use super::config::QuicConfig;
+use super::control::{self, CLOSE_REFUSED, Control, JobKey, PROTOCOL, PeerEntry, refuse};
+use super::endpoint::{dial, exporter, peer_cert};
+use super::error::{QuicError, Who};
+use super::shared::{Joined, Shared, list, lock};
+
+/// The links rank 0 leaves the rendezvous with (one per worker), and the job's node layout.
+pub(crate) type Links = (Vec<Option<Connection>>, NodeLayout);
+
+/// Which node each rank runs on, from the roster.
+pub(crate) fn layout(peers: &[PeerEntry]) -> NodeLayout {
+    NodeLayout::from_nodes(peers.iter().map(|p| NodeId(p.node)).collect())
+}
+
+/// Rank 0: wait for every worker, send the roster.
+pub(crate) async fn host_rendezvous(
+    shared: &Arc<Shared>,
+    config: &QuicConfig,
+    ep: &Endpoint,
+    deadline: Instant,
+) -> Result<Links, QuicError> {
+    let me = Who(Some(shared.me));
+    let arrived = shared
+        .wait_for_ranks(deadline, || {
+            lock(&shared.joined)
+                .iter()
+                .enumerate()
+                .skip(1)
+                .filter(|(_, j)| j.is_none())
+                .map(|(r, _)| r)
+                .collect()
+        })
+        .await;
+    // From here on the rendezvous is closed, in success or in failure.
+    shared.master_done.store(true, Ordering::Release);
+    let mut joined: Vec<Joined> = lock(&shared.joined)
+        .iter_mut()
+        .filter_map(Option::take)
+        .collect();
+    if let Err(missing) = arrived {
+        let reason = format!(
+            "the rendezvous timed out waiting for {} of {} ranks ({})",
+            missing.len(),
+            shared.world,
+            list(missing.iter().copied())
+        );
+        for j in &mut joined {
+            let _ = control::write(
+                &mut j.send,
+                &Control::Reject {
+                    reason: reason.clone(),
+                },
+            )
+            .await;
+            let _ = j.send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(1), j.send.stopped()).await;
+        }
+        return Err(QuicError::Timeout {
+            me,
+            stage: "every rank to join the rendezvous",
+            waited: config.connect_timeout,
+            missing: list(missing),
+        });
+    }
+    let own = config
+        .advertise
+        .unwrap_or_else(|| ep.local_addr().unwrap_or(config.bind));
+    let mut peers = vec![PeerEntry {
+        rank: 0,
+        node: config.node,
+        addr: own,
+        cert: shared.identity_cert.to_vec(),
+    }];
+    peers.extend(joined.iter().map(|j| j.entry.clone()));
+    peers.sort_by_key(|p| p.rank);
+    let roster = Control::Roster {
+        peers: peers.clone(),
+    };
+    let mut conns: Vec<Option<Connection>> = (0..shared.world).map(|_| None).collect();
+    for j in &mut joined {
+        let rank = j.entry.rank;
+        control::write(&mut j.send, &roster)
+            .await
+            .map_err(|reason| QuicError::Link {
+                me,
+                peer: Rank(rank),
+                reason,
+            })?;
+        let _ = j.send.finish();
+        conns[rank as usize] = Some(j.conn.clone());
+    }
+    Ok((conns, layout(&peers)))
+}
+
+/// A worker that rank 0 has welcomed, waiting for the roster.
+pub(crate) struct Joining {
+    pub(crate) rank: Rank,
+    conn: Connection,
+    recv: RecvStream,
+    by: String,
+}
+
+/// Workers: join through rank 0 and learn (or confirm) this process's rank.
+pub(crate) async fn join(
+    ep: &Endpoint,
+    config: &QuicConfig,
+    master: SocketAddr,
+    deadline: Instant,
+) -> Result<Joining, QuicError> {
+    let me = Who(config.rank);
+    let started = Instant::now();
+    let by = format!("the rendezvous at {} (rank 0)", config.master);
+    let conn = dial(ep, master, deadline)
+        .await
+        .map_err(|detail| QuicError::Unreachable {
+            master: config.master.clone(),
+            waited: started.elapsed(),
+            detail,
+        })?;
+    let fail = |reason: String| QuicError::Link {
+        me,
+        peer: Rank(0),
+        reason,
+    };
+    let ex = exporter(&conn).map_err(fail)?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| fail(e.to_string()))?;
+    let port = ep.local_addr().map(|a| a.port()).unwrap_or(0);
+    let hello = Control::Hello {
+        protocol: PROTOCOL,
+        job: JobKey {
+            world_size: config.world_size as u32,
+            round: config.round,
+        },
+        rank: config.rank.map(|r| r.0),
+        node: config.node,
+        port,
+        advertise: config.advertise,
+        proof: config.secret.proof(ROLE_CLIENT, &ex),
+    };
+    control::write(&mut send, &hello).await.map_err(fail)?;
+    let _ = send.finish();
+    let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
+        .await
+        .map_err(|_| fail("rank 0 accepted the connection but never answered".into()))?
+        .map_err(|e| fail(format!("rank 0 closed the rendezvous: {e}")))?;
+    match reply {
+        Control::Welcome { proof, rank } => {
+            if !config.secret.verify(ROLE_SERVER, &ex, &proof) {
+                conn.close(VarInt::from_u32(CLOSE_REFUSED), b"wrong job secret");
+                return Err(QuicError::Unauthenticated {
+                    me,
+                    peer: by,
+                    reason: "it does not hold this job's secret (is another job using this port?)"
+                        .into(),
+                });
+            }
+            let valid = rank != 0
+                && (rank as usize) < config.world_size
+                && config.rank.is_none_or(|r| r.0 == rank);
+            if !valid {
+                return Err(fail(format!("rank 0 assigned an invalid rank {rank}")));
+            }
+            Ok(Joining {
+                rank: Rank(rank),
+                conn,
+                recv,
+                by,
+            })
+        }
+        Control::Reject { reason } => Err(QuicError::Refused { me, by, reason }),
+        other => Err(fail(format!("unexpected {} message", other.name()))),
+    }
+}
+
+/// Workers: wait for the roster from rank 0 and publish it to the accept loop; returns the
+/// connection to rank 0 (it stays as the data link) and the roster.
+pub(crate) async fn finish_join(
+    shared: &Shared,
+    config: &QuicConfig,
+    joining: Joining,
+    deadline: Instant,
+) -> Result<(Connection, Arc<Vec<PeerEntry>>), QuicError> {
+    let me = Who(Some(shared.me));
+    let Joining {
+        conn, mut recv, by, ..
+    } = joining;
+    let fail = |reason: String| QuicError::Link {
+        me,
+        peer: Rank(0),
+        reason,
+    };
+    let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
+        .await
+        .map_err(|_| QuicError::Timeout {
+            me,
+            stage: "the roster from rank 0",
+            waited: config.connect_timeout,
+            missing: "the rendezvous did not complete (other ranks did not join)".into(),
+        })?
+        .map_err(|e| fail(format!("rank 0 closed the rendezvous: {e}")))?;
+    let peers = match reply {
+        Control::Roster { peers } => peers,
+        Control::Reject { reason } => return Err(QuicError::Refused { me, by, reason }),
+        other => return Err(fail(format!("unexpected {} message", other.name()))),
+    };
+    let ranks_ok =
+        peers.len() == shared.world && peers.iter().enumerate().all(|(i, p)| p.rank as usize == i);
+    if !ranks_ok {
+        return Err(fail(format!(
+            "malformed roster: {} entries for {} ranks",
+            peers.len(),
+            shared.world
+        )));
+    }
+    let peers = Arc::new(peers);
+    shared.roster.send_replace(Some(peers.clone()));
+    Ok((conn, peers))
+}
+
+/// What a worker's hello announced, and the address it is reached at.
+pub(crate) struct WorkerHello {
+    pub(crate) protocol: u32,
+    pub(crate) job: JobKey,
+    pub(crate) rank: Option<u32>,
+    pub(crate) node: u32,
+    pub(crate) addr: SocketAddr,
+    pub(crate) proof: [u8; PROOF_LEN],
+}
+
+/// Rank 0: admits (or refuses) a worker that sent its hello, and welcomes it.
+pub(crate) async fn accept_hello(
+    shared: &Arc<Shared>,
+    conn: Connection,
+    mut send: SendStream,
+    ex: &[u8],
+    hello: WorkerHello,
+) -> Result<(), String> {
+    let WorkerHello {
+        protocol,
+        job,
+        rank,
+        node,
+        addr,
+        proof,
+    } = hello;
+    if let Err(reason) = check_hello(shared, protocol, job, rank, ex, &proof) {
+        return refuse(&conn, send, reason).await;
+    }
+    if shared.master_done.load(Ordering::Acquire) {
+        return refuse(&conn, send, "the job has already started".into()).await;
+    }
+    let Some(cert) = peer_cert(&conn) else {
+        return refuse(&conn, send, "no client certificate".into()).await;
+    };
+    // Reserve the rank (or assign the lowest free one) first, so a duplicate cannot slip
+    // in while the welcome is sent.
+    let assigned: Result<u32, String> = {
+        let mut reserved = lock(&shared.reserved);
+        match rank {
+            Some(r) if reserved[r as usize] => Err(format!("rank {r} has already joined this job")),
+            Some(r) => Ok(r),
+            None => (1..shared.world)
+                .find(|&r| !reserved[r])
+                .map(|r| r as u32)
+                .ok_or_else(|| format!("the job is full: all {} ranks have joined", shared.world)),
+        }
+        .inspect(|&r| reserved[r as usize] = true)
+    };
+    let rank = match assigned {
+        Ok(r) => r,
+        Err(reason) => return refuse(&conn, send, reason).await,
+    };
+    let reply = Control::Welcome {
+        proof: shared.secret.proof(ROLE_SERVER, ex),
+        rank,
+    };
+    if let Err(e) = control::write(&mut send, &reply).await {
+        lock(&shared.reserved)[rank as usize] = false;
+        return Err(e);
+    }
+    let mut joined = lock(&shared.joined);
+    joined[rank as usize] = Some(Joined {
+        conn: conn.clone(),
+        send,
+        entry: PeerEntry {
+            rank,
+            node,
+            addr,
+            cert: cert.to_vec(),
+        },
+    });
+    drop(joined);
+    shared.changed.notify_waiters();
+    Ok(())
+}
+
+/// Checks a hello's protocol, job, rank and proof of the secret.
+pub(crate) fn check_hello(
+    shared: &Shared,
+    protocol: u32,
+    job: JobKey,
+    rank: Option<u32>,
+    exporter: &[u8],
+    proof: &[u8],
+) -> Result<(), String> {
+    let claimed = match rank {
+        Some(r) => format!("the process claiming rank {r}"),
+        None => "a process asking for a rank".to_string(),
+    };
+    if protocol != PROTOCOL {
+        return Err(format!(
+            "protocol version {protocol} against this rank's {PROTOCOL}: run the same bonfire version on every rank"
+        ));
+    }
+    if job.world_size != shared.job.world_size {
+        return Err(format!(
+            "world size mismatch: {claimed} expects {} ranks, this job has {}",
+            job.world_size, shared.job.world_size
+        ));
+    }
+    if job.round != shared.job.round {
+        return Err(format!(
+            "restart round mismatch: {claimed} is in round {}, this job is in round {}",
+            job.round, shared.job.round
+        ));
+    }
+    if let Some(rank) = rank
+        && (rank == 0 || rank as usize >= shared.world)
+    {
+        return Err(format!(
+            "rank {rank} is not a worker rank of a job of {} ranks",
+            shared.world
+        ));
+    }
+    if !shared.secret.verify(ROLE_CLIENT, exporter, proof) {
+        return Err(format!(
+            "wrong job secret: {claimed} does not hold the secret of this job"
+        ));
+    }
+    Ok(())
+}

@@ -20,6 +20,8 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use sha2::Sha256;
 
+use super::error::SetupError;
+
 /// Bytes in a proof.
 pub(crate) const PROOF_LEN: usize = 32;
 
@@ -132,9 +134,13 @@ pub(crate) struct Identity {
 }
 
 impl Identity {
-    pub(crate) fn generate() -> Result<Identity, String> {
-        let certified = rcgen::generate_simple_self_signed(vec!["bonfire".to_string()])
-            .map_err(|e| format!("cannot generate this rank's certificate: {e}"))?;
+    pub(crate) fn generate() -> Result<Identity, SetupError> {
+        let certified =
+            rcgen::generate_simple_self_signed(vec!["bonfire".to_string()]).map_err(|e| {
+                SetupError::Certificate {
+                    source: Arc::new(e),
+                }
+            })?;
         Ok(Identity {
             cert: certified.cert.der().clone(),
             key: PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into()),

@@ -7,6 +7,7 @@ use std::time::Duration;
 use bonfire_topology::Rank;
 
 use super::auth::Secret;
+use super::error::{SetupError, Who};
 
 /// How a rank joins a QUIC job.
 #[derive(Clone, Debug)]
@@ -62,6 +63,61 @@ impl QuicConfig {
             peer_timeout: Duration::from_secs(6),
             max_frame: 1 << 30,
             lanes: 2,
+        }
+    }
+
+    /// Checks what can be checked before opening anything: the rank lies in the job and a link
+    /// has at least one lane.
+    pub(crate) fn validate(&self) -> Result<(), SetupError> {
+        if self.world_size == 0 || self.rank.is_some_and(|r| r.index() >= self.world_size) {
+            return Err(SetupError::OutsideJob {
+                rank: Who(self.rank),
+                world_size: self.world_size,
+            });
+        }
+        if self.lanes == 0 {
+            return Err(SetupError::NoLanes);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_outside_the_job_and_links_without_lanes_are_refused() {
+        let secret = Secret::new(b"0123456789abcdef-config").unwrap();
+        let config = |rank: Option<u32>, world: usize, lanes: usize| {
+            let mut c = QuicConfig::new(rank.map(Rank), world, "127.0.0.1:1", secret.clone());
+            c.lanes = lanes;
+            c
+        };
+        let cases: [(Option<u32>, usize, usize, Option<&str>); 7] = [
+            (Some(0), 1, 2, None),
+            (Some(3), 4, 1, None),
+            (None, 4, 2, None),
+            (Some(4), 4, 2, Some("rank 4 is outside a job of 4 ranks")),
+            (Some(0), 0, 2, Some("rank 0 is outside a job of 0 ranks")),
+            (
+                None,
+                0,
+                2,
+                Some("this process (no rank assigned yet) is outside a job of 0 ranks"),
+            ),
+            (Some(1), 2, 0, Some("a link needs at least one lane")),
+        ];
+        for (rank, world, lanes, want) in cases {
+            let got = config(rank, world, lanes)
+                .validate()
+                .err()
+                .map(|e| e.to_string());
+            assert_eq!(
+                got.as_deref(),
+                want,
+                "rank {rank:?}, world {world}, lanes {lanes}"
+            );
         }
     }
 }

@@ -11,6 +11,7 @@ use quinn::{Connection, Endpoint, VarInt};
 use rustls::pki_types::CertificateDer;
 
 use super::auth::{Identity, PinAfterHandshake};
+use super::error::SetupError;
 
 const ALPN: &[u8] = b"bonfire/1";
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-bonfire-proof";
@@ -25,11 +26,36 @@ pub(crate) fn peer_cert(conn: &Connection) -> Option<CertificateDer<'static>> {
 }
 
 /// Keying material exported from the connection's TLS session: what proofs are bound to.
-pub(crate) fn exporter(conn: &Connection) -> Result<[u8; 32], String> {
+pub(crate) fn exporter(conn: &Connection) -> Result<[u8; 32], ExporterError> {
     let mut out = [0u8; 32];
     conn.export_keying_material(&mut out, EXPORTER_LABEL, b"")
-        .map_err(|e| format!("cannot export TLS keying material: {e:?}"))?;
+        .map_err(ExporterError)?;
     Ok(out)
+}
+
+/// The TLS session would not export keying material, so no proof can be bound to it.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot export TLS keying material: {0:?}")]
+pub(crate) struct ExporterError(quinn::crypto::ExportKeyingMaterialError);
+
+/// Why [`dial`] got no connection.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DialError {
+    /// The endpoint refused to start the attempt (a bad address, a closed endpoint).
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        source: quinn::ConnectError,
+    },
+    /// The last attempt's handshake failed.
+    #[error("handshake failed: {0}")]
+    Handshake(quinn::ConnectionError),
+    /// The last attempt got no answer in its time.
+    #[error("no answer from {addr}")]
+    NoAnswer { addr: SocketAddr },
+    /// The deadline had passed before the first attempt.
+    #[error("no attempt made")]
+    NoAttempt,
 }
 
 /// The TLS provider: ring, with AES-128-GCM preferred (the fastest AEAD where the CPU has AES
@@ -49,10 +75,11 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 fn transport_config(
     peer_timeout: Duration,
     lanes: usize,
-) -> Result<quinn::TransportConfig, String> {
+) -> Result<quinn::TransportConfig, SetupError> {
     let mut t = quinn::TransportConfig::default();
-    let idle = quinn::IdleTimeout::try_from(peer_timeout)
-        .map_err(|_| format!("peer timeout {peer_timeout:?} is out of range"))?;
+    let idle = quinn::IdleTimeout::try_from(peer_timeout).map_err(|_| SetupError::PeerTimeout {
+        timeout: peer_timeout,
+    })?;
     t.max_idle_timeout(Some(idle));
     t.keep_alive_interval(Some((peer_timeout / 4).max(Duration::from_millis(100))));
     // Bulk transfer: windows large enough to keep a fast link busy.
@@ -75,10 +102,18 @@ pub(crate) fn endpoint(
     identity: &Identity,
     peer_timeout: Duration,
     lanes: usize,
-) -> Result<Endpoint, String> {
+) -> Result<Endpoint, SetupError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let provider = provider();
-    let tls = |e: rustls::Error| format!("TLS configuration failed: {e}");
+    let tls = |e: rustls::Error| SetupError::Tls {
+        source: Arc::new(e),
+    };
+    let quic = |side: &'static str| {
+        move |e: quinn::crypto::rustls::NoInitialCipherSuite| SetupError::QuicConfig {
+            side,
+            source: Arc::new(e),
+        }
+    };
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls)?
@@ -96,47 +131,60 @@ pub(crate) fn endpoint(
     client.alpn_protocols = vec![ALPN.to_vec()];
     let transport = Arc::new(transport_config(peer_timeout, lanes)?);
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(
-        QuicServerConfig::try_from(server).map_err(|e| format!("QUIC server config: {e}"))?,
+        QuicServerConfig::try_from(server).map_err(quic("server"))?,
     ));
     server.transport_config(transport.clone());
     let mut client = quinn::ClientConfig::new(Arc::new(
-        QuicClientConfig::try_from(client).map_err(|e| format!("QUIC client config: {e}"))?,
+        QuicClientConfig::try_from(client).map_err(quic("client"))?,
     ));
     client.transport_config(transport);
 
-    let socket = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))
-        .map_err(|e| format!("cannot open a UDP socket: {e}"))?;
+    let socket =
+        Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP)).map_err(|e| {
+            SetupError::Socket {
+                source: Arc::new(e),
+            }
+        })?;
     // Large kernel buffers stop drops under bursts; the kernel may cap them, which is fine.
     let _ = socket.set_recv_buffer_size(8 << 20);
     let _ = socket.set_send_buffer_size(8 << 20);
     if bind.is_ipv6() {
         let _ = socket.set_only_v6(false);
     }
-    socket.bind(&bind.into()).map_err(|e| {
-        format!("cannot listen on UDP {bind}: {e} (another job or a stale rank may hold the port; pick another one)")
+    socket.bind(&bind.into()).map_err(|e| SetupError::Bind {
+        addr: bind,
+        source: Arc::new(e),
     })?;
     socket
         .set_nonblocking(true)
-        .map_err(|e| format!("cannot configure the UDP socket: {e}"))?;
+        .map_err(|e| SetupError::ConfigureSocket {
+            source: Arc::new(e),
+        })?;
     let mut ep = Endpoint::new(
         quinn::EndpointConfig::default(),
         Some(server),
         socket.into(),
         Arc::new(quinn::TokioRuntime),
     )
-    .map_err(|e| format!("cannot start the QUIC endpoint on {bind}: {e}"))?;
+    .map_err(|e| SetupError::Endpoint {
+        addr: bind,
+        source: Arc::new(e),
+    })?;
     ep.set_default_client_config(client);
     Ok(ep)
 }
 
 /// The first address `master` (`host:port`) resolves to.
-pub(crate) async fn resolve(master: &str) -> Result<SocketAddr, String> {
+pub(crate) async fn resolve(master: &str) -> Result<SocketAddr, SetupError> {
     let mut addrs = tokio::net::lookup_host(master)
         .await
-        .map_err(|e| format!("cannot resolve {master:?}: {e} (expected HOST:PORT)"))?;
-    addrs
-        .next()
-        .ok_or_else(|| format!("{master:?} resolves to no address"))
+        .map_err(|e| SetupError::Resolve {
+            master: master.to_string(),
+            source: Arc::new(e),
+        })?;
+    addrs.next().ok_or_else(|| SetupError::NoAddress {
+        master: master.to_string(),
+    })
 }
 
 /// Dials `addr` until it answers or `deadline` passes.
@@ -144,9 +192,9 @@ pub(crate) async fn dial(
     ep: &Endpoint,
     addr: SocketAddr,
     deadline: Instant,
-) -> Result<Connection, String> {
+) -> Result<Connection, DialError> {
     let mut attempt = Duration::from_secs(2);
-    let mut last = String::from("no attempt made");
+    let mut last = DialError::NoAttempt;
     loop {
         let now = Instant::now();
         if now >= deadline {
@@ -154,11 +202,11 @@ pub(crate) async fn dial(
         }
         let budget = attempt.min(deadline - now);
         match ep.connect(addr, "bonfire") {
-            Err(e) => return Err(format!("cannot connect to {addr}: {e}")),
+            Err(source) => return Err(DialError::Connect { addr, source }),
             Ok(connecting) => match tokio::time::timeout(budget, connecting).await {
                 Ok(Ok(conn)) => return Ok(conn),
-                Ok(Err(e)) => last = format!("{e}"),
-                Err(_) => last = format!("no answer from {addr}"),
+                Ok(Err(e)) => last = DialError::Handshake(e),
+                Err(_) => last = DialError::NoAnswer { addr },
             },
         }
         // A refused or lost handshake returns at once; do not spin.

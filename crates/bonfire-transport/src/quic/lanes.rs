@@ -11,7 +11,7 @@ use quinn::{Connection, ConnectionError, RecvStream, SendStream, VarInt};
 use tokio::task::JoinHandle;
 
 use super::control::CLOSE_BAD_FRAME;
-use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use super::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use super::shared::{Shared, log};
 use crate::Tag;
 
@@ -51,18 +51,32 @@ impl Link {
     }
 }
 
+/// What went wrong on a lane: opening it, or a protocol violation by the peer on it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LaneError {
+    /// This side could not open its lanes to the peer.
+    #[error("cannot open a data stream: {0}")]
+    Open(ConnectionError),
+    /// The peer ended a lane part-way through a frame header.
+    #[error("{peer} ended a stream inside a frame header")]
+    EndedInHeader { peer: Rank },
+    /// The peer sent a header the decoder refused.
+    #[error("{peer} sent a malformed frame: {source}")]
+    Malformed { peer: Rank, source: FrameError },
+    /// The peer ended a lane part-way through a payload.
+    #[error("{peer} ended a stream inside a frame ({got} of {len} bytes)")]
+    EndedInFrame { peer: Rank, got: usize, len: usize },
+}
+
 /// Opens the lanes of a link and starts its readers and its loss watcher.
 pub(crate) async fn start_link(
     shared: &Arc<Shared>,
     peer: Rank,
     conn: Connection,
-) -> Result<(Arc<Link>, Vec<JoinHandle<()>>), String> {
+) -> Result<(Arc<Link>, Vec<JoinHandle<()>>), LaneError> {
     let mut lanes = Vec::with_capacity(shared.lanes);
     for _ in 0..shared.lanes {
-        let s = conn
-            .open_uni()
-            .await
-            .map_err(|e| format!("cannot open a data stream: {e}"))?;
+        let s = conn.open_uni().await.map_err(LaneError::Open)?;
         lanes.push(tokio::sync::Mutex::new(s));
     }
     let link = Arc::new(Link {
@@ -79,7 +93,8 @@ pub(crate) async fn start_link(
             while let Ok(stream) = conn.accept_uni().await {
                 let (shared, conn) = (shared.clone(), conn.clone());
                 tokio::spawn(async move {
-                    if let Err(reason) = read_lane(&shared, peer, stream).await {
+                    if let Err(e) = read_lane(&shared, peer, stream).await {
+                        let reason = e.to_string();
                         shared.mailbox.peer_lost(peer, reason.clone());
                         log(shared.me, format!("closing the link to {peer}: {reason}"));
                         conn.close(VarInt::from_u32(CLOSE_BAD_FRAME), reason.as_bytes());
@@ -117,7 +132,7 @@ pub(crate) async fn start_link(
 }
 
 /// Reads frames from one lane until it ends. Errors are protocol violations by the peer.
-async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Result<(), String> {
+async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Result<(), LaneError> {
     let mut header = [0u8; HEADER_LEN];
     // Payloads are read into one arena and split off it; once the consumer has dropped them,
     // `reserve` takes the same memory back, so steady traffic allocates (and faults in pages)
@@ -130,13 +145,13 @@ async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Resul
             match stream.read(&mut header[got..]).await {
                 Ok(Some(n)) => got += n,
                 Ok(None) if got == 0 => return Ok(()),
-                Ok(None) => return Err(format!("{peer} ended a stream inside a frame header")),
+                Ok(None) => return Err(LaneError::EndedInHeader { peer }),
                 // Connection-level failures are reported by the loss watcher.
                 Err(_) => return Ok(()),
             }
         }
         let h = FrameHeader::decode(&header, shared.max_frame)
-            .map_err(|e| format!("{peer} sent a malformed frame: {e}"))?;
+            .map_err(|source| LaneError::Malformed { peer, source })?;
         match h.kind {
             FrameKind::Goodbye => return Ok(()),
             FrameKind::Data => {
@@ -149,10 +164,11 @@ async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Resul
                     match stream.read_chunk(len - buf.len(), true).await {
                         Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
                         Ok(None) => {
-                            return Err(format!(
-                                "{peer} ended a stream inside a frame ({} of {len} bytes)",
-                                buf.len()
-                            ));
+                            return Err(LaneError::EndedInFrame {
+                                peer,
+                                got: buf.len(),
+                                len,
+                            });
                         }
                         Err(_) => return Ok(()),
                     }

@@ -3,19 +3,104 @@
 //! both sides: the higher rank dials, checks the certificate pinned at the rendezvous and
 //! proves it holds the secret; the lower rank checks the same of it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bonfire_topology::Rank;
-use quinn::{Connection, Endpoint, SendStream, VarInt};
+use quinn::{Connection, ConnectionError, Endpoint, SendStream, VarInt};
 
+use super::admission::{Claim, Refusal, check_hello, list};
 use super::auth::{ROLE_CLIENT, ROLE_SERVER};
-use super::control::{self, CLOSE_REFUSED, Control, JobKey, PROTOCOL, PeerEntry, refuse};
-use super::endpoint::{dial, exporter, peer_cert};
+use super::control::refuse;
+use super::control::{self, CLOSE_REFUSED, Control, ControlError, PROTOCOL, PeerEntry, Unexpected};
+use super::endpoint::{DialError, ExporterError, dial, exporter, peer_cert};
 use super::error::{QuicError, Who};
-use super::rendezvous::{WorkerHello, accept_hello, check_hello};
-use super::shared::{Shared, list, lock, log};
+use super::rendezvous::{HelloError, WorkerHello, accept_hello};
+use super::shared::{Shared, lock, log};
+
+/// Why a worker could not link to a lower worker.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PeerDialError {
+    /// The peer refused this rank, in its words.
+    #[error("{reason}")]
+    Refused { reason: String },
+    /// The peer's address did not answer.
+    #[error("no connection to {addr}: {source}")]
+    Unreachable { addr: SocketAddr, source: DialError },
+    /// Someone answered at the address, but not with the certificate rank 0 recorded.
+    #[error("{addr} answered with a certificate other than the one pinned at the rendezvous")]
+    NotPinned { addr: SocketAddr },
+    #[error(transparent)]
+    Exporter(#[from] ExporterError),
+    /// The control stream could not be opened.
+    #[error("{0}")]
+    OpenControl(ConnectionError),
+    /// The hello could not be sent or the answer read.
+    #[error(transparent)]
+    Control(ControlError),
+    /// The peer said nothing before the deadline.
+    #[error("accepted but never answered")]
+    Silent,
+    /// The peer's proof did not verify.
+    #[error("it failed to prove it holds the job secret")]
+    BadProof,
+    #[error(transparent)]
+    Unexpected(#[from] Unexpected),
+    /// The task dialling the peer panicked or was cancelled.
+    #[error("dial task failed: {0}")]
+    Task(tokio::task::JoinError),
+}
+
+impl PeerDialError {
+    /// The error of this rank's job coming up: a refusal names who refused.
+    fn into_quic(self, me: Who, peer: Rank) -> QuicError {
+        match self {
+            PeerDialError::Refused { reason } => QuicError::Refused {
+                me,
+                by: peer.to_string(),
+                reason,
+            },
+            other => QuicError::Link {
+                me,
+                peer,
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+/// Why this rank dropped a connection it accepted. Logged, with the address it came from.
+#[derive(Debug, thiserror::Error)]
+enum IncomingError {
+    /// The TLS handshake failed.
+    #[error("handshake failed: {0}")]
+    Handshake(ConnectionError),
+    /// The peer opened no control stream.
+    #[error("no control stream: {0}")]
+    NoControlStream(ConnectionError),
+    /// Its first message was unreadable (it was refused with this reason).
+    #[error(transparent)]
+    Unreadable(ControlError),
+    #[error(transparent)]
+    Exporter(#[from] ExporterError),
+    /// Its first message was neither hello (it was refused with this reason).
+    #[error(transparent)]
+    Unexpected(#[from] Unexpected),
+    /// Refused, and told why.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// The rendezvous dropped the worker.
+    #[error(transparent)]
+    Hello(#[from] HelloError),
+    /// The welcome to a peer could not be sent.
+    #[error(transparent)]
+    Welcome(ControlError),
+    /// A second link from the same rank.
+    #[error("rank {rank} dialled twice")]
+    DialledTwice { rank: u32 },
+}
 
 /// Workers: dial every lower worker (concurrently), then wait for every higher rank to dial in.
 /// Returns a connection for every worker rank but this one; rank 0's slot is left empty (that
@@ -28,35 +113,23 @@ pub(crate) async fn link_workers(
     waited: Duration,
 ) -> Result<Vec<Option<Connection>>, QuicError> {
     let me = Who(Some(shared.me));
-    let fail = |reason: String| QuicError::Link {
-        me,
-        peer: Rank(0),
-        reason,
-    };
     let mut conns: Vec<Option<Connection>> = (0..shared.world).map(|_| None).collect();
     // Dial every lower worker, concurrently.
     let mut dials = tokio::task::JoinSet::new();
+    // Which rank each task dials, to name it should the task itself fail.
+    let mut dialling = HashMap::new();
     for entry in peers.iter().take(shared.me.index()).skip(1) {
         let (ep, shared, entry) = (ep.clone(), shared.clone(), entry.clone());
-        dials.spawn(async move {
-            let r = dial_peer(&ep, &shared, &entry, deadline).await;
-            (entry.rank, r)
-        });
+        let rank = entry.rank;
+        let task = dials.spawn(async move { dial_peer(&ep, &shared, &entry, deadline).await });
+        dialling.insert(task.id(), rank);
     }
-    while let Some(done) = dials.join_next().await {
-        let (rank, result) = done.map_err(|e| fail(format!("dial task failed: {e}")))?;
-        let conn = result.map_err(|e| match e {
-            DialError::Refused(reason) => QuicError::Refused {
-                me,
-                by: format!("rank {rank}"),
-                reason,
-            },
-            DialError::Other(reason) => QuicError::Link {
-                me,
-                peer: Rank(rank),
-                reason,
-            },
-        })?;
+    while let Some(done) = dials.join_next_with_id().await {
+        let (rank, result) = match done {
+            Ok((id, result)) => (dialling[&id], result),
+            Err(e) => (dialling[&e.id()], Err(PeerDialError::Task(e))),
+        };
+        let conn = result.map_err(|e| e.into_quic(me, Rank(rank)))?;
         conns[rank as usize] = Some(conn);
     }
     // Wait for every higher rank to dial in.
@@ -81,32 +154,24 @@ pub(crate) async fn link_workers(
     Ok(conns)
 }
 
-pub(crate) enum DialError {
-    Refused(String),
-    Other(String),
-}
-
+/// The higher rank of a direct link: dials the lower one, checks its certificate against the
+/// roster's pin, and exchanges proofs of the secret.
 async fn dial_peer(
     ep: &Endpoint,
     shared: &Shared,
     entry: &PeerEntry,
     deadline: Instant,
-) -> Result<Connection, DialError> {
-    let conn = dial(ep, entry.addr, deadline)
+) -> Result<Connection, PeerDialError> {
+    let addr = entry.addr;
+    let conn = dial(ep, addr, deadline)
         .await
-        .map_err(|e| DialError::Other(format!("no connection to {}: {e}", entry.addr)))?;
+        .map_err(|source| PeerDialError::Unreachable { addr, source })?;
     if peer_cert(&conn).as_deref() != Some(&entry.cert[..]) {
         conn.close(VarInt::from_u32(CLOSE_REFUSED), b"certificate not pinned");
-        return Err(DialError::Other(format!(
-            "{} answered with a certificate other than the one pinned at the rendezvous",
-            entry.addr
-        )));
+        return Err(PeerDialError::NotPinned { addr });
     }
-    let ex = exporter(&conn).map_err(DialError::Other)?;
-    let (mut send, mut recv) = conn
-        .open_bi()
-        .await
-        .map_err(|e| DialError::Other(e.to_string()))?;
+    let ex = exporter(&conn)?;
+    let (mut send, mut recv) = conn.open_bi().await.map_err(PeerDialError::OpenControl)?;
     let hello = Control::PeerHello {
         protocol: PROTOCOL,
         job: shared.job,
@@ -115,24 +180,19 @@ async fn dial_peer(
     };
     control::write(&mut send, &hello)
         .await
-        .map_err(DialError::Other)?;
+        .map_err(PeerDialError::Control)?;
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
-        .map_err(|_| DialError::Other("accepted but never answered".into()))?
-        .map_err(DialError::Other)?;
+        .map_err(|_| PeerDialError::Silent)?
+        .map_err(PeerDialError::Control)?;
     match reply {
         Control::PeerWelcome { proof } if shared.secret.verify(ROLE_SERVER, &ex, &proof) => {
             let _ = send.finish();
             Ok(conn)
         }
-        Control::PeerWelcome { .. } => Err(DialError::Other(
-            "it failed to prove it holds the job secret".into(),
-        )),
-        Control::Reject { reason } => Err(DialError::Refused(reason)),
-        other => Err(DialError::Other(format!(
-            "unexpected {} message",
-            other.name()
-        ))),
+        Control::PeerWelcome { .. } => Err(PeerDialError::BadProof),
+        Control::Reject { reason } => Err(PeerDialError::Refused { reason }),
+        other => Err(other.unexpected().into()),
     }
 }
 
@@ -160,18 +220,22 @@ pub(crate) async fn accept_loop(ep: Endpoint, shared: Arc<Shared>) {
     }
 }
 
-async fn handle_incoming(incoming: quinn::Incoming, shared: &Arc<Shared>) -> Result<(), String> {
+/// Reads an accepted connection's first message and hands it to the rendezvous (a worker's
+/// hello, rank 0 only) or to the peer handshake (a higher rank's hello); anything else is
+/// refused.
+async fn handle_incoming(
+    incoming: quinn::Incoming,
+    shared: &Arc<Shared>,
+) -> Result<(), IncomingError> {
     let from = incoming.remote_address();
-    let conn = incoming
-        .await
-        .map_err(|e| format!("handshake failed: {e}"))?;
+    let conn = incoming.await.map_err(IncomingError::Handshake)?;
     let (send, mut recv) = conn
         .accept_bi()
         .await
-        .map_err(|e| format!("no control stream: {e}"))?;
+        .map_err(IncomingError::NoControlStream)?;
     let msg = match control::read(&mut recv).await {
         Ok(m) => m,
-        Err(e) => return refuse(&conn, send, e).await,
+        Err(e) => return Err(IncomingError::Unreadable(refuse(&conn, send, e).await)),
     };
     let ex = exporter(&conn)?;
     let me = shared.me;
@@ -186,69 +250,65 @@ async fn handle_incoming(incoming: quinn::Incoming, shared: &Arc<Shared>) -> Res
             proof,
         } => {
             if me.index() != 0 {
-                return refuse(
-                    &conn,
-                    send,
-                    format!("{me} does not host the rendezvous (rank 0 does)"),
-                )
-                .await;
+                return Err(refuse(&conn, send, Refusal::NotHost { me }).await.into());
             }
             let hello = WorkerHello {
-                protocol,
-                job,
+                claim: Claim {
+                    protocol,
+                    job,
+                    proof,
+                },
                 rank,
                 node,
                 addr: advertise.unwrap_or_else(|| SocketAddr::new(from.ip(), port)),
-                proof,
             };
-            accept_hello(shared, conn, send, &ex, hello).await
+            Ok(accept_hello(shared, conn, send, &ex, hello).await?)
         }
         Control::PeerHello {
             protocol,
             job,
             rank,
             proof,
-        } => accept_peer_hello(shared, conn, send, &ex, protocol, job, rank, &proof).await,
-        other => refuse(&conn, send, format!("unexpected {} message", other.name())).await,
+        } => {
+            let claim = Claim {
+                protocol,
+                job,
+                proof,
+            };
+            accept_peer_hello(shared, conn, send, &ex, rank, &claim).await
+        }
+        other => Err(refuse(&conn, send, other.unexpected()).await.into()),
     }
 }
 
 /// The lower rank of a direct link: checks the higher rank's hello against the job and the
 /// roster, and welcomes it.
-#[allow(clippy::too_many_arguments)]
 async fn accept_peer_hello(
     shared: &Arc<Shared>,
     conn: Connection,
     mut send: SendStream,
     ex: &[u8],
-    protocol: u32,
-    job: JobKey,
     rank: u32,
-    proof: &[u8],
-) -> Result<(), String> {
+    claim: &Claim,
+) -> Result<(), IncomingError> {
     let me = shared.me;
-    if let Err(reason) = check_hello(shared, protocol, job, Some(rank), ex, proof) {
-        return refuse(&conn, send, reason).await;
+    if let Err(reason) = check_hello(shared.job, Some(rank), claim, &shared.secret, ex) {
+        return Err(refuse(&conn, send, reason).await.into());
     }
     if rank as usize <= me.index() {
-        return refuse(
-            &conn,
-            send,
-            format!("rank {rank} should be dialled by {me}, not dial it"),
-        )
-        .await;
+        let reason = Refusal::WrongDirection { rank, me };
+        return Err(refuse(&conn, send, reason).await.into());
     }
     // The roster comes from rank 0 at about the time the peer got its own.
     let mut roster = shared.roster.subscribe();
     let waited = roster.wait_for(Option::is_some).await.map(|r| r.clone());
     let Ok(Some(roster)) = waited else {
-        return refuse(&conn, send, "this rank is shutting down".into()).await;
+        return Err(refuse(&conn, send, Refusal::ShuttingDown).await.into());
     };
     if peer_cert(&conn).as_deref() != Some(&roster[rank as usize].cert[..]) {
-        return refuse(&conn, send, format!(
-            "the process claiming rank {rank} shows a certificate other than the one pinned at the rendezvous"
-        ))
-        .await;
+        return Err(refuse(&conn, send, Refusal::NotPinned { rank })
+            .await
+            .into());
     }
     control::write(
         &mut send,
@@ -256,11 +316,12 @@ async fn accept_peer_hello(
             proof: shared.secret.proof(ROLE_SERVER, ex),
         },
     )
-    .await?;
+    .await
+    .map_err(IncomingError::Welcome)?;
     let _ = send.finish();
     let mut accepted = lock(&shared.accepted);
     if accepted[rank as usize].is_some() {
-        return Err(format!("rank {rank} dialled twice"));
+        return Err(IncomingError::DialledTwice { rank });
     }
     accepted[rank as usize] = Some(conn);
     drop(accepted);

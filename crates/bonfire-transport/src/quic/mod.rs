@@ -21,6 +21,7 @@
 //! is reported to the mailbox with the reason, so every wait on that peer ends with an error that
 //! names it.
 
+mod admission;
 mod auth;
 mod config;
 mod control;
@@ -46,7 +47,7 @@ use tokio::task::JoinHandle;
 
 pub use auth::{Secret, SecretError};
 pub use config::QuicConfig;
-pub use error::{QuicError, Who};
+pub use error::{QuicError, SetupError, Who};
 
 use self::auth::Identity;
 use self::control::{CLOSE_DROPPED, CLOSE_SHUTDOWN};
@@ -72,27 +73,17 @@ impl QuicTransport {
     /// Joins the job: rendezvous, authentication, one link to every peer. Must run inside a
     /// Tokio runtime with I/O and time enabled.
     pub async fn connect(config: QuicConfig) -> Result<QuicTransport, QuicError> {
-        let given = Who(config.rank);
-        if config.world_size == 0 || config.rank.is_some_and(|r| r.index() >= config.world_size) {
-            return Err(QuicError::Setup(format!(
-                "{given} is outside a job of {} ranks",
-                config.world_size
-            )));
-        }
-        if config.lanes == 0 {
-            return Err(QuicError::Setup("a link needs at least one lane".into()));
-        }
+        config.validate()?;
         let hosting = config.rank == Some(Rank(0));
-        let identity = Identity::generate().map_err(QuicError::Setup)?;
+        let identity = Identity::generate()?;
         let master = resolve(&config.master).await;
         let bind = if hosting {
-            let master = master.as_ref().map_err(|e| QuicError::Setup(e.clone()))?;
+            let master = master.as_ref().map_err(|e| e.clone())?;
             SocketAddr::new(config.bind.ip(), master.port())
         } else {
             config.bind
         };
-        let ep = endpoint(bind, &identity, config.peer_timeout, config.lanes)
-            .map_err(QuicError::Setup)?;
+        let ep = endpoint(bind, &identity, config.peer_timeout, config.lanes)?;
         let deadline = Instant::now() + config.connect_timeout;
         // Workers join first and learn their rank; connections that arrive meanwhile wait in the
         // endpoint until the accept loop starts.
@@ -102,7 +93,7 @@ impl QuicTransport {
             let master = master.map_err(|e| QuicError::Unreachable {
                 master: config.master.clone(),
                 waited: Duration::ZERO,
-                detail: e,
+                detail: e.to_string(),
             })?;
             Some(join(&ep, &config, master, deadline).await?)
         };
@@ -133,10 +124,10 @@ impl QuicTransport {
                 let (link, tasks) =
                     start_link(&shared, Rank(peer as u32), conn)
                         .await
-                        .map_err(|reason| QuicError::Link {
+                        .map_err(|e| QuicError::Link {
                             me: Who(Some(me)),
                             peer: Rank(peer as u32),
-                            reason,
+                            reason: e.to_string(),
                         })?;
                 transport.links[peer] = Some(link);
                 lock(&transport.tasks).extend(tasks);
@@ -259,8 +250,20 @@ pub async fn loopback_throughput(bytes: usize, streams: usize) -> Result<f64, St
     let streams = streams.max(1);
     let local: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
     let timeout = Duration::from_secs(10);
-    let server = endpoint(local, &Identity::generate()?, timeout, streams)?;
-    let client = endpoint(local, &Identity::generate()?, timeout, streams)?;
+    let server = endpoint(
+        local,
+        &Identity::generate().map_err(|e| e.to_string())?,
+        timeout,
+        streams,
+    )
+    .map_err(|e| e.to_string())?;
+    let client = endpoint(
+        local,
+        &Identity::generate().map_err(|e| e.to_string())?,
+        timeout,
+        streams,
+    )
+    .map_err(|e| e.to_string())?;
     let addr = server.local_addr().map_err(|e| e.to_string())?;
     let per_stream = bytes / streams / (1 << 20);
     let reader = tokio::spawn(async move {

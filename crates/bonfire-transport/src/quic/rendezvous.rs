@@ -10,15 +10,65 @@ use std::time::{Duration, Instant};
 use bonfire_topology::{NodeId, NodeLayout, Rank};
 use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
 
-use super::auth::{PROOF_LEN, ROLE_CLIENT, ROLE_SERVER};
+use super::admission::{Claim, Refusal, check_hello, list};
+use super::auth::{ROLE_CLIENT, ROLE_SERVER};
 use super::config::QuicConfig;
-use super::control::{self, CLOSE_REFUSED, Control, JobKey, PROTOCOL, PeerEntry, refuse};
-use super::endpoint::{dial, exporter, peer_cert};
+use super::control::{
+    self, CLOSE_REFUSED, Control, ControlError, JobKey, PROTOCOL, PeerEntry, Unexpected, refuse,
+};
+use super::endpoint::{ExporterError, dial, exporter, peer_cert};
 use super::error::{QuicError, Who};
-use super::shared::{Joined, Shared, list, lock};
+use super::shared::{Joined, Shared, lock};
 
 /// The links rank 0 leaves the rendezvous with (one per worker), and the job's node layout.
 pub(crate) type Links = (Vec<Option<Connection>>, NodeLayout);
+
+/// What went wrong between a worker and rank 0 once they were connected.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JoinError {
+    #[error(transparent)]
+    Exporter(#[from] ExporterError),
+    /// The control stream to rank 0 could not be opened.
+    #[error("{0}")]
+    OpenControl(quinn::ConnectionError),
+    /// The hello could not be sent.
+    #[error(transparent)]
+    SendHello(ControlError),
+    /// Rank 0 said nothing before the deadline.
+    #[error("rank 0 accepted the connection but never answered")]
+    Silent,
+    /// Rank 0's control stream ended or failed.
+    #[error("rank 0 closed the rendezvous: {0}")]
+    Closed(ControlError),
+    /// Rank 0 assigned a rank this worker cannot take.
+    #[error("rank 0 assigned an invalid rank {rank}")]
+    InvalidRank { rank: u32 },
+    #[error(transparent)]
+    Unexpected(#[from] Unexpected),
+    /// The roster does not list every rank once, in order.
+    #[error("malformed roster: {entries} entries for {world} ranks")]
+    MalformedRoster { entries: usize, world: usize },
+}
+
+/// The error of a link to rank 0 that failed while joining.
+fn to_host(me: Who, e: impl Into<JoinError>) -> QuicError {
+    QuicError::Link {
+        me,
+        peer: Rank(0),
+        reason: e.into().to_string(),
+    }
+}
+
+/// Why rank 0 dropped a worker's hello.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HelloError {
+    /// Refused, and told why.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// The welcome could not be sent; the rank is free again.
+    #[error(transparent)]
+    Welcome(ControlError),
+}
 
 /// Which node each rank runs on, from the roster.
 pub(crate) fn layout(peers: &[PeerEntry]) -> NodeLayout {
@@ -51,12 +101,11 @@ pub(crate) async fn host_rendezvous(
         .filter_map(Option::take)
         .collect();
     if let Err(missing) = arrived {
-        let reason = format!(
-            "the rendezvous timed out waiting for {} of {} ranks ({})",
-            missing.len(),
-            shared.world,
-            list(missing.iter().copied())
-        );
+        let reason = Refusal::TimedOut {
+            missing: missing.clone(),
+            world: shared.world,
+        }
+        .to_string();
         for j in &mut joined {
             let _ = control::write(
                 &mut j.send,
@@ -94,10 +143,10 @@ pub(crate) async fn host_rendezvous(
         let rank = j.entry.rank;
         control::write(&mut j.send, &roster)
             .await
-            .map_err(|reason| QuicError::Link {
+            .map_err(|e| QuicError::Link {
                 me,
                 peer: Rank(rank),
-                reason,
+                reason: e.to_string(),
             })?;
         let _ = j.send.finish();
         conns[rank as usize] = Some(j.conn.clone());
@@ -125,18 +174,16 @@ pub(crate) async fn join(
     let by = format!("the rendezvous at {} (rank 0)", config.master);
     let conn = dial(ep, master, deadline)
         .await
-        .map_err(|detail| QuicError::Unreachable {
+        .map_err(|e| QuicError::Unreachable {
             master: config.master.clone(),
             waited: started.elapsed(),
-            detail,
+            detail: e.to_string(),
         })?;
-    let fail = |reason: String| QuicError::Link {
-        me,
-        peer: Rank(0),
-        reason,
-    };
-    let ex = exporter(&conn).map_err(fail)?;
-    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| fail(e.to_string()))?;
+    let ex = exporter(&conn).map_err(|e| to_host(me, e))?;
+    let (mut send, mut recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| to_host(me, JoinError::OpenControl(e)))?;
     let port = ep.local_addr().map(|a| a.port()).unwrap_or(0);
     let hello = Control::Hello {
         protocol: PROTOCOL,
@@ -150,12 +197,14 @@ pub(crate) async fn join(
         advertise: config.advertise,
         proof: config.secret.proof(ROLE_CLIENT, &ex),
     };
-    control::write(&mut send, &hello).await.map_err(fail)?;
+    control::write(&mut send, &hello)
+        .await
+        .map_err(|e| to_host(me, JoinError::SendHello(e)))?;
     let _ = send.finish();
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
-        .map_err(|_| fail("rank 0 accepted the connection but never answered".into()))?
-        .map_err(|e| fail(format!("rank 0 closed the rendezvous: {e}")))?;
+        .map_err(|_| to_host(me, JoinError::Silent))?
+        .map_err(|e| to_host(me, JoinError::Closed(e)))?;
     match reply {
         Control::Welcome { proof, rank } => {
             if !config.secret.verify(ROLE_SERVER, &ex, &proof) {
@@ -171,7 +220,7 @@ pub(crate) async fn join(
                 && (rank as usize) < config.world_size
                 && config.rank.is_none_or(|r| r.0 == rank);
             if !valid {
-                return Err(fail(format!("rank 0 assigned an invalid rank {rank}")));
+                return Err(to_host(me, JoinError::InvalidRank { rank }));
             }
             Ok(Joining {
                 rank: Rank(rank),
@@ -181,7 +230,7 @@ pub(crate) async fn join(
             })
         }
         Control::Reject { reason } => Err(QuicError::Refused { me, by, reason }),
-        other => Err(fail(format!("unexpected {} message", other.name()))),
+        other => Err(to_host(me, other.unexpected())),
     }
 }
 
@@ -197,11 +246,6 @@ pub(crate) async fn finish_join(
     let Joining {
         conn, mut recv, by, ..
     } = joining;
-    let fail = |reason: String| QuicError::Link {
-        me,
-        peer: Rank(0),
-        reason,
-    };
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
         .map_err(|_| QuicError::Timeout {
@@ -210,20 +254,22 @@ pub(crate) async fn finish_join(
             waited: config.connect_timeout,
             missing: "the rendezvous did not complete (other ranks did not join)".into(),
         })?
-        .map_err(|e| fail(format!("rank 0 closed the rendezvous: {e}")))?;
+        .map_err(|e| to_host(me, JoinError::Closed(e)))?;
     let peers = match reply {
         Control::Roster { peers } => peers,
         Control::Reject { reason } => return Err(QuicError::Refused { me, by, reason }),
-        other => return Err(fail(format!("unexpected {} message", other.name()))),
+        other => return Err(to_host(me, other.unexpected())),
     };
     let ranks_ok =
         peers.len() == shared.world && peers.iter().enumerate().all(|(i, p)| p.rank as usize == i);
     if !ranks_ok {
-        return Err(fail(format!(
-            "malformed roster: {} entries for {} ranks",
-            peers.len(),
-            shared.world
-        )));
+        return Err(to_host(
+            me,
+            JoinError::MalformedRoster {
+                entries: peers.len(),
+                world: shared.world,
+            },
+        ));
     }
     let peers = Arc::new(peers);
     shared.roster.send_replace(Some(peers.clone()));
@@ -232,12 +278,10 @@ pub(crate) async fn finish_join(
 
 /// What a worker's hello announced, and the address it is reached at.
 pub(crate) struct WorkerHello {
-    pub(crate) protocol: u32,
-    pub(crate) job: JobKey,
+    pub(crate) claim: Claim,
     pub(crate) rank: Option<u32>,
     pub(crate) node: u32,
     pub(crate) addr: SocketAddr,
-    pub(crate) proof: [u8; PROOF_LEN],
 }
 
 /// Rank 0: admits (or refuses) a worker that sent its hello, and welcomes it.
@@ -247,41 +291,41 @@ pub(crate) async fn accept_hello(
     mut send: SendStream,
     ex: &[u8],
     hello: WorkerHello,
-) -> Result<(), String> {
+) -> Result<(), HelloError> {
     let WorkerHello {
-        protocol,
-        job,
+        claim,
         rank,
         node,
         addr,
-        proof,
     } = hello;
-    if let Err(reason) = check_hello(shared, protocol, job, rank, ex, &proof) {
-        return refuse(&conn, send, reason).await;
+    if let Err(reason) = check_hello(shared.job, rank, &claim, &shared.secret, ex) {
+        return Err(refuse(&conn, send, reason).await.into());
     }
     if shared.master_done.load(Ordering::Acquire) {
-        return refuse(&conn, send, "the job has already started".into()).await;
+        return Err(refuse(&conn, send, Refusal::Started).await.into());
     }
     let Some(cert) = peer_cert(&conn) else {
-        return refuse(&conn, send, "no client certificate".into()).await;
+        return Err(refuse(&conn, send, Refusal::NoCertificate).await.into());
     };
     // Reserve the rank (or assign the lowest free one) first, so a duplicate cannot slip
     // in while the welcome is sent.
-    let assigned: Result<u32, String> = {
+    let assigned: Result<u32, Refusal> = {
         let mut reserved = lock(&shared.reserved);
         match rank {
-            Some(r) if reserved[r as usize] => Err(format!("rank {r} has already joined this job")),
+            Some(r) if reserved[r as usize] => Err(Refusal::Taken { rank: r }),
             Some(r) => Ok(r),
             None => (1..shared.world)
                 .find(|&r| !reserved[r])
                 .map(|r| r as u32)
-                .ok_or_else(|| format!("the job is full: all {} ranks have joined", shared.world)),
+                .ok_or(Refusal::Full {
+                    world: shared.world,
+                }),
         }
         .inspect(|&r| reserved[r as usize] = true)
     };
     let rank = match assigned {
         Ok(r) => r,
-        Err(reason) => return refuse(&conn, send, reason).await,
+        Err(reason) => return Err(refuse(&conn, send, reason).await.into()),
     };
     let reply = Control::Welcome {
         proof: shared.secret.proof(ROLE_SERVER, ex),
@@ -289,7 +333,7 @@ pub(crate) async fn accept_hello(
     };
     if let Err(e) = control::write(&mut send, &reply).await {
         lock(&shared.reserved)[rank as usize] = false;
-        return Err(e);
+        return Err(HelloError::Welcome(e));
     }
     let mut joined = lock(&shared.joined);
     joined[rank as usize] = Some(Joined {
@@ -304,51 +348,5 @@ pub(crate) async fn accept_hello(
     });
     drop(joined);
     shared.changed.notify_waiters();
-    Ok(())
-}
-
-/// Checks a hello's protocol, job, rank and proof of the secret.
-pub(crate) fn check_hello(
-    shared: &Shared,
-    protocol: u32,
-    job: JobKey,
-    rank: Option<u32>,
-    exporter: &[u8],
-    proof: &[u8],
-) -> Result<(), String> {
-    let claimed = match rank {
-        Some(r) => format!("the process claiming rank {r}"),
-        None => "a process asking for a rank".to_string(),
-    };
-    if protocol != PROTOCOL {
-        return Err(format!(
-            "protocol version {protocol} against this rank's {PROTOCOL}: run the same bonfire version on every rank"
-        ));
-    }
-    if job.world_size != shared.job.world_size {
-        return Err(format!(
-            "world size mismatch: {claimed} expects {} ranks, this job has {}",
-            job.world_size, shared.job.world_size
-        ));
-    }
-    if job.round != shared.job.round {
-        return Err(format!(
-            "restart round mismatch: {claimed} is in round {}, this job is in round {}",
-            job.round, shared.job.round
-        ));
-    }
-    if let Some(rank) = rank
-        && (rank == 0 || rank as usize >= shared.world)
-    {
-        return Err(format!(
-            "rank {rank} is not a worker rank of a job of {} ranks",
-            shared.world
-        ));
-    }
-    if !shared.secret.verify(ROLE_CLIENT, exporter, proof) {
-        return Err(format!(
-            "wrong job secret: {claimed} does not hold the secret of this job"
-        ));
-    }
     Ok(())
 }

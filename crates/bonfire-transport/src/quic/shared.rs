@@ -114,13 +114,3 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub(crate) fn log(me: Rank, msg: impl std::fmt::Display) {
     eprintln!("bonfire[{me}]: {msg}");
 }
-
-/// Ranks in words: "none", or "ranks 1, 3".
-pub(crate) fn list(ranks: impl IntoIterator<Item = usize>) -> String {
-    let v: Vec<String> = ranks.into_iter().map(|r| r.to_string()).collect();
-    if v.is_empty() {
-        "none".into()
-    } else {
-        format!("ranks {}", v.join(", "))
-    }
-}

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use bonfire_topology::Rank;
 use quinn::{Connection, ConnectionError, Endpoint, SendStream, VarInt};
 
-use super::admission::{Claim, Refusal, check_hello, list};
+use super::admission::{
+    Claim, Refusal, admit_peer, higher_ranks, list, lower_workers, missing_links, reach_addr,
+};
 use super::auth::{ROLE_CLIENT, ROLE_SERVER};
 use super::control::refuse;
 use super::control::{self, CLOSE_REFUSED, Control, ControlError, PROTOCOL, PeerEntry, Unexpected};
@@ -118,8 +120,8 @@ pub(crate) async fn link_workers(
     let mut dials = tokio::task::JoinSet::new();
     // Which rank each task dials, to name it should the task itself fail.
     let mut dialling = HashMap::new();
-    for entry in peers.iter().take(shared.me.index()).skip(1) {
-        let (ep, shared, entry) = (ep.clone(), shared.clone(), entry.clone());
+    for r in lower_workers(shared.me) {
+        let (ep, shared, entry) = (ep.clone(), shared.clone(), peers[r].clone());
         let rank = entry.rank;
         let task = dials.spawn(async move { dial_peer(&ep, &shared, &entry, deadline).await });
         dialling.insert(task.id(), rank);
@@ -135,10 +137,7 @@ pub(crate) async fn link_workers(
     // Wait for every higher rank to dial in.
     shared
         .wait_for_ranks(deadline, || {
-            let accepted = lock(&shared.accepted);
-            (shared.me.index() + 1..shared.world)
-                .filter(|&r| accepted[r].is_none())
-                .collect()
+            missing_links(shared.me, &lock(&shared.accepted))
         })
         .await
         .map_err(|missing| QuicError::Timeout {
@@ -148,7 +147,7 @@ pub(crate) async fn link_workers(
             missing: list(missing),
         })?;
     let mut accepted = lock(&shared.accepted);
-    for r in shared.me.index() + 1..shared.world {
+    for r in higher_ranks(shared.me, shared.world) {
         conns[r] = accepted[r].take();
     }
     Ok(conns)
@@ -260,7 +259,7 @@ async fn handle_incoming(
                 },
                 rank,
                 node,
-                addr: advertise.unwrap_or_else(|| SocketAddr::new(from.ip(), port)),
+                addr: reach_addr(from, port, advertise),
             };
             Ok(accept_hello(shared, conn, send, &ex, hello).await?)
         }
@@ -291,12 +290,8 @@ async fn accept_peer_hello(
     rank: u32,
     claim: &Claim,
 ) -> Result<(), IncomingError> {
-    let me = shared.me;
-    if let Err(reason) = check_hello(shared.job, Some(rank), claim, &shared.secret, ex) {
-        return Err(refuse(&conn, send, reason).await.into());
-    }
-    if rank as usize <= me.index() {
-        let reason = Refusal::WrongDirection { rank, me };
+    let admitted = admit_peer(shared.job, shared.me, rank, claim, &shared.secret, ex);
+    if let Err(reason) = admitted {
         return Err(refuse(&conn, send, reason).await.into());
     }
     // The roster comes from rank 0 at about the time the peer got its own.

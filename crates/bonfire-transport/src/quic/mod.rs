@@ -49,13 +49,14 @@ pub use auth::{Secret, SecretError};
 pub use config::QuicConfig;
 pub use error::{QuicError, SetupError, Who};
 
+use self::admission::layout;
 use self::auth::Identity;
 use self::control::{CLOSE_DROPPED, CLOSE_SHUTDOWN};
 use self::endpoint::{endpoint, resolve};
 use self::frame::FrameHeader;
 use self::lanes::{Link, start_link};
 use self::links::{accept_loop, link_workers};
-use self::rendezvous::{finish_join, host_rendezvous, join, layout};
+use self::rendezvous::{finish_join, host_rendezvous, join};
 use self::shared::{Shared, lock};
 use crate::{Mailbox, SendFuture, Tag, Transport, TransportError};
 

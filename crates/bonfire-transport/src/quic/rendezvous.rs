@@ -4,13 +4,15 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use bonfire_topology::{NodeId, NodeLayout, Rank};
+use bonfire_topology::{NodeLayout, Rank};
 use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
 
-use super::admission::{Claim, Refusal, check_hello, list};
+use super::admission::{
+    Claim, MalformedRoster, Refusal, assigned_rank, check_roster, layout, list, missing_workers,
+    roster,
+};
 use super::auth::{ROLE_CLIENT, ROLE_SERVER};
 use super::config::QuicConfig;
 use super::control::{
@@ -45,9 +47,8 @@ pub(crate) enum JoinError {
     InvalidRank { rank: u32 },
     #[error(transparent)]
     Unexpected(#[from] Unexpected),
-    /// The roster does not list every rank once, in order.
-    #[error("malformed roster: {entries} entries for {world} ranks")]
-    MalformedRoster { entries: usize, world: usize },
+    #[error(transparent)]
+    Roster(#[from] MalformedRoster),
 }
 
 /// The error of a link to rank 0 that failed while joining.
@@ -70,11 +71,6 @@ pub(crate) enum HelloError {
     Welcome(ControlError),
 }
 
-/// Which node each rank runs on, from the roster.
-pub(crate) fn layout(peers: &[PeerEntry]) -> NodeLayout {
-    NodeLayout::from_nodes(peers.iter().map(|p| NodeId(p.node)).collect())
-}
-
 /// Rank 0: wait for every worker, send the roster.
 pub(crate) async fn host_rendezvous(
     shared: &Arc<Shared>,
@@ -84,18 +80,10 @@ pub(crate) async fn host_rendezvous(
 ) -> Result<Links, QuicError> {
     let me = Who(Some(shared.me));
     let arrived = shared
-        .wait_for_ranks(deadline, || {
-            lock(&shared.joined)
-                .iter()
-                .enumerate()
-                .skip(1)
-                .filter(|(_, j)| j.is_none())
-                .map(|(r, _)| r)
-                .collect()
-        })
+        .wait_for_ranks(deadline, || missing_workers(&lock(&shared.joined)))
         .await;
     // From here on the rendezvous is closed, in success or in failure.
-    shared.master_done.store(true, Ordering::Release);
+    lock(&shared.admission).close();
     let mut joined: Vec<Joined> = lock(&shared.joined)
         .iter_mut()
         .filter_map(Option::take)
@@ -127,14 +115,13 @@ pub(crate) async fn host_rendezvous(
     let own = config
         .advertise
         .unwrap_or_else(|| ep.local_addr().unwrap_or(config.bind));
-    let mut peers = vec![PeerEntry {
+    let own = PeerEntry {
         rank: 0,
         node: config.node,
         addr: own,
         cert: shared.identity_cert.to_vec(),
-    }];
-    peers.extend(joined.iter().map(|j| j.entry.clone()));
-    peers.sort_by_key(|p| p.rank);
+    };
+    let peers = roster(own, joined.iter().map(|j| j.entry.clone()));
     let roster = Control::Roster {
         peers: peers.clone(),
     };
@@ -216,14 +203,11 @@ pub(crate) async fn join(
                         .into(),
                 });
             }
-            let valid = rank != 0
-                && (rank as usize) < config.world_size
-                && config.rank.is_none_or(|r| r.0 == rank);
-            if !valid {
+            let Some(rank) = assigned_rank(config.rank, rank, config.world_size) else {
                 return Err(to_host(me, JoinError::InvalidRank { rank }));
-            }
+            };
             Ok(Joining {
-                rank: Rank(rank),
+                rank,
                 conn,
                 recv,
                 by,
@@ -260,17 +244,7 @@ pub(crate) async fn finish_join(
         Control::Reject { reason } => return Err(QuicError::Refused { me, by, reason }),
         other => return Err(to_host(me, other.unexpected())),
     };
-    let ranks_ok =
-        peers.len() == shared.world && peers.iter().enumerate().all(|(i, p)| p.rank as usize == i);
-    if !ranks_ok {
-        return Err(to_host(
-            me,
-            JoinError::MalformedRoster {
-                entries: peers.len(),
-                world: shared.world,
-            },
-        ));
-    }
+    check_roster(&peers, shared.world).map_err(|e| to_host(me, e))?;
     let peers = Arc::new(peers);
     shared.roster.send_replace(Some(peers.clone()));
     Ok((conn, peers))
@@ -298,32 +272,15 @@ pub(crate) async fn accept_hello(
         node,
         addr,
     } = hello;
-    if let Err(reason) = check_hello(shared.job, rank, &claim, &shared.secret, ex) {
-        return Err(refuse(&conn, send, reason).await.into());
-    }
-    if shared.master_done.load(Ordering::Acquire) {
-        return Err(refuse(&conn, send, Refusal::Started).await.into());
-    }
+    // TLS asks every client for a certificate, so this is a formality; it comes first so that
+    // a refusal never holds a reservation.
     let Some(cert) = peer_cert(&conn) else {
         return Err(refuse(&conn, send, Refusal::NoCertificate).await.into());
     };
-    // Reserve the rank (or assign the lowest free one) first, so a duplicate cannot slip
-    // in while the welcome is sent.
-    let assigned: Result<u32, Refusal> = {
-        let mut reserved = lock(&shared.reserved);
-        match rank {
-            Some(r) if reserved[r as usize] => Err(Refusal::Taken { rank: r }),
-            Some(r) => Ok(r),
-            None => (1..shared.world)
-                .find(|&r| !reserved[r])
-                .map(|r| r as u32)
-                .ok_or(Refusal::Full {
-                    world: shared.world,
-                }),
-        }
-        .inspect(|&r| reserved[r as usize] = true)
-    };
-    let rank = match assigned {
+    // The rank is reserved (or the lowest free one assigned) before the welcome is sent, so a
+    // duplicate cannot slip in meanwhile.
+    let admitted = lock(&shared.admission).admit(rank, &claim, &shared.secret, ex);
+    let rank = match admitted {
         Ok(r) => r,
         Err(reason) => return Err(refuse(&conn, send, reason).await.into()),
     };
@@ -332,7 +289,7 @@ pub(crate) async fn accept_hello(
         rank,
     };
     if let Err(e) = control::write(&mut send, &reply).await {
-        lock(&shared.reserved)[rank as usize] = false;
+        lock(&shared.admission).release(rank);
         return Err(HelloError::Welcome(e));
     }
     let mut joined = lock(&shared.joined);

@@ -11,6 +11,7 @@ use quinn::{Connection, SendStream};
 use rustls::pki_types::CertificateDer;
 use tokio::sync::{Notify, watch};
 
+use super::admission::Admission;
 use super::auth::Secret;
 use super::config::QuicConfig;
 use super::control::{JobKey, PeerEntry};
@@ -30,14 +31,14 @@ pub(crate) struct Shared {
     pub(crate) closing: AtomicBool,
     /// Rank 0: the workers that have joined, with what they announced.
     pub(crate) joined: Mutex<Vec<Option<Joined>>>,
-    /// Rank 0: ranks whose hello was accepted (set before the welcome is sent).
-    pub(crate) reserved: Mutex<Vec<bool>>,
+    /// Rank 0: which worker ranks are taken, and whether the rendezvous has closed.
+    pub(crate) admission: Mutex<Admission>,
     /// Workers: the roster, once rank 0 sent it.
     pub(crate) roster: watch::Sender<Option<Arc<Vec<PeerEntry>>>>,
     /// Links accepted from higher ranks.
     pub(crate) accepted: Mutex<Vec<Option<Connection>>>,
+    /// Signalled whenever a worker joins (rank 0) or a higher rank links (workers).
     pub(crate) changed: Notify,
-    pub(crate) master_done: AtomicBool,
 }
 
 /// A worker that rank 0 has welcomed: its connection, the control stream the roster goes out
@@ -57,13 +58,14 @@ impl Shared {
     ) -> Shared {
         let world = config.world_size;
         let (roster, _) = watch::channel(None);
+        let job = JobKey {
+            world_size: world as u32,
+            round: config.round,
+        };
         Shared {
             me,
             world,
-            job: JobKey {
-                world_size: world as u32,
-                round: config.round,
-            },
+            job,
             secret: config.secret.clone(),
             identity_cert,
             mailbox: Arc::new(Mailbox::new()),
@@ -72,11 +74,10 @@ impl Shared {
             peer_timeout: config.peer_timeout,
             closing: AtomicBool::new(false),
             joined: Mutex::new((0..world).map(|_| None).collect()),
-            reserved: Mutex::new(vec![false; world]),
+            admission: Mutex::new(Admission::new(job)),
             roster,
             accepted: Mutex::new((0..world).map(|_| None).collect()),
             changed: Notify::new(),
-            master_done: AtomicBool::new(false),
         }
     }
 

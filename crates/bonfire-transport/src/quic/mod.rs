@@ -27,7 +27,10 @@ mod config;
 mod control;
 mod endpoint;
 mod error;
-pub mod frame;
+// Its items are `pub` so that the `fuzzing` feature can re-export them; without it they are
+// reachable from this crate only.
+#[cfg_attr(not(feature = "fuzzing"), allow(unreachable_pub))]
+pub(crate) mod frame;
 mod lanes;
 mod links;
 mod rendezvous;

@@ -23,6 +23,7 @@
 
 mod admission;
 mod auth;
+pub mod bench;
 mod config;
 mod control;
 mod endpoint;
@@ -244,88 +245,4 @@ impl Transport for QuicTransport {
     fn kind(&self) -> &'static str {
         "quic"
     }
-}
-
-/// The link's own limit, for benchmarks: `bytes` bytes written in 1 MiB chunks over `streams`
-/// streams of one connection between two endpoints of this process on 127.0.0.1, with
-/// bonfire's TLS and transport settings. Returns GB/s (10^9 bytes per second), measured from
-/// the first write to the last byte read.
-pub async fn loopback_throughput(bytes: usize, streams: usize) -> Result<f64, String> {
-    let streams = streams.max(1);
-    let local: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
-    let timeout = Duration::from_secs(10);
-    let server = endpoint(
-        local,
-        &Identity::generate().map_err(|e| e.to_string())?,
-        timeout,
-        streams,
-    )
-    .map_err(|e| e.to_string())?;
-    let client = endpoint(
-        local,
-        &Identity::generate().map_err(|e| e.to_string())?,
-        timeout,
-        streams,
-    )
-    .map_err(|e| e.to_string())?;
-    let addr = server.local_addr().map_err(|e| e.to_string())?;
-    let per_stream = bytes / streams / (1 << 20);
-    let reader = tokio::spawn(async move {
-        let conn = server
-            .accept()
-            .await
-            .ok_or("no connection")?
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut readers = Vec::new();
-        for _ in 0..streams {
-            let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
-            readers.push(tokio::spawn(async move {
-                let mut n = 0usize;
-                while let Ok(Some(chunk)) = s.read_chunk(usize::MAX, true).await {
-                    n += chunk.bytes.len();
-                }
-                n
-            }));
-        }
-        let mut total = 0;
-        for r in readers {
-            total += r.await.map_err(|e| e.to_string())?;
-        }
-        Ok::<(usize, Instant), String>((total, Instant::now()))
-    });
-    let conn = client
-        .connect(addr, "bonfire")
-        .map_err(|e| e.to_string())?
-        .await
-        .map_err(|e| e.to_string())?;
-    let chunk = Bytes::from(vec![0x5au8; 1 << 20]);
-    let start = Instant::now();
-    let mut writers = Vec::new();
-    for _ in 0..streams {
-        let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-        let chunk = chunk.clone();
-        writers.push(tokio::spawn(async move {
-            for _ in 0..per_stream {
-                s.write_chunk(chunk.clone())
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            s.finish().map_err(|e| e.to_string())?;
-            s.stopped().await.map_err(|e| e.to_string())?;
-            Ok::<(), String>(())
-        }));
-    }
-    for w in writers {
-        w.await.map_err(|e| e.to_string())??;
-    }
-    let (total, end) = reader.await.map_err(|e| e.to_string())??;
-    if total != per_stream * streams * (1 << 20) {
-        return Err(format!(
-            "read {total} bytes, wrote {}",
-            per_stream * streams * (1 << 20)
-        ));
-    }
-    conn.close(VarInt::from_u32(CLOSE_SHUTDOWN), b"done");
-    Ok(total as f64 / (end - start).as_secs_f64() / 1e9)
 }

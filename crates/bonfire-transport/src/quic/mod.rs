@@ -20,6 +20,14 @@
 //! A link that goes silent for the peer timeout (keep-alives run every quarter of it) or closes
 //! is reported to the mailbox with the reason, so every wait on that peer ends with an error that
 //! names it.
+//!
+//! # Where things are
+//! `config.rs` and `error.rs` hold the public configuration and errors; `endpoint.rs` the TLS and
+//! QUIC settings and dialling; `auth.rs` the secret, certificates and proofs; `control.rs` the
+//! control messages; `admission/` the rendezvous' decisions, sans-IO; `rendezvous.rs` rank 0
+//! hosting and workers joining; `links.rs` the accept loop and the worker-to-worker handshake;
+//! `lanes.rs` and `frame.rs` the data path; `shared.rs` the state a rank's tasks share;
+//! `bench.rs` the loopback benchmark.
 
 mod admission;
 mod auth;

@@ -26,8 +26,18 @@ use bytes::Bytes;
 pub use error::TransportError;
 pub use inproc::{InProcess, InProcessTransport};
 pub use mailbox::{Inbox, Mailbox, OpenError};
-pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError};
+pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
 pub use tag::Tag;
+
+/// Not API: the QUIC frame decoder, for the cargo-fuzz target in `fuzz/` (it enables the
+/// `fuzzing` feature). Nothing here is covered by semver; do not use it from other crates.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::quic::frame::{
+        FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC, SplitFrames, VERSION, split_frames,
+    };
+}
 
 /// The future of [`Transport::send`].
 pub type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;

@@ -67,9 +67,10 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
     for &streams in &args.streams {
         let rt = bonfire::collectives::runtime();
         let gbps = best(&mut || {
-            rt.block_on(bonfire::transport::quic::loopback_throughput(
+            rt.block_on(bonfire::transport::quic::bench::loopback_throughput(
                 args.bytes, streams,
             ))
+            .map_err(|e| e.to_string())
         })?;
         println!(
             "  {:<32} {:>10.3} {:>8.3}",

@@ -4,7 +4,7 @@
 //! Run with `cargo +nightly fuzz run frame_decoder` from `crates/bonfire-transport`.
 #![no_main]
 
-use bonfire_transport::quic::frame::{FrameHeader, HEADER_LEN, split_frames};
+use bonfire_transport::fuzzing::{FrameHeader, HEADER_LEN, split_frames};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

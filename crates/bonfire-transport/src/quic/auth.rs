@@ -20,8 +20,15 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use sha2::Sha256;
 
+use super::error::SetupError;
+
 /// Bytes in a proof.
 pub(crate) const PROOF_LEN: usize = 32;
+
+/// The role a dialling side proves in (a worker to rank 0, a higher rank to a lower one).
+pub(crate) const ROLE_CLIENT: &[u8] = b"bonfire client proof";
+/// The role an accepting side proves in.
+pub(crate) const ROLE_SERVER: &[u8] = b"bonfire server proof";
 
 /// A job's shared secret. Its `Debug` form never shows the bytes.
 #[derive(Clone)]
@@ -127,9 +134,13 @@ pub(crate) struct Identity {
 }
 
 impl Identity {
-    pub(crate) fn generate() -> Result<Identity, String> {
-        let certified = rcgen::generate_simple_self_signed(vec!["bonfire".to_string()])
-            .map_err(|e| format!("cannot generate this rank's certificate: {e}"))?;
+    pub(crate) fn generate() -> Result<Identity, SetupError> {
+        let certified =
+            rcgen::generate_simple_self_signed(vec!["bonfire".to_string()]).map_err(|e| {
+                SetupError::Certificate {
+                    source: Arc::new(e),
+                }
+            })?;
         Ok(Identity {
             cert: certified.cert.der().clone(),
             key: PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into()),

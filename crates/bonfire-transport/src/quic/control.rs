@@ -3,9 +3,11 @@
 //! Control messages are small and rare, so they use a maintained serde format; tensor payloads
 //! never pass through here (see `frame`).
 
+use std::fmt::Display;
 use std::net::SocketAddr;
+use std::time::Duration;
 
-use quinn::{RecvStream, SendStream};
+use quinn::{Connection, RecvStream, SendStream, VarInt};
 use serde::{Deserialize, Serialize};
 
 use super::auth::PROOF_LEN;
@@ -15,6 +17,12 @@ pub(crate) const PROTOCOL: u32 = 1;
 
 /// The largest control message accepted (a roster of thousands of ranks fits).
 pub(crate) const MAX_CONTROL: usize = 16 << 20;
+
+/// Application close codes.
+pub(crate) const CLOSE_SHUTDOWN: u32 = 0;
+pub(crate) const CLOSE_REFUSED: u32 = 1;
+pub(crate) const CLOSE_BAD_FRAME: u32 = 2;
+pub(crate) const CLOSE_DROPPED: u32 = 3;
 
 /// What identifies one launch of one job: ranks of different jobs or of different restart rounds
 /// refuse each other.
@@ -58,6 +66,7 @@ pub(crate) enum Control {
 }
 
 impl Control {
+    /// The message's name, for error messages.
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Control::Hello { .. } => "hello",
@@ -68,6 +77,40 @@ impl Control {
             Control::PeerWelcome { .. } => "peer-welcome",
         }
     }
+
+    /// The error of receiving this message where another was due.
+    pub(crate) fn unexpected(&self) -> Unexpected {
+        Unexpected(self.name())
+    }
+}
+
+/// A control message arrived where another was due.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unexpected {0} message")]
+pub(crate) struct Unexpected(pub(crate) &'static str);
+
+/// Why a control message could not be sent or received.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ControlError {
+    /// The bytes are not a control message.
+    #[error("malformed control message: {0}")]
+    Malformed(postcard::Error),
+    /// The message could not be written.
+    #[error("cannot send {message}: {source}")]
+    Send {
+        /// The message's name.
+        message: &'static str,
+        source: quinn::WriteError,
+    },
+    /// The stream ended (or failed) before a message began.
+    #[error("connection ended before a control message: {0}")]
+    EndedBefore(quinn::ReadExactError),
+    /// The length prefix announces more than a control message may hold.
+    #[error("control message of {len} bytes exceeds the limit of {MAX_CONTROL} bytes")]
+    TooLong { len: usize },
+    /// The stream ended (or failed) inside a message.
+    #[error("connection ended inside a control message: {0}")]
+    EndedInside(quinn::ReadExactError),
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -88,35 +131,52 @@ pub(crate) fn encode(msg: &Control) -> Vec<u8> {
 }
 
 /// Decodes one message body (without the length prefix).
-pub(crate) fn decode(body: &[u8]) -> Result<Control, String> {
-    postcard::from_bytes(body).map_err(|e| format!("malformed control message: {e}"))
+pub(crate) fn decode(body: &[u8]) -> Result<Control, ControlError> {
+    postcard::from_bytes(body).map_err(ControlError::Malformed)
 }
 
-pub(crate) async fn write(stream: &mut SendStream, msg: &Control) -> Result<(), String> {
+/// Writes one message with its length prefix.
+pub(crate) async fn write(stream: &mut SendStream, msg: &Control) -> Result<(), ControlError> {
     stream
         .write_all(&encode(msg))
         .await
-        .map_err(|e| format!("cannot send {}: {e}", msg.name()))
+        .map_err(|source| ControlError::Send {
+            message: msg.name(),
+            source,
+        })
 }
 
-pub(crate) async fn read(stream: &mut RecvStream) -> Result<Control, String> {
+/// Reads one message; a length over [`MAX_CONTROL`] is refused before anything is allocated.
+pub(crate) async fn read(stream: &mut RecvStream) -> Result<Control, ControlError> {
     let mut len = [0u8; 4];
     stream
         .read_exact(&mut len)
         .await
-        .map_err(|e| format!("connection ended before a control message: {e}"))?;
+        .map_err(ControlError::EndedBefore)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_CONTROL {
-        return Err(format!(
-            "control message of {len} bytes exceeds the limit of {MAX_CONTROL} bytes"
-        ));
+        return Err(ControlError::TooLong { len });
     }
     let mut body = vec![0u8; len];
     stream
         .read_exact(&mut body)
         .await
-        .map_err(|e| format!("connection ended inside a control message: {e}"))?;
+        .map_err(ControlError::EndedInside)?;
     decode(&body)
+}
+
+/// Refuses the peer at the other end of `conn`: sends `Reject` with the reason in words, gives
+/// it a moment to be read, and closes the connection. Returns the reason, for the caller's
+/// error.
+pub(crate) async fn refuse<R: Display>(conn: &Connection, mut send: SendStream, reason: R) -> R {
+    let msg = encode(&Control::Reject {
+        reason: reason.to_string(),
+    });
+    let _ = send.write_all(&msg).await;
+    let _ = send.finish();
+    let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+    conn.close(VarInt::from_u32(CLOSE_REFUSED), b"refused");
+    reason
 }
 
 #[cfg(test)]
@@ -141,6 +201,12 @@ mod tests {
         assert_eq!(peers[0].addr.port(), 29501);
         assert!(decode(&[0xff, 0xff, 0xff]).is_err());
         assert!(decode(&[]).is_err());
+        assert!(
+            decode(&[])
+                .unwrap_err()
+                .to_string()
+                .starts_with("malformed control message: ")
+        );
         // A huge length inside a vector must not allocate it: postcard checks against the input.
         assert!(decode(&[3, 0xff, 0xff, 0xff, 0xff, 0x0f]).is_err());
     }

@@ -193,11 +193,13 @@ impl FrameHeader {
 }
 
 /// The frames [`split_frames`] found (headers and payload slices), and the bytes they used.
+#[cfg(any(test, feature = "fuzzing"))]
 pub type SplitFrames<'a> = (Vec<(FrameHeader, &'a [u8])>, usize);
 
 /// Splits a byte stream into validated frames; used by the fuzz target and tests to check the
 /// decoder on whole streams. Returns the frames and the number of bytes consumed; a trailing
 /// partial frame is left unconsumed.
+#[cfg(any(test, feature = "fuzzing"))]
 pub fn split_frames(mut bytes: &[u8], max_len: u64) -> Result<SplitFrames<'_>, FrameError> {
     let total = bytes.len();
     let mut frames = Vec::new();

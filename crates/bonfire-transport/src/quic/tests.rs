@@ -1,9 +1,18 @@
 //! Ranks of one process on 127.0.0.1, over real UDP sockets: the job forms, frames flow,
 //! strangers are refused, and a hostile frame is an error that names its sender.
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
-use super::*;
+use bonfire_topology::{NodeId, Rank};
+use bytes::Bytes;
+
+use super::auth::Identity;
+use super::control::{self, Control, JobKey, PROTOCOL};
+use super::endpoint::endpoint;
+use super::frame::FrameHeader;
+use super::{QuicConfig, QuicTransport, Secret};
+use crate::{Tag, Transport};
 
 fn secret(s: &str) -> Secret {
     Secret::new(format!("test-secret-{s}-0123456789").as_bytes()).unwrap()

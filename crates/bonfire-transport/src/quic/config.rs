@@ -1,0 +1,123 @@
+//! How a rank joins a QUIC job: [`QuicConfig`], with bonfire's defaults for everything but the
+//! rank, the world size, the master address and the secret.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use bonfire_topology::Rank;
+
+use super::auth::Secret;
+use super::error::{SetupError, Who};
+
+/// How a rank joins a QUIC job.
+#[derive(Clone, Debug)]
+pub struct QuicConfig {
+    /// This rank; `None` asks the rendezvous for one (the lowest free worker rank). Rank 0
+    /// must be given: it hosts the rendezvous.
+    pub rank: Option<Rank>,
+    /// Ranks in the job.
+    pub world_size: usize,
+    /// The node (host) this rank runs on, for hierarchical collectives.
+    pub node: u32,
+    /// Where rank 0 hosts the rendezvous, `host:port`; rank 0 listens on its port.
+    pub master: String,
+    /// The address to listen on (port 0 for workers picks one; rank 0 always uses the master
+    /// port).
+    pub bind: SocketAddr,
+    /// The address other ranks should dial to reach this one, if not the one the rendezvous
+    /// sees (behind a relay, a NAT, a service name).
+    pub advertise: Option<SocketAddr>,
+    /// The job's shared secret.
+    pub secret: Secret,
+    /// The launch round (restarts increase it); ranks of different rounds refuse each other.
+    pub round: u32,
+    /// How long to wait for the rendezvous and for every link to come up.
+    pub connect_timeout: Duration,
+    /// A peer silent for this long is declared lost.
+    pub peer_timeout: Duration,
+    /// The largest frame payload accepted from a peer.
+    pub max_frame: u64,
+    /// Unidirectional streams per direction of each link.
+    pub lanes: usize,
+}
+
+impl QuicConfig {
+    /// A configuration with bonfire's defaults: listen on all interfaces, 120 s to connect,
+    /// 6 s peer timeout, 1 GiB frame limit, 2 lanes.
+    pub fn new(
+        rank: Option<Rank>,
+        world_size: usize,
+        master: impl Into<String>,
+        secret: Secret,
+    ) -> Self {
+        QuicConfig {
+            rank,
+            world_size,
+            node: 0,
+            master: master.into(),
+            bind: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            advertise: None,
+            secret,
+            round: 0,
+            connect_timeout: Duration::from_secs(120),
+            peer_timeout: Duration::from_secs(6),
+            max_frame: 1 << 30,
+            lanes: 2,
+        }
+    }
+
+    /// Checks what can be checked before opening anything: the rank lies in the job and a link
+    /// has at least one lane.
+    pub(crate) fn validate(&self) -> Result<(), SetupError> {
+        if self.world_size == 0 || self.rank.is_some_and(|r| r.index() >= self.world_size) {
+            return Err(SetupError::OutsideJob {
+                rank: Who(self.rank),
+                world_size: self.world_size,
+            });
+        }
+        if self.lanes == 0 {
+            return Err(SetupError::NoLanes);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_outside_the_job_and_links_without_lanes_are_refused() {
+        let secret = Secret::new(b"0123456789abcdef-config").unwrap();
+        let config = |rank: Option<u32>, world: usize, lanes: usize| {
+            let mut c = QuicConfig::new(rank.map(Rank), world, "127.0.0.1:1", secret.clone());
+            c.lanes = lanes;
+            c
+        };
+        let cases: [(Option<u32>, usize, usize, Option<&str>); 7] = [
+            (Some(0), 1, 2, None),
+            (Some(3), 4, 1, None),
+            (None, 4, 2, None),
+            (Some(4), 4, 2, Some("rank 4 is outside a job of 4 ranks")),
+            (Some(0), 0, 2, Some("rank 0 is outside a job of 0 ranks")),
+            (
+                None,
+                0,
+                2,
+                Some("this process (no rank assigned yet) is outside a job of 0 ranks"),
+            ),
+            (Some(1), 2, 0, Some("a link needs at least one lane")),
+        ];
+        for (rank, world, lanes, want) in cases {
+            let got = config(rank, world, lanes)
+                .validate()
+                .err()
+                .map(|e| e.to_string());
+            assert_eq!(
+                got.as_deref(),
+                want,
+                "rank {rank:?}, world {world}, lanes {lanes}"
+            );
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The data path of one link: its lanes (unidirectional streams), opened when the link starts;
+//! a reader per incoming lane that files frames in the mailbox; the watcher that reports the
+//! link's loss; and writing one frame, header and payload, on a free lane.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bonfire_topology::Rank;
+use bytes::{Bytes, BytesMut};
+use quinn::{Connection, ConnectionError, RecvStream, SendStream, VarInt};
+use tokio::task::JoinHandle;
+
+use super::control::CLOSE_BAD_FRAME;
+use super::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN};
+use super::shared::{Shared, log};
+use crate::Tag;
+
+/// A link to one peer: the connection and this side's lanes to it.
+pub(crate) struct Link {
+    pub(crate) peer: Rank,
+    pub(crate) conn: Connection,
+    pub(crate) lanes: Vec<tokio::sync::Mutex<SendStream>>,
+    next: AtomicUsize,
+}
+
+impl Link {
+    /// Writes one data frame, from the caller's bytes without a copy, on a free lane if there
+    /// is one, else on the next lane in turn once it is free.
+    pub(crate) async fn write_frame(
+        &self,
+        tag: Tag,
+        payload: Bytes,
+    ) -> Result<(), quinn::WriteError> {
+        let header = Bytes::copy_from_slice(&FrameHeader::data(tag, payload.len() as u64).encode());
+        // Take a free lane if there is one, else queue on the next in turn.
+        let mut guard = None;
+        for lane in &self.lanes {
+            if let Ok(g) = lane.try_lock() {
+                guard = Some(g);
+                break;
+            }
+        }
+        let mut lane = match guard {
+            Some(g) => g,
+            None => {
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+                self.lanes[i].lock().await
+            }
+        };
+        lane.write_all_chunks(&mut [header, payload]).await
+    }
+}
+
+/// What went wrong on a lane: opening it, or a protocol violation by the peer on it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LaneError {
+    /// This side could not open its lanes to the peer.
+    #[error("cannot open a data stream: {0}")]
+    Open(ConnectionError),
+    /// The peer ended a lane part-way through a frame header.
+    #[error("{peer} ended a stream inside a frame header")]
+    EndedInHeader { peer: Rank },
+    /// The peer sent a header the decoder refused.
+    #[error("{peer} sent a malformed frame: {source}")]
+    Malformed { peer: Rank, source: FrameError },
+    /// The peer ended a lane part-way through a payload.
+    #[error("{peer} ended a stream inside a frame ({got} of {len} bytes)")]
+    EndedInFrame { peer: Rank, got: usize, len: usize },
+}
+
+/// Opens the lanes of a link and starts its readers and its loss watcher.
+pub(crate) async fn start_link(
+    shared: &Arc<Shared>,
+    peer: Rank,
+    conn: Connection,
+) -> Result<(Arc<Link>, Vec<JoinHandle<()>>), LaneError> {
+    let mut lanes = Vec::with_capacity(shared.lanes);
+    for _ in 0..shared.lanes {
+        let s = conn.open_uni().await.map_err(LaneError::Open)?;
+        lanes.push(tokio::sync::Mutex::new(s));
+    }
+    let link = Arc::new(Link {
+        peer,
+        conn: conn.clone(),
+        lanes,
+        next: AtomicUsize::new(0),
+    });
+    let mut tasks = Vec::new();
+    // Readers: one per incoming lane.
+    {
+        let (shared, conn) = (shared.clone(), conn.clone());
+        tasks.push(tokio::spawn(async move {
+            while let Ok(stream) = conn.accept_uni().await {
+                let (shared, conn) = (shared.clone(), conn.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = read_lane(&shared, peer, stream).await {
+                        let reason = e.to_string();
+                        shared.mailbox.peer_lost(peer, reason.clone());
+                        log(shared.me, format!("closing the link to {peer}: {reason}"));
+                        conn.close(VarInt::from_u32(CLOSE_BAD_FRAME), reason.as_bytes());
+                    }
+                });
+            }
+        }));
+    }
+    // Loss watcher.
+    {
+        let (shared, link) = (shared.clone(), link.clone());
+        tasks.push(tokio::spawn(async move {
+            let err = link.conn.closed().await;
+            if shared.closing.load(Ordering::Acquire) {
+                return;
+            }
+            let reason = match err {
+                ConnectionError::ApplicationClosed(c) if c.error_code.into_inner() == 0 => {
+                    "shut down (its program finished or released bonfire)".to_string()
+                }
+                ConnectionError::ApplicationClosed(c) => {
+                    format!("closed its link: {}", String::from_utf8_lossy(&c.reason))
+                }
+                ConnectionError::TimedOut => format!(
+                    "sent nothing for {:?}: its process died or hung, or the network failed",
+                    shared.peer_timeout
+                ),
+                ConnectionError::LocallyClosed => return,
+                other => format!("its link failed: {other}"),
+            };
+            shared.mailbox.peer_lost(link.peer, reason);
+        }));
+    }
+    Ok((link, tasks))
+}
+
+/// Reads frames from one lane until it ends. Errors are protocol violations by the peer.
+async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Result<(), LaneError> {
+    let mut header = [0u8; HEADER_LEN];
+    // Payloads are read into one arena and split off it; once the consumer has dropped them,
+    // `reserve` takes the same memory back, so steady traffic allocates (and faults in pages)
+    // once instead of once per frame.
+    let mut arena = BytesMut::new();
+    loop {
+        // A clean end of stream is allowed only between frames.
+        let mut got = 0;
+        while got < HEADER_LEN {
+            match stream.read(&mut header[got..]).await {
+                Ok(Some(n)) => got += n,
+                Ok(None) if got == 0 => return Ok(()),
+                Ok(None) => return Err(LaneError::EndedInHeader { peer }),
+                // Connection-level failures are reported by the loss watcher.
+                Err(_) => return Ok(()),
+            }
+        }
+        let h = FrameHeader::decode(&header, shared.max_frame)
+            .map_err(|source| LaneError::Malformed { peer, source })?;
+        match h.kind {
+            FrameKind::Goodbye => return Ok(()),
+            FrameKind::Data => {
+                let len = h.len as usize;
+                // Grow with the data that actually arrives: an announced length is not an
+                // allocation the peer can make us do up front.
+                arena.reserve(len.min(64 << 20));
+                let buf = &mut arena;
+                while buf.len() < len {
+                    match stream.read_chunk(len - buf.len(), true).await {
+                        Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
+                        Ok(None) => {
+                            return Err(LaneError::EndedInFrame {
+                                peer,
+                                got: buf.len(),
+                                len,
+                            });
+                        }
+                        Err(_) => return Ok(()),
+                    }
+                }
+                let frame = arena.split().freeze();
+                shared.mailbox.deliver(peer, h.tag, frame);
+            }
+        }
+    }
+}

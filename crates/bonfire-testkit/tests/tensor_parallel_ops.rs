@@ -125,7 +125,7 @@ impl Inputs {
         };
         match place {
             Place::Whole => whole,
-            Place::Split(d) if shape[d] % ranks == 0 => B::split(whole, d),
+            Place::Split(d) if shape[d].is_multiple_of(ranks) => B::split(whole, d),
             Place::Split(_) => whole,
             Place::Partial => {
                 // Rank r's term: noise r (r > 0), and the value minus all the noise on rank 0.

@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 if want tests; then
     step "kernel tests on CUDA (every kernel against its plain Rust reference)"
     timeout 300 "$bin/kernels-tests" --test-threads 1 --nocapture cuda 2>&1 | tee "$out/kernels-tests.log" | tail -12 | tee -a "$out/summary.txt"
-    step "DataParallel<Cuda>: device lane against the host path and one rank"
+    step "DataParallel<Cuda>: device packing against the host path and one rank"
     timeout 150 "$bin/dp-gpu-tests" --test-threads 1 cuda 2>&1 | tee "$out/dp-gpu-tests.log" | tail -5 | tee -a "$out/summary.txt"
 fi
 

@@ -130,7 +130,10 @@ where
         );
         assert_eq!(dev, &on_device[0].0, "{what}: rank {r} drifted from rank 0");
         // Packing on the device moves the same numbers as reading them one by one.
-        assert_eq!(dev, hst, "{what}: rank {r}, device lane against host path");
+        assert_eq!(
+            dev, hst,
+            "{what}: rank {r}, device packing against host path"
+        );
         assert!(dev_stats.buckets >= 3, "{what}: {dev_stats:?}");
         assert_eq!(
             dev_stats.device_packed, dev_stats.buckets,

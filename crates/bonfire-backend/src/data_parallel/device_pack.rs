@@ -3,7 +3,7 @@
 //! cross to the host in one transfer per bucket; the averaged bucket comes back in one transfer
 //! and the fused unpack kernel writes it into fresh gradient tensors.
 //!
-//! Without the lane every gradient is read on its own (`float_into_data`: one device
+//! Without device packing every gradient is read on its own (`float_into_data`: one device
 //! synchronisation per parameter) and written back on its own (one upload per parameter). Other
 //! inner backends (Flex, NdArray) keep that host path, which costs them nothing extra: their
 //! memory is the host's.
@@ -11,7 +11,7 @@
 //! Which backend a tensor belongs to is found by its type at run time (the primitive types are
 //! `'static`), so `DataParallel<B>` stays generic over any `B`.
 //!
-//! Built without the `wgpu` and `cuda` features, no tensor is a lane tensor and every bucket takes
+//! Built without the `wgpu` and `cuda` features, no tensor is packed on the device and every bucket takes
 //! the host path.
 #![cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 
@@ -24,7 +24,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
 /// Whether `t` is an f32 tensor of a CubeCL backend of this build (plain or fused), which the
-/// lane handles.
+/// packing handles.
 pub(crate) fn supports<B: Backend>(t: &FloatTensor<B>) -> bool {
     if burn_backend::TensorMetadata::dtype(t) != DType::F32 {
         return false;

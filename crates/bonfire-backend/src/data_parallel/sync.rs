@@ -209,7 +209,7 @@ pub(crate) fn gradient<B: Backend>(
 }
 
 /// Adds bucket `b`'s gradients that wait on the device to its host buffer: one launch of the
-/// fused pack kernel and one transfer (the host path, gradient by gradient, if the lane turns
+/// fused pack kernel and one transfer (the host path, gradient by gradient, if packing turns
 /// them down).
 fn flush<B: Backend>(rep: &Replica, plan: &BucketPlan, step: &mut Step, b: usize) {
     let Some(pending) = step.pending.get_mut(b).map(std::mem::take) else {

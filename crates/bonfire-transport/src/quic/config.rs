@@ -38,12 +38,12 @@ pub struct QuicConfig {
     /// The largest frame payload accepted from a peer.
     pub max_frame: u64,
     /// Unidirectional streams per direction of each link.
-    pub lanes: usize,
+    pub streams: usize,
 }
 
 impl QuicConfig {
     /// A configuration with bonfire's defaults: listen on all interfaces, 120 s to connect,
-    /// 6 s peer timeout, 1 GiB frame limit, 2 lanes.
+    /// 6 s peer timeout, 1 GiB frame limit, 2 streams.
     pub fn new(
         rank: Option<Rank>,
         world_size: usize,
@@ -62,12 +62,12 @@ impl QuicConfig {
             connect_timeout: Duration::from_secs(120),
             peer_timeout: Duration::from_secs(6),
             max_frame: 1 << 30,
-            lanes: 2,
+            streams: 2,
         }
     }
 
     /// Checks what can be checked before opening anything: the rank lies in the job and a link
-    /// has at least one lane.
+    /// has at least one stream.
     pub(crate) fn validate(&self) -> Result<(), SetupError> {
         if self.world_size == 0 || self.rank.is_some_and(|r| r.index() >= self.world_size) {
             return Err(SetupError::OutsideJob {
@@ -75,8 +75,8 @@ impl QuicConfig {
                 world_size: self.world_size,
             });
         }
-        if self.lanes == 0 {
-            return Err(SetupError::NoLanes);
+        if self.streams == 0 {
+            return Err(SetupError::NoStreams);
         }
         Ok(())
     }
@@ -87,11 +87,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ranks_outside_the_job_and_links_without_lanes_are_refused() {
+    fn ranks_outside_the_job_and_links_without_streams_are_refused() {
         let secret = Secret::new(b"0123456789abcdef-config").unwrap();
-        let config = |rank: Option<u32>, world: usize, lanes: usize| {
+        let config = |rank: Option<u32>, world: usize, streams: usize| {
             let mut c = QuicConfig::new(rank.map(Rank), world, "127.0.0.1:1", secret.clone());
-            c.lanes = lanes;
+            c.streams = streams;
             c
         };
         let cases: [(Option<u32>, usize, usize, Option<&str>); 7] = [
@@ -106,17 +106,17 @@ mod tests {
                 2,
                 Some("this process (no rank assigned yet) is outside a job of 0 ranks"),
             ),
-            (Some(1), 2, 0, Some("a link needs at least one lane")),
+            (Some(1), 2, 0, Some("a link needs at least one stream")),
         ];
-        for (rank, world, lanes, want) in cases {
-            let got = config(rank, world, lanes)
+        for (rank, world, streams, want) in cases {
+            let got = config(rank, world, streams)
                 .validate()
                 .err()
                 .map(|e| e.to_string());
             assert_eq!(
                 got.as_deref(),
                 want,
-                "rank {rank:?}, world {world}, lanes {lanes}"
+                "rank {rank:?}, world {world}, streams {streams}"
             );
         }
     }

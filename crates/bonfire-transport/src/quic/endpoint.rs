@@ -74,7 +74,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// transfer.
 fn transport_config(
     peer_timeout: Duration,
-    lanes: usize,
+    streams: usize,
 ) -> Result<quinn::TransportConfig, SetupError> {
     let mut t = quinn::TransportConfig::default();
     let idle = quinn::IdleTimeout::try_from(peer_timeout).map_err(|_| SetupError::PeerTimeout {
@@ -86,7 +86,7 @@ fn transport_config(
     t.stream_receive_window(VarInt::from_u32(32 << 20));
     t.receive_window(VarInt::from_u32(128 << 20));
     t.send_window(128 << 20);
-    t.max_concurrent_uni_streams(VarInt::from_u32((lanes as u32).saturating_add(4)));
+    t.max_concurrent_uni_streams(VarInt::from_u32((streams as u32).saturating_add(4)));
     t.max_concurrent_bidi_streams(VarInt::from_u32(4));
     // Discover datagrams up to jumbo size: loopback and jumbo-frame networks use them.
     let mut mtu = quinn::MtuDiscoveryConfig::default();
@@ -101,7 +101,7 @@ pub(crate) fn endpoint(
     bind: SocketAddr,
     identity: &Identity,
     peer_timeout: Duration,
-    lanes: usize,
+    streams: usize,
 ) -> Result<Endpoint, SetupError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let provider = provider();
@@ -129,7 +129,7 @@ pub(crate) fn endpoint(
         .with_client_auth_cert(vec![identity.cert.clone()], identity.key.clone_key())
         .map_err(tls)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
-    let transport = Arc::new(transport_config(peer_timeout, lanes)?);
+    let transport = Arc::new(transport_config(peer_timeout, streams)?);
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(
         QuicServerConfig::try_from(server).map_err(quic("server"))?,
     ));

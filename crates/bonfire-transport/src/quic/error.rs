@@ -97,9 +97,9 @@ pub enum SetupError {
         /// The job's size.
         world_size: usize,
     },
-    /// The configuration asks for links without lanes.
-    #[error("a link needs at least one lane")]
-    NoLanes,
+    /// The configuration asks for links without streams.
+    #[error("a link needs at least one stream")]
+    NoStreams,
     /// The peer timeout is out of QUIC's range for an idle timeout.
     #[error("peer timeout {timeout:?} is out of range")]
     PeerTimeout {

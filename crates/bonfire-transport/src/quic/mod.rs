@@ -12,7 +12,7 @@
 //!    certificate, and exchange proofs again. The rendezvous carries no tensor data.
 //!
 //! # Data path
-//! Each side of a link opens a few unidirectional streams ("lanes"). A frame is a 36-byte header
+//! Each side of a link opens a few unidirectional QUIC streams. A frame is a 36-byte header
 //! (see `frame.rs`) and the payload, written from the caller's [`Bytes`] without a copy; the
 //! receiver reads the payload into one buffer and files it in the [`Mailbox`].
 //!
@@ -26,7 +26,7 @@
 //! QUIC settings and dialling; `auth.rs` the secret, certificates and proofs; `control.rs` the
 //! control messages; `admission/` the rendezvous' decisions, sans-IO; `rendezvous.rs` rank 0
 //! hosting and workers joining; `links.rs` the accept loop and the worker-to-worker handshake;
-//! `lanes.rs` and `frame.rs` the data path; `shared.rs` the state a rank's tasks share;
+//! `streams.rs` and `frame.rs` the data path; `shared.rs` the state a rank's tasks share;
 //! `bench.rs` the loopback benchmark.
 
 mod admission;
@@ -40,10 +40,10 @@ mod error;
 // reachable from this crate only.
 #[cfg_attr(not(feature = "fuzzing"), allow(unreachable_pub))]
 pub(crate) mod frame;
-mod lanes;
 mod links;
 mod rendezvous;
 mod shared;
+mod streams;
 #[cfg(test)]
 mod tests;
 
@@ -66,10 +66,10 @@ use self::auth::Identity;
 use self::control::{CLOSE_DROPPED, CLOSE_SHUTDOWN};
 use self::endpoint::{endpoint, resolve};
 use self::frame::FrameHeader;
-use self::lanes::{Link, start_link};
 use self::links::{accept_loop, link_workers};
 use self::rendezvous::{finish_join, host_rendezvous, join};
 use self::shared::{Shared, lock};
+use self::streams::{Link, start_link};
 use crate::{Mailbox, SendFuture, Tag, Transport, TransportError};
 
 /// The QUIC transport of one rank. Made by [`QuicTransport::connect`]; call
@@ -96,7 +96,7 @@ impl QuicTransport {
         } else {
             config.bind
         };
-        let ep = endpoint(bind, &identity, config.peer_timeout, config.lanes)?;
+        let ep = endpoint(bind, &identity, config.peer_timeout, config.streams)?;
         let deadline = Instant::now() + config.connect_timeout;
         // Workers join first and learn their rank; connections that arrive meanwhile wait in the
         // endpoint until the accept loop starts.
@@ -159,7 +159,7 @@ impl QuicTransport {
         self.endpoint.local_addr().ok()
     }
 
-    /// Ends the job for this rank cleanly: says goodbye on every lane, waits (at most 10 s) until
+    /// Ends the job for this rank cleanly: says goodbye on every stream, waits (at most 10 s) until
     /// peers have received everything sent, then closes the links. Idempotent.
     pub async fn shutdown(&self) {
         if self.shared.closing.swap(true, Ordering::AcqRel) {
@@ -169,10 +169,10 @@ impl QuicTransport {
         let drain = async {
             let mut stopped = Vec::new();
             for link in self.links.iter().flatten() {
-                for lane in &link.lanes {
-                    let mut lane = lane.lock().await;
-                    if lane.write_all(&goodbye).await.is_ok() && lane.finish().is_ok() {
-                        stopped.push(lane.stopped());
+                for stream in &link.streams {
+                    let mut stream = stream.lock().await;
+                    if stream.write_all(&goodbye).await.is_ok() && stream.finish().is_ok() {
+                        stopped.push(stream.stopped());
                     }
                 }
             }

@@ -26,7 +26,7 @@ pub(crate) struct Shared {
     pub(crate) identity_cert: CertificateDer<'static>,
     pub(crate) mailbox: Arc<Mailbox>,
     pub(crate) max_frame: u64,
-    pub(crate) lanes: usize,
+    pub(crate) streams: usize,
     pub(crate) peer_timeout: Duration,
     pub(crate) closing: AtomicBool,
     /// Rank 0: the workers that have joined, with what they announced.
@@ -70,7 +70,7 @@ impl Shared {
             identity_cert,
             mailbox: Arc::new(Mailbox::new()),
             max_frame: config.max_frame,
-            lanes: config.lanes,
+            streams: config.streams,
             peer_timeout: config.peer_timeout,
             closing: AtomicBool::new(false),
             joined: Mutex::new((0..world).map(|_| None).collect()),

@@ -1,6 +1,6 @@
-//! The data path of one link: its lanes (unidirectional streams), opened when the link starts;
-//! a reader per incoming lane that files frames in the mailbox; the watcher that reports the
-//! link's loss; and writing one frame, header and payload, on a free lane.
+//! The data path of one link: its unidirectional QUIC streams, opened when the link starts;
+//! a reader per incoming stream that files frames in the mailbox; the watcher that reports the
+//! link's loss; and writing one frame, header and payload, on a free stream.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,85 +15,85 @@ use super::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use super::shared::{Shared, log};
 use crate::Tag;
 
-/// A link to one peer: the connection and this side's lanes to it.
+/// A link to one peer: the connection and this side's streams to it.
 pub(crate) struct Link {
     pub(crate) peer: Rank,
     pub(crate) conn: Connection,
-    pub(crate) lanes: Vec<tokio::sync::Mutex<SendStream>>,
+    pub(crate) streams: Vec<tokio::sync::Mutex<SendStream>>,
     next: AtomicUsize,
 }
 
 impl Link {
-    /// Writes one data frame, from the caller's bytes without a copy, on a free lane if there
-    /// is one, else on the next lane in turn once it is free.
+    /// Writes one data frame, from the caller's bytes without a copy, on a free stream if there
+    /// is one, else on the next stream in turn once it is free.
     pub(crate) async fn write_frame(
         &self,
         tag: Tag,
         payload: Bytes,
     ) -> Result<(), quinn::WriteError> {
         let header = Bytes::copy_from_slice(&FrameHeader::data(tag, payload.len() as u64).encode());
-        // Take a free lane if there is one, else queue on the next in turn.
+        // Take a free stream if there is one, else queue on the next in turn.
         let mut guard = None;
-        for lane in &self.lanes {
-            if let Ok(g) = lane.try_lock() {
+        for stream in &self.streams {
+            if let Ok(g) = stream.try_lock() {
                 guard = Some(g);
                 break;
             }
         }
-        let mut lane = match guard {
+        let mut stream = match guard {
             Some(g) => g,
             None => {
-                let i = self.next.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
-                self.lanes[i].lock().await
+                let i = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+                self.streams[i].lock().await
             }
         };
-        lane.write_all_chunks(&mut [header, payload]).await
+        stream.write_all_chunks(&mut [header, payload]).await
     }
 }
 
-/// What went wrong on a lane: opening it, or a protocol violation by the peer on it.
+/// What went wrong on a stream: opening it, or a protocol violation by the peer on it.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum LaneError {
-    /// This side could not open its lanes to the peer.
+pub(crate) enum StreamError {
+    /// This side could not open its streams to the peer.
     #[error("cannot open a data stream: {0}")]
     Open(ConnectionError),
-    /// The peer ended a lane part-way through a frame header.
+    /// The peer ended a stream part-way through a frame header.
     #[error("{peer} ended a stream inside a frame header")]
     EndedInHeader { peer: Rank },
     /// The peer sent a header the decoder refused.
     #[error("{peer} sent a malformed frame: {source}")]
     Malformed { peer: Rank, source: FrameError },
-    /// The peer ended a lane part-way through a payload.
+    /// The peer ended a stream part-way through a payload.
     #[error("{peer} ended a stream inside a frame ({got} of {len} bytes)")]
     EndedInFrame { peer: Rank, got: usize, len: usize },
 }
 
-/// Opens the lanes of a link and starts its readers and its loss watcher.
+/// Opens the streams of a link and starts its readers and its loss watcher.
 pub(crate) async fn start_link(
     shared: &Arc<Shared>,
     peer: Rank,
     conn: Connection,
-) -> Result<(Arc<Link>, Vec<JoinHandle<()>>), LaneError> {
-    let mut lanes = Vec::with_capacity(shared.lanes);
-    for _ in 0..shared.lanes {
-        let s = conn.open_uni().await.map_err(LaneError::Open)?;
-        lanes.push(tokio::sync::Mutex::new(s));
+) -> Result<(Arc<Link>, Vec<JoinHandle<()>>), StreamError> {
+    let mut streams = Vec::with_capacity(shared.streams);
+    for _ in 0..shared.streams {
+        let s = conn.open_uni().await.map_err(StreamError::Open)?;
+        streams.push(tokio::sync::Mutex::new(s));
     }
     let link = Arc::new(Link {
         peer,
         conn: conn.clone(),
-        lanes,
+        streams,
         next: AtomicUsize::new(0),
     });
     let mut tasks = Vec::new();
-    // Readers: one per incoming lane.
+    // Readers: one per incoming stream.
     {
         let (shared, conn) = (shared.clone(), conn.clone());
         tasks.push(tokio::spawn(async move {
             while let Ok(stream) = conn.accept_uni().await {
                 let (shared, conn) = (shared.clone(), conn.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = read_lane(&shared, peer, stream).await {
+                    if let Err(e) = read_stream(&shared, peer, stream).await {
                         let reason = e.to_string();
                         shared.mailbox.peer_lost(peer, reason.clone());
                         log(shared.me, format!("closing the link to {peer}: {reason}"));
@@ -131,8 +131,12 @@ pub(crate) async fn start_link(
     Ok((link, tasks))
 }
 
-/// Reads frames from one lane until it ends. Errors are protocol violations by the peer.
-async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Result<(), LaneError> {
+/// Reads frames from one stream until it ends. Errors are protocol violations by the peer.
+async fn read_stream(
+    shared: &Shared,
+    peer: Rank,
+    mut stream: RecvStream,
+) -> Result<(), StreamError> {
     let mut header = [0u8; HEADER_LEN];
     // Payloads are read into one arena and split off it; once the consumer has dropped them,
     // `reserve` takes the same memory back, so steady traffic allocates (and faults in pages)
@@ -145,13 +149,13 @@ async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Resul
             match stream.read(&mut header[got..]).await {
                 Ok(Some(n)) => got += n,
                 Ok(None) if got == 0 => return Ok(()),
-                Ok(None) => return Err(LaneError::EndedInHeader { peer }),
+                Ok(None) => return Err(StreamError::EndedInHeader { peer }),
                 // Connection-level failures are reported by the loss watcher.
                 Err(_) => return Ok(()),
             }
         }
         let h = FrameHeader::decode(&header, shared.max_frame)
-            .map_err(|source| LaneError::Malformed { peer, source })?;
+            .map_err(|source| StreamError::Malformed { peer, source })?;
         match h.kind {
             FrameKind::Goodbye => return Ok(()),
             FrameKind::Data => {
@@ -164,7 +168,7 @@ async fn read_lane(shared: &Shared, peer: Rank, mut stream: RecvStream) -> Resul
                     match stream.read_chunk(len - buf.len(), true).await {
                         Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
                         Ok(None) => {
-                            return Err(LaneError::EndedInFrame {
+                            return Err(StreamError::EndedInFrame {
                                 peer,
                                 got: buf.len(),
                                 len,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use bonfire_backend::{ConfigError, DataParallelConfig};
 use bonfire_collectives::{CollectiveError, CommConfig, Communicator, runtime};
 use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
-use bonfire_topology::{NodeLayout, Rank};
+use bonfire_topology::{Mesh, MeshError, NodeLayout, Rank};
 use bonfire_transport::{QuicConfig, QuicError, QuicTransport, Secret, SecretError};
 
 /// Why [`init`] failed. Its message says what to fix.
@@ -35,6 +35,25 @@ pub enum InitError {
     /// The world communicator could not be built over the joined transport.
     #[error("bonfire::init: cannot build the world communicator: {0}")]
     Communicator(#[from] CollectiveError),
+    /// `BONFIRE_TP` is not a positive number that divides the world size.
+    #[error(
+        "bonfire::init: BONFIRE_TP={value:?}: expected a positive number of ranks per tensor-parallel group that divides the world size {world_size}"
+    )]
+    TensorParallelSize {
+        /// The value found.
+        value: String,
+        /// Ranks in the job.
+        world_size: usize,
+    },
+    /// The data-parallel and tensor-parallel groups could not be formed.
+    #[error("bonfire::init: cannot form the {what} group: {source}")]
+    Groups {
+        /// Which group.
+        what: &'static str,
+        /// The collective's error.
+        #[source]
+        source: Box<CollectiveError>,
+    },
     /// A data-parallel setting (`BONFIRE_BUCKET_CAP_MB`, `BONFIRE_GRAD_DTYPE`,
     /// `BONFIRE_DEVICE_PACK`) is malformed.
     #[error("bonfire::init: {0}")]
@@ -48,6 +67,9 @@ pub enum InitError {
 pub struct World {
     rank: Rank,
     comm: Communicator,
+    mesh: Mesh,
+    dp: Communicator,
+    tp: Communicator,
     env: JobEnv,
     nodes: NodeLayout,
     quic: Option<Arc<QuicTransport>>,
@@ -57,6 +79,24 @@ impl World {
     /// The communicator over every rank of the job.
     pub fn comm(&self) -> &Communicator {
         &self.comm
+    }
+
+    /// The data x tensor-parallel layout of the job (`BONFIRE_TP` ranks per tensor-parallel
+    /// group, adjacent ranks, so a group shares a node when it fits in one; 1 when unset).
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    /// The ranks holding the same part of the model, over which `DataParallel` averages
+    /// gradients (the whole world without tensor parallelism).
+    pub fn dp_group(&self) -> &Communicator {
+        &self.dp
+    }
+
+    /// The ranks sharing one replica of the model, over which `TensorParallel` splits it (a
+    /// group of one without tensor parallelism). `TensorParallel` ops already run over it.
+    pub fn tp_group(&self) -> &Communicator {
+        &self.tp
     }
 
     /// This rank.
@@ -119,9 +159,12 @@ impl Drop for World {
 /// and no `RANK`, the rendezvous assigns this process the lowest free rank (rank 0, which hosts
 /// the rendezvous, must be given).
 ///
-/// It also installs the world communicator for [`crate::DataParallel`], so that
-/// `Autodiff<DataParallel<B>>` averages gradients over the job's ranks (with the bucket cap and
-/// gradient dtype from `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
+/// It also installs the groups the decorators run over: with `BONFIRE_TP=t`, the job is a mesh
+/// of world / t data-parallel replicas of t tensor-parallel ranks each (adjacent ranks form a
+/// tensor-parallel group), [`crate::TensorParallel`] splits over the rank's tensor-parallel group
+/// and [`crate::DataParallel`] averages gradients over its data-parallel group; without it,
+/// `DataParallel` averages over every rank (with the bucket cap and gradient dtype from
+/// `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
 ///
 /// ```no_run
 /// let world = bonfire::init()?;
@@ -145,12 +188,17 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         config.timeout = t;
     }
     let dp = DataParallelConfig::from_env()?;
+    let tp = tp_from_env(env.world_size)?;
     if env.world_size == 1 {
         let comm = Communicator::in_process(1, config).remove(0);
-        bonfire_backend::install(comm.clone(), dp);
+        let (mesh, dp_comm, tp_comm) = groups(&comm, tp)?;
+        bonfire_backend::install(dp_comm.clone(), dp);
         return Ok(World {
             rank: Rank(0),
             comm,
+            mesh,
+            dp: dp_comm,
+            tp: tp_comm,
             nodes: NodeLayout::single_node(1),
             env,
             quic: None,
@@ -195,12 +243,57 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         .nodes(nodes.clone())
         .config(config)
         .build()?;
-    bonfire_backend::install(comm.clone(), dp);
+    let (mesh, dp_comm, tp_comm) = groups(&comm, tp)?;
+    bonfire_backend::install(dp_comm.clone(), dp);
     Ok(World {
         rank,
         comm,
+        mesh,
+        dp: dp_comm,
+        tp: tp_comm,
         env,
         nodes,
         quic: Some(transport),
     })
+}
+
+/// `BONFIRE_TP`: ranks per tensor-parallel group (1 when unset).
+fn tp_from_env(world_size: usize) -> Result<usize, InitError> {
+    let Ok(value) = std::env::var("BONFIRE_TP") else {
+        return Ok(1);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(t) if t > 0 && world_size.is_multiple_of(t) => Ok(t),
+        _ => Err(InitError::TensorParallelSize { value, world_size }),
+    }
+}
+
+/// The mesh of `world` with `tp` ranks per tensor-parallel group, this rank's data-parallel and
+/// tensor-parallel communicators, and the tensor-parallel one installed for `TensorParallel`.
+fn groups(
+    world: &Communicator,
+    tp: usize,
+) -> Result<(Mesh, Communicator, Communicator), InitError> {
+    let mesh = Mesh::new(world.size(), tp).map_err(|MeshError { world, tp }| {
+        InitError::TensorParallelSize {
+            value: tp.to_string(),
+            world_size: world,
+        }
+    })?;
+    if tp == 1 {
+        let alone = Communicator::in_process(1, world.config().clone()).remove(0);
+        return Ok((mesh, world.clone(), alone));
+    }
+    let g = world
+        .split_mesh(&mesh)
+        .map_err(|source| InitError::Groups {
+            what: "data x tensor-parallel",
+            source: Box::new(source),
+        })?;
+    bonfire_backend::tensor_parallel::install(g.tp.clone(), bonfire_backend::FailurePolicy::Exit)
+        .map_err(|source| InitError::Groups {
+        what: "tensor-parallel",
+        source: Box::new(source),
+    })?;
+    Ok((mesh, g.dp, g.tp))
 }

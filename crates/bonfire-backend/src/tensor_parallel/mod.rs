@@ -7,9 +7,11 @@
 //! `tensor` the primitive; `context` each rank's group, random generator and counters;
 //! `redistribute` moves a tensor between placements (the only code that communicates); `rules/`
 //! hold one function per op with a rule, `fallback` what every other op does, and `ops/` (generated)
-//! wires Burn's op traits to them; `plan` splits a model's parameters.
+//! wires Burn's op traits to them; `plan` splits a model's parameters; `checkpoint` saves and
+//! loads them.
 
 mod backend;
+mod checkpoint;
 mod context;
 mod distribute;
 mod fallback;
@@ -21,6 +23,7 @@ mod rules;
 mod tensor;
 
 pub use backend::{TensorParallel, TensorParallelBackend};
+pub use checkpoint::{CheckpointError, gathered, load_shards, save_shards, shard_file};
 pub use context::{TpBindGuard, TpStats, bind_thread, group, install, stats};
 pub use distribute::{distribute, from_terms, local_part, placement};
 pub use placement::Placement;

@@ -15,7 +15,7 @@ use bonfire::backend::tensor_parallel::{gathered, load_shards, save_shards};
 use bonfire_testkit::nets::{max_abs_diff, parameters, write_params};
 use bonfire_testkit::tp::{TpEncoder, TpFlex, TpGpt, TpMlp, TpNet, adam_steps};
 use burn::backend::flex::FlexDevice;
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::record::{BinFileRecorder, FullPrecisionSettings};
 
 fn run<M>(

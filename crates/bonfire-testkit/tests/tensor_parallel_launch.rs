@@ -11,7 +11,7 @@ use bonfire_launch::{LaunchConfig, launch};
 use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, read_params, seeded};
 use bonfire_testkit::tp::{TpEncoder, TpGpt, TpNet, adam_steps};
 use burn::backend::flex::FlexDevice;
-use burn::module::{AutodiffModule, Module};
+use burn::module::AutodiffModule;
 use burn::record::{BinFileRecorder, FullPrecisionSettings};
 
 const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-tp-check");
@@ -54,7 +54,7 @@ where
     let flat: Vec<f32> = want.iter().flatten().copied().collect();
     for r in 0..2 {
         let got = read_params(&dir.join(format!("rank{r}.bin")));
-        let d = max_abs_diff(&[got], &[flat.clone()]);
+        let d = max_abs_diff(&[got], std::slice::from_ref(&flat));
         assert!(
             d <= 1e-5,
             "{name}: rank {r}'s gathered parameters differ by {d:e}"

@@ -144,4 +144,6 @@ pub mod book {
     pub struct FirstRun;
     #[doc = include_str!("../../../book/src/data-parallel.md")]
     pub struct DataParallel;
+    #[doc = include_str!("../../../book/src/tensor-parallel.md")]
+    pub struct TensorParallel;
 }

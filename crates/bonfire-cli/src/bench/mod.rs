@@ -3,6 +3,7 @@
 mod collectives;
 mod kernels;
 mod link;
+mod tp;
 
 use clap::Subcommand;
 
@@ -17,6 +18,9 @@ pub(crate) enum Bench {
     /// Measure the link itself on this host: TCP and raw QUIC (quinn, TLS) throughput over
     /// 127.0.0.1, the ceiling for the QUIC transport.
     Link(link::Args),
+    /// Train the bundled GPT split over 1, 2, 4 ... tensor-parallel ranks of this host: step
+    /// time, memory per rank, and communication against Megatron-LM's for the same shapes.
+    Tp(tp::Args),
 }
 
 impl Bench {
@@ -25,6 +29,7 @@ impl Bench {
             Bench::Collectives(args) => collectives::run(args),
             Bench::Link(args) => link::run(args),
             Bench::Kernels(args) => kernels::run(args),
+            Bench::Tp(args) => tp::run(args),
         }
     }
 }

@@ -66,6 +66,8 @@ const RULES: &[(&str, &[&str])] = &[
         "bonfire-datasets",
         &["bonfire-", "quinn", "tokio", "cubecl"],
     ),
+    // The job library sits under the command, never the other way round.
+    ("bonfire-jobs", &["bonfire-cli"]),
 ];
 
 /// (crate, dependencies allowed although a rule above matches them).
@@ -118,6 +120,7 @@ fn lower_layers_do_not_depend_on_higher_ones() {
         "bonfire-transport",
         "bonfire-collectives",
         "bonfire-launch",
+        "bonfire-jobs",
     ] {
         assert!(
             names.contains(&required),
@@ -171,6 +174,13 @@ fn exceptions_allow_only_what_they_name() {
         .expect("a rule for bonfire-models")
         .1;
     assert!(breaks_layers("bonfire-models", "bonfire-topology", models));
+    let jobs = RULES
+        .iter()
+        .find(|(c, _)| *c == "bonfire-jobs")
+        .expect("a rule for bonfire-jobs")
+        .1;
+    assert!(breaks_layers("bonfire-jobs", "bonfire-cli", jobs));
+    assert!(!breaks_layers("bonfire-jobs", "bonfire", jobs));
 }
 
 #[test]

@@ -6,6 +6,8 @@ mod link;
 
 use clap::Subcommand;
 
+use crate::error::CliError;
+
 /// What to measure.
 #[derive(Subcommand)]
 pub(crate) enum Bench {
@@ -20,7 +22,7 @@ pub(crate) enum Bench {
 }
 
 impl Bench {
-    pub(crate) fn run(self) -> Result<(), String> {
+    pub(crate) fn run(self) -> Result<(), CliError> {
         match self {
             Bench::Collectives(args) => collectives::run(args),
             Bench::Link(args) => link::run(args),

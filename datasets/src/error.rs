@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use bonfire_topology::ShardError;
+
 /// A data set could not be fetched or loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
@@ -55,16 +57,9 @@ pub enum DataError {
         /// What is wrong with it.
         why: String,
     },
-    /// A shard that does not exist.
-    #[error("shard {rank} of {world}: {why}")]
-    BadShard {
-        /// The rank asked for.
-        rank: usize,
-        /// The number of shards.
-        world: usize,
-        /// Why it cannot be served.
-        why: String,
-    },
+    /// A shard that does not exist (the message names the rank and the number of shards).
+    #[error(transparent)]
+    BadShard(#[from] ShardError),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

@@ -6,6 +6,7 @@ use std::io::{BufReader, Cursor, Read};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use bonfire_topology::Sharding;
 use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -247,12 +248,13 @@ impl Vision {
     }
 }
 
-/// Which part of a split a rank reads.
+/// Which part of a split a rank reads: a consecutive shard under bonfire's one rule for data
+/// shards ([`Sharding`], from `bonfire-topology`), optionally of the split's first items only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
     rank: usize,
     world: usize,
-    equal: bool,
+    sharding: Sharding,
     limit: Option<usize>,
 }
 
@@ -263,23 +265,24 @@ impl Shard {
     }
 
     /// Contiguous shards of exactly `len / world` items each, so every rank runs the same number
-    /// of steps; the last `len % world` items are in no shard. For training.
+    /// of steps; the last `len % world` items are in no shard ([`Sharding::EqualDrop`]). For
+    /// training.
     pub fn equal(rank: usize, world: usize) -> Shard {
         Shard {
             rank,
             world,
-            equal: true,
+            sharding: Sharding::EqualDrop,
             limit: None,
         }
     }
 
-    /// Contiguous shards that together cover every item, sizes differing by at most one. For
-    /// evaluation, where the counts are summed.
+    /// Contiguous shards that together cover every item, sizes differing by at most one
+    /// ([`Sharding::Balanced`]). For evaluation, where the counts are summed.
     pub fn balanced(rank: usize, world: usize) -> Shard {
         Shard {
             rank,
             world,
-            equal: false,
+            sharding: Sharding::Balanced,
             limit: None,
         }
     }
@@ -292,24 +295,11 @@ impl Shard {
 
     /// The items of a split of `len` this shard holds.
     pub fn range(self, len: usize) -> Result<Range<usize>, DataError> {
-        let bad = |why: String| DataError::BadShard {
-            rank: self.rank,
-            world: self.world,
-            why,
-        };
         let len = self.limit.map_or(len, |n| n.min(len));
-        if self.world == 0 || self.rank >= self.world {
-            return Err(bad("the rank must be below the number of shards".into()));
-        }
-        if self.world > len {
-            return Err(bad(format!("only {len} items to share")));
-        }
-        Ok(if self.equal {
-            let per = len / self.world;
-            self.rank * per..(self.rank + 1) * per
-        } else {
-            self.rank * len / self.world..(self.rank + 1) * len / self.world
-        })
+        let shard = self.sharding.shard(self.rank, self.world, len)?;
+        Ok(shard
+            .range()
+            .expect("the shards of a split are consecutive"))
     }
 }
 

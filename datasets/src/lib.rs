@@ -9,7 +9,8 @@
 //!   job runs with nothing fetched.
 //!
 //! Every rank of a data-parallel job loads only its [`Shard`] of a file: the images before and
-//! after it are never read.
+//! after it are never read. Which items a rank gets is bonfire's one rule for data shards,
+//! [`Sharding`] (re-exported from `bonfire-topology`).
 //!
 //! ```no_run
 //! use bonfire_datasets::{ImageSet, Shard, Split, Vision, cache_root};
@@ -26,6 +27,9 @@ mod idx;
 mod images;
 pub mod shakespeare;
 
+/// The rule [`Shard`] follows, for data of your own: which positions of `n` items rank `r` of
+/// `world` reads.
+pub use bonfire_topology::{RankShard, ShardError, Sharding};
 pub use error::{ByHand, DataError};
 pub use fetch::cache_root;
 pub use images::{ImageItem, ImageSet, Shard, Split, Vision};

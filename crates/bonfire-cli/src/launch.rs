@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use bonfire::launch::{LaunchConfig, launch};
 
+use crate::error::{ArgError, CliError};
+
 /// Start the ranks of a job on this node and watch them.
 ///
 /// Every rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
@@ -48,20 +50,18 @@ pub(crate) struct Args {
     command: Vec<OsString>,
 }
 
-fn positive_seconds(s: &str) -> Result<Duration, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+fn positive_seconds(s: &str) -> Result<Duration, ArgError> {
+    let v: f64 = s.parse().map_err(|_| ArgError::NotSeconds(s.to_string()))?;
     if v > 0.0 && v < 1e9 {
         Ok(Duration::from_secs_f64(v))
     } else {
-        Err(format!("{s} is not a positive number of seconds"))
+        Err(ArgError::NotPositiveSeconds(s.to_string()))
     }
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
     let mut command = args.command.into_iter();
-    let program = command.next().ok_or("no program to launch")?;
+    let program = command.next().ok_or(CliError::NoProgram)?;
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
         nnodes: args.nnodes as usize,
@@ -76,5 +76,5 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         extra_env: Vec::new(),
         prefix_output: true,
     };
-    launch(&config).map_err(|e| e.to_string())
+    Ok(launch(&config)?)
 }

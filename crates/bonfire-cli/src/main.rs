@@ -1,7 +1,7 @@
 //! The `bonfire` command: `launch`, `train` and `bench` (`doctor` when it lands).
 
 mod bench;
-mod gpu;
+mod error;
 mod launch;
 mod size;
 mod train;
@@ -39,8 +39,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
+        Err(e) => {
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }

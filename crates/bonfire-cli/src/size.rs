@@ -1,27 +1,30 @@
 //! Byte sizes on the command line: `4096`, `64K`, `1MiB`, `2G` (binary units).
 
+use crate::error::ArgError;
+
 /// Parses a byte size.
-pub(crate) fn parse(s: &str) -> Result<usize, String> {
+pub(crate) fn parse(s: &str) -> Result<usize, ArgError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, unit) = t.split_at(split);
     let value: usize = digits
         .parse()
-        .map_err(|_| format!("`{s}` is not a size (examples: 4096, 64K, 1MiB, 2G)"))?;
+        .map_err(|_| ArgError::NotASize(s.to_string()))?;
     let scale: usize = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         _ => {
-            return Err(format!(
-                "`{s}` has an unknown unit `{unit}` (use K, M or G)"
-            ));
+            return Err(ArgError::UnknownUnit {
+                given: s.to_string(),
+                unit: unit.to_string(),
+            });
         }
     };
     value
         .checked_mul(scale)
-        .ok_or_else(|| format!("`{s}` is too large"))
+        .ok_or_else(|| ArgError::TooLarge(s.to_string()))
 }
 
 /// Formats a byte size the way [`parse`] reads it.
@@ -45,7 +48,12 @@ mod tests {
         assert_eq!(parse("64K"), Ok(65536));
         assert_eq!(parse("1MiB"), Ok(1 << 20));
         assert_eq!(parse("2g"), Ok(2 << 30));
-        assert!(parse("12X").unwrap_err().contains("unknown unit"));
+        assert!(
+            parse("12X")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown unit")
+        );
         assert!(parse("K").is_err());
         assert_eq!(format(64 << 20), "64 MiB");
         assert_eq!(format(1000), "1000 B");

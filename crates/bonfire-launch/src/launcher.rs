@@ -7,7 +7,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bonfire_transport::Secret;
+use bonfire_transport::{Secret, SecretError};
 
 use crate::env::vars;
 
@@ -63,9 +63,40 @@ impl LaunchConfig {
 /// How a launch ended badly.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
-    /// The request does not make sense; nothing was started.
-    #[error("{0}")]
-    Config(String),
+    /// `nproc_per_node` is zero; nothing was started.
+    #[error("--nproc-per-node must be at least 1")]
+    NoRanks,
+    /// `nnodes` is zero; nothing was started.
+    #[error("--nnodes must be at least 1")]
+    NoNodes,
+    /// `node_rank` is not a node of the job; nothing was started.
+    #[error(
+        "--node-rank {node_rank} is outside a job of {nnodes} nodes (0 to {})",
+        nnodes - 1
+    )]
+    NodeRankOutOfRange {
+        /// The node asked for.
+        node_rank: usize,
+        /// Nodes in the job.
+        nnodes: usize,
+    },
+    /// The rendezvous address cannot be read; nothing was started.
+    #[error(transparent)]
+    MasterAddr(#[from] AddrError),
+    /// A job on several nodes was given no rendezvous address; nothing was started.
+    #[error("a job on several nodes needs --master-addr HOST:PORT (the host of node 0)")]
+    NeedsMasterAddr,
+    /// No free local port for a single-node rendezvous; nothing was started.
+    #[error("cannot find a free local port: {0}")]
+    NoFreePort(std::io::Error),
+    /// The job secret's file cannot be used (the message names it); nothing was started.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    /// A job on several nodes was given no shared secret; nothing was started.
+    #[error(
+        "a job on several nodes needs --secret-file F (the same file on every node) or BONFIRE_SECRET"
+    )]
+    NeedsSecret,
     /// A rank could not be started.
     #[error("cannot start rank {rank} ({program}): {source}")]
     Spawn {
@@ -90,6 +121,31 @@ pub enum LaunchError {
     },
 }
 
+/// Why a `HOST:PORT` rendezvous address (`--master-addr`) cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AddrError {
+    /// There is no `:PORT`.
+    #[error("--master-addr {given:?}: expected HOST:PORT")]
+    NoPort {
+        /// The address given.
+        given: String,
+    },
+    /// The port is not a number from 0 to 65535.
+    #[error("--master-addr {given:?}: {port:?} is not a port number")]
+    BadPort {
+        /// The address given.
+        given: String,
+        /// Its port part.
+        port: String,
+    },
+    /// Nothing before the `:PORT`.
+    #[error("--master-addr {given:?}: the host is empty")]
+    EmptyHost {
+        /// The address given.
+        given: String,
+    },
+}
+
 impl LaunchError {
     /// The first failed rank, if a rank failed.
     pub fn failed_rank(&self) -> Option<usize> {
@@ -97,6 +153,14 @@ impl LaunchError {
             LaunchError::RankFailed { rank, .. } => Some(*rank),
             _ => None,
         }
+    }
+
+    /// Whether the request itself was refused, before any rank was started.
+    pub fn is_bad_request(&self) -> bool {
+        !matches!(
+            self,
+            LaunchError::Spawn { .. } | LaunchError::RankFailed { .. }
+        )
     }
 }
 
@@ -108,16 +172,19 @@ pub fn free_local_port() -> std::io::Result<u16> {
 }
 
 /// Splits `HOST:PORT` (IPv6 hosts in brackets).
-pub fn split_host_port(s: &str) -> Result<(String, u16), String> {
-    let (host, port) = s
-        .rsplit_once(':')
-        .ok_or_else(|| format!("--master-addr {s:?}: expected HOST:PORT"))?;
-    let port: u16 = port
-        .parse()
-        .map_err(|_| format!("--master-addr {s:?}: {port:?} is not a port number"))?;
+pub fn split_host_port(s: &str) -> Result<(String, u16), AddrError> {
+    let (host, port) = s.rsplit_once(':').ok_or_else(|| AddrError::NoPort {
+        given: s.to_string(),
+    })?;
+    let port: u16 = port.parse().map_err(|_| AddrError::BadPort {
+        given: s.to_string(),
+        port: port.to_string(),
+    })?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() {
-        return Err(format!("--master-addr {s:?}: the host is empty"));
+        return Err(AddrError::EmptyHost {
+            given: s.to_string(),
+        });
     }
     Ok((host.to_string(), port))
 }
@@ -186,50 +253,37 @@ struct Running {
 pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
     let c = config;
     if c.nproc_per_node == 0 {
-        return Err(LaunchError::Config(
-            "--nproc-per-node must be at least 1".into(),
-        ));
+        return Err(LaunchError::NoRanks);
     }
     if c.nnodes == 0 {
-        return Err(LaunchError::Config("--nnodes must be at least 1".into()));
+        return Err(LaunchError::NoNodes);
     }
     if c.node_rank >= c.nnodes {
-        return Err(LaunchError::Config(format!(
-            "--node-rank {} is outside a job of {} nodes (0 to {})",
-            c.node_rank,
-            c.nnodes,
-            c.nnodes - 1
-        )));
+        return Err(LaunchError::NodeRankOutOfRange {
+            node_rank: c.node_rank,
+            nnodes: c.nnodes,
+        });
     }
     let (host, port) = match &c.master {
-        Some(m) => split_host_port(m).map_err(LaunchError::Config)?,
+        Some(m) => split_host_port(m)?,
         None if c.nnodes == 1 => (
             "127.0.0.1".to_string(),
-            free_local_port()
-                .map_err(|e| LaunchError::Config(format!("cannot find a free local port: {e}")))?,
+            free_local_port().map_err(LaunchError::NoFreePort)?,
         ),
-        None => {
-            return Err(LaunchError::Config(
-                "a job on several nodes needs --master-addr HOST:PORT (the host of node 0)".into(),
-            ));
-        }
+        None => return Err(LaunchError::NeedsMasterAddr),
     };
     let mut env: Vec<(OsString, OsString)> = Vec::new();
     let mut set = |k: &str, v: String| env.push((k.into(), v.into()));
     match &c.secret_file {
         Some(path) => {
-            Secret::from_file(path).map_err(|e| LaunchError::Config(e.to_string()))?;
+            Secret::from_file(path)?;
             let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
             set(vars::SECRET_FILE, abs.display().to_string());
         }
         None if std::env::var_os(vars::SECRET).is_some()
             || std::env::var_os(vars::SECRET_FILE).is_some() => {}
         None if c.nnodes == 1 => set(vars::SECRET, Secret::generate().expose_text()),
-        None => {
-            return Err(LaunchError::Config(
-                "a job on several nodes needs --secret-file F (the same file on every node) or BONFIRE_SECRET".into(),
-            ));
-        }
+        None => return Err(LaunchError::NeedsSecret),
     }
     let world = c.nproc_per_node * c.nnodes;
     set(vars::WORLD_SIZE, world.to_string());
@@ -461,8 +515,9 @@ mod tests {
 
     #[test]
     fn restarts_run_the_ranks_again() {
-        // Fails in round 0, succeeds in round 1.
-        let mut c = sh(2, "test $BONFIRE_RESTART_ROUND = 1");
+        // Rank 0 fails in round 0 (alone, so that no other failure races it to be first);
+        // every rank succeeds in round 1.
+        let mut c = sh(2, "test $BONFIRE_RESTART_ROUND = 1 || test $RANK != 0");
         c.max_restarts = 1;
         launch(&c).unwrap();
         c.max_restarts = 0;
@@ -474,8 +529,16 @@ mod tests {
     fn bad_requests_start_nothing() {
         let mut c = sh(2, "true");
         c.nnodes = 2;
-        assert!(matches!(launch(&c), Err(LaunchError::Config(m)) if m.contains("--master-addr")));
+        let e = launch(&c).unwrap_err();
+        assert!(
+            e.is_bad_request() && e.to_string().contains("--master-addr"),
+            "{e}"
+        );
         c.node_rank = 2;
-        assert!(matches!(launch(&c), Err(LaunchError::Config(m)) if m.contains("--node-rank 2")));
+        let e = launch(&c).unwrap_err();
+        assert!(
+            e.is_bad_request() && e.to_string().contains("--node-rank 2"),
+            "{e}"
+        );
     }
 }

@@ -6,4 +6,6 @@ pub mod env;
 mod launcher;
 
 pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
-pub use launcher::{LaunchConfig, LaunchError, free_local_port, launch, split_host_port};
+pub use launcher::{
+    AddrError, LaunchConfig, LaunchError, free_local_port, launch, split_host_port,
+};

@@ -4,6 +4,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use bonfire_collectives::Communicator;
+use bonfire_topology::{ShardError, Sharding};
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::Device;
@@ -23,8 +24,9 @@ pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(3600);
 /// `bonfire launch`), over `Autodiff<DataParallel<B>>`:
 ///
 /// - every rank trains on its own shard of the training set (the data loader is cut into equal
-///   contiguous slices, one per rank, as burn-train's DDP cuts it per device; each rank's loader
-///   still shuffles its slice every epoch if it was built to), from rank 0's initial parameters;
+///   contiguous slices, one per rank, by [`bonfire_topology::Sharding::EqualDrop`], as
+///   burn-train's DDP cuts it per device; each rank's loader still shuffles its slice every
+///   epoch if it was built to), from rank 0's initial parameters;
 ///   gradients are averaged by `DataParallel` during backward, so every rank takes the same
 ///   optimizer step;
 /// - rank 0 alone reports metrics, renders progress, validates, writes checkpoints and decides
@@ -131,15 +133,16 @@ impl<LC: LearningComponentsTypes> DataParallelStrategy<LC> {
         if !self.shard {
             return loader;
         }
-        let per_rank = n / world;
-        if per_rank == 0 {
-            self.abort(format!(
-                "the training set has {n} items, fewer than the {world} ranks"
-            ));
-        }
         // Equal slices, so that every rank runs the same number of steps; the last `n % world`
         // items are left out of training, as by PyTorch's DistributedSampler(drop_last=True).
-        loader.slice(rank * per_rank, (rank + 1) * per_rank)
+        let slice = match Sharding::EqualDrop.shard(rank, world, n) {
+            Ok(shard) => shard.range().expect("equal shards are consecutive"),
+            Err(ShardError::TooFewItems { .. }) => self.abort(format!(
+                "the training set has {n} items, fewer than the {world} ranks"
+            )),
+            Err(e) => self.abort(e),
+        };
+        loader.slice(slice.start, slice.end)
     }
 
     /// Loads checkpoint `epoch` on every rank; if any rank cannot, every rank stops, naming it.

@@ -61,17 +61,11 @@ impl DistributedSampler {
                 ChaCha8Rng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             order.shuffle(&mut rng);
         }
-        let total = self.num_samples() * self.world;
-        let mut i = 0;
-        while order.len() < total {
-            order.push(order[i]);
-            i += 1;
-        }
-        order
-            .into_iter()
-            .skip(self.rank)
-            .step_by(self.world)
-            .collect()
+        // Padded, interleaved equal shards: bonfire's one rule for data shards.
+        bonfire_topology::Sharding::EqualPad
+            .shard(self.rank, self.world, self.len)
+            .expect("checked in new")
+            .pick(&order)
     }
 }
 

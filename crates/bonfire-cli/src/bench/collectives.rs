@@ -8,6 +8,7 @@ use bonfire::topology::{DType, ReduceOp};
 use clap::ValueEnum;
 use half::{bf16, f16};
 
+use crate::error::CliError;
 use crate::size;
 
 /// How the ranks of the benchmark talk.
@@ -110,7 +111,7 @@ pub(crate) struct Args {
     chunk: Option<usize>,
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
     match args.dtype {
         DType::F32 => bench::<f32>(&args),
         DType::F64 => bench::<f64>(&args),
@@ -131,7 +132,7 @@ struct Row {
     memcpy_gbps: f64,
 }
 
-fn bench<T: Element>(args: &Args) -> Result<(), String> {
+fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
     let mut config = CommConfig::default();
     if let Some(chunk) = args.chunk {
         config.chunk_bytes = chunk.max(1);
@@ -147,7 +148,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
             if std::env::var_os("RANK").is_none() && std::env::var_os("WORLD_SIZE").is_none() {
                 return launch_self(args);
             }
-            let w = bonfire::init_with(config.clone()).map_err(|e| e.to_string())?;
+            let w = bonfire::init_with(config.clone())?;
             let comm = w.comm().clone();
             let n = w.world_size();
             world = Some(w);
@@ -200,9 +201,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
             Op::AllGather => count * elem * n,
             _ => count * elem,
         };
-        let algorithm = comms[0]
-            .resolve_algorithm::<T>(&collective, count)
-            .map_err(|e| e.to_string())?;
+        let algorithm = comms[0].resolve_algorithm::<T>(&collective, count)?;
         let iters = args
             .iters
             .unwrap_or_else(|| ((256usize << 20) / bytes.max(1)).clamp(5, 2000));
@@ -244,13 +243,13 @@ fn bench<T: Element>(args: &Args) -> Result<(), String> {
 }
 
 /// Runs this very command as `--nproc` ranks under the launcher.
-fn launch_self(args: &Args) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+fn launch_self(args: &Args) -> Result<(), CliError> {
+    let exe = std::env::current_exe().map_err(CliError::CurrentExe)?;
     let mut config = bonfire::launch::LaunchConfig::local(usize::from(args.nproc), exe);
     config.args = std::env::args_os().skip(1).collect();
     // The table comes from rank 0 alone, so it reads as the in-process one does.
     config.prefix_output = false;
-    bonfire::launch::launch(&config).map_err(|e| e.to_string())
+    Ok(bonfire::launch::launch(&config)?)
 }
 
 fn transport_name(t: TransportKind) -> &'static str {
@@ -298,32 +297,25 @@ fn time_collective<T: Element>(
     count: usize,
     iters: usize,
     warmup: usize,
-) -> Result<f64, String> {
+) -> Result<f64, CliError> {
     let threads: Vec<_> = comms
         .iter()
         .cloned()
         .map(|comm| {
             let collective = collective.clone();
-            std::thread::spawn(move || -> Result<f64, String> {
+            std::thread::spawn(move || -> Result<f64, CliError> {
                 let mut buf = vec![T::zeroed(); count];
-                let call = |buf: Vec<T>| {
-                    comm.run(collective.clone(), buf)
-                        .wait()
-                        .map_err(|e| e.to_string())
-                };
+                let call = |buf: Vec<T>| comm.run(collective.clone(), buf).wait();
                 for _ in 0..warmup {
                     buf = refill(call(buf)?, count);
                 }
-                comm.barrier().wait().map_err(|e| e.to_string())?;
+                comm.barrier().wait()?;
                 let start = Instant::now();
                 for _ in 0..iters {
                     buf = refill(call(buf)?, count);
                 }
                 let mine = start.elapsed().as_secs_f64();
-                let slowest = comm
-                    .all_reduce(vec![mine], ReduceOp::Max)
-                    .wait()
-                    .map_err(|e| e.to_string())?;
+                let slowest = comm.all_reduce(vec![mine], ReduceOp::Max).wait()?;
                 Ok(slowest[0] / iters as f64)
             })
         })
@@ -332,7 +324,7 @@ fn time_collective<T: Element>(
     for t in threads {
         seconds = t
             .join()
-            .map_err(|_| "a benchmark rank panicked".to_string())??;
+            .map_err(|_| CliError::Panicked("a benchmark rank"))??;
     }
     Ok(seconds)
 }

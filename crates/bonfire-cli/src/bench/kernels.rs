@@ -10,6 +10,7 @@ use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_cubecl::{CubeBackend, CubeRuntime};
 use half::f16;
 
+use crate::error::CliError;
 use crate::size;
 
 /// Burn's CubeCL backend over runtime `R`, without fusion: what the fused kernels replace.
@@ -91,32 +92,34 @@ fn upload_all<R: Runtime, T: GradElement>(
         .collect()
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    // clap admits only `wgpu` and `cuda`.
     match args.runtime.as_str() {
         "wgpu" => {
             use bonfire_kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
-            run_on::<WgpuRuntime>(&args, WgpuDevice::default(), crate::gpu::WGPU_HINT)
+            run_on::<WgpuRuntime>(&args, WgpuDevice::default(), bonfire_jobs::WGPU_HINT)
         }
-        "cuda" => cuda(&args),
-        other => Err(format!("unknown runtime {other:?}")),
+        _ => cuda(&args),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda(args: &Args) -> Result<(), String> {
+fn cuda(args: &Args) -> Result<(), CliError> {
     use bonfire_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
-    run_on::<CudaRuntime>(args, CudaDevice::default(), crate::gpu::CUDA_HINT)
+    run_on::<CudaRuntime>(args, CudaDevice::default(), bonfire_jobs::CUDA_HINT)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_: &Args) -> Result<(), String> {
-    Err("this bonfire was built without CUDA: rebuild it with \
-         `cargo build --release -p bonfire-cli --features cuda` (needs the CUDA toolkit)"
-        .into())
+fn cuda(_: &Args) -> Result<(), CliError> {
+    Err(bonfire_jobs::JobError::NoCuda.into())
 }
 
-fn run_on<R: CubeRuntime>(args: &Args, device: R::Device, hint: &str) -> Result<(), String> {
-    let client = crate::gpu::open::<R>(&device, &args.runtime, hint)?;
+fn run_on<R: CubeRuntime>(
+    args: &Args,
+    device: R::Device,
+    hint: &'static str,
+) -> Result<(), CliError> {
+    let client = bonfire_jobs::open_gpu::<R>(&device, &args.runtime, hint)?;
     let sync = || {
         let _ = <Burn<R> as Backend>::sync(&device);
         let _ = bonfire_kernels::cubecl::future::block_on(client.sync());

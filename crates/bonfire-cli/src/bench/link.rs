@@ -4,6 +4,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
+use crate::error::CliError;
 use crate::size;
 
 /// Arguments of `bonfire bench link`.
@@ -20,33 +21,40 @@ pub(crate) struct Args {
     repeat: usize,
 }
 
-fn tcp(bytes: usize) -> Result<f64, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let reader = std::thread::spawn(move || -> Result<(usize, Instant), String> {
-        let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
+fn tcp(bytes: usize) -> Result<f64, CliError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(CliError::io("binding 127.0.0.1"))?;
+    let addr = listener
+        .local_addr()
+        .map_err(CliError::io("reading the listener's address"))?;
+    let reader = std::thread::spawn(move || -> Result<(usize, Instant), CliError> {
+        let (mut s, _) = listener
+            .accept()
+            .map_err(CliError::io("accepting the TCP connection"))?;
         let mut buf = vec![0u8; 1 << 20];
         let mut n = 0;
         loop {
-            match s.read(&mut buf).map_err(|e| e.to_string())? {
+            match s.read(&mut buf).map_err(CliError::io("reading over TCP"))? {
                 0 => return Ok((n, Instant::now())),
                 k => n += k,
             }
         }
     });
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    let mut s = TcpStream::connect(addr).map_err(CliError::io("connecting over TCP"))?;
     let chunk = vec![0x5au8; 1 << 20];
     let start = Instant::now();
     for _ in 0..bytes / chunk.len() {
-        s.write_all(&chunk).map_err(|e| e.to_string())?;
+        s.write_all(&chunk)
+            .map_err(CliError::io("writing over TCP"))?;
     }
     drop(s);
-    let (n, end) = reader.join().map_err(|_| "reader panicked")??;
+    let (n, end) = reader
+        .join()
+        .map_err(|_| CliError::Panicked("the TCP reader"))??;
     Ok(n as f64 / (end - start).as_secs_f64() / 1e9)
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
-    let best = |f: &mut dyn FnMut() -> Result<f64, String>| -> Result<f64, String> {
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    let best = |f: &mut dyn FnMut() -> Result<f64, CliError>| -> Result<f64, CliError> {
         let mut b: f64 = 0.0;
         for _ in 0..args.repeat.max(1) {
             b = b.max(f()?);
@@ -70,7 +78,7 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
             rt.block_on(bonfire::transport::quic::bench::loopback_throughput(
                 args.bytes, streams,
             ))
-            .map_err(|e| e.to_string())
+            .map_err(CliError::Quic)
         })?;
         println!(
             "  {:<32} {:>10.3} {:>8.3}",

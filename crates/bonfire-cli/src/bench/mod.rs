@@ -7,6 +7,8 @@ mod tp;
 
 use clap::Subcommand;
 
+use crate::error::CliError;
+
 /// What to measure.
 #[derive(Subcommand)]
 pub(crate) enum Bench {
@@ -24,7 +26,7 @@ pub(crate) enum Bench {
 }
 
 impl Bench {
-    pub(crate) fn run(self) -> Result<(), String> {
+    pub(crate) fn run(self) -> Result<(), CliError> {
         match self {
             Bench::Collectives(args) => collectives::run(args),
             Bench::Link(args) => link::run(args),

@@ -16,6 +16,8 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
+
+use crate::error::CliError;
 use serde::{Deserialize, Serialize};
 
 type B = Autodiff<TensorParallel<Flex>>;
@@ -87,7 +89,7 @@ fn plan() -> TpPlan {
         .row("blocks.*.mlp.fc2")
 }
 
-pub(crate) fn run(args: Args) -> Result<(), String> {
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
     if let Some(result) = &args.result {
         return rank(&args, result);
     }
@@ -118,8 +120,11 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
         "fallbacks"
     );
     let dir = std::env::temp_dir().join(format!("bonfire-bench-tp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    std::fs::create_dir_all(&dir).map_err(|source| CliError::ResultFile {
+        path: dir.clone(),
+        source,
+    })?;
+    let exe = std::env::current_exe().map_err(CliError::CurrentExe)?;
     for &tp in &args.tp {
         let threads = args.threads.unwrap_or((cores / tp).max(1));
         let result = dir.join(format!("tp{tp}.json"));
@@ -152,11 +157,15 @@ pub(crate) fn run(args: Args) -> Result<(), String> {
             ("BONFIRE_TP".into(), tp.to_string().into()),
             ("RAYON_NUM_THREADS".into(), threads.to_string().into()),
         ];
-        bonfire::launch::launch(&config).map_err(|e| format!("tp = {tp}: {e}"))?;
-        let text =
-            std::fs::read_to_string(&result).map_err(|e| format!("{}: {e}", result.display()))?;
-        let f: Figures =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", result.display()))?;
+        bonfire::launch::launch(&config)?;
+        let text = std::fs::read_to_string(&result).map_err(|source| CliError::ResultFile {
+            path: result.clone(),
+            source,
+        })?;
+        let f: Figures = serde_json::from_str(&text).map_err(|source| CliError::ResultJson {
+            path: result.clone(),
+            source,
+        })?;
         let megatron = megatron_bytes(&args, tp);
         println!(
             "  {:>3} {:>8} {:>10.1} {:>10.0} {:>13} {:>13} {:>10.0} {:>16.0} {:>16} {:>8.0} {:>9}",
@@ -247,8 +256,8 @@ fn batch(
 }
 
 /// One rank of a run: trains and, on rank 0, writes the figures to `result`.
-fn rank(args: &Args, result: &Path) -> Result<(), String> {
-    let world = bonfire::init().map_err(|e| e.to_string())?;
+fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
+    let world = bonfire::init()?;
     let device = FlexDevice;
     let model: Gpt<B> = GptConfig::new(args.vocab)
         .with_context(args.context)
@@ -256,8 +265,7 @@ fn rank(args: &Args, result: &Path) -> Result<(), String> {
         .with_heads(args.heads)
         .with_embd(args.embd)
         .init(&device);
-    let mut model =
-        bonfire::tensor_parallel(model, &plan(), world.tp_group()).map_err(|e| e.to_string())?;
+    let mut model = bonfire::tensor_parallel(model, &plan(), world.tp_group())?;
     let mut optim = AdamConfig::new().init::<B, Gpt<B>>();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let mut times = Vec::new();
@@ -304,8 +312,14 @@ fn rank(args: &Args, result: &Path) -> Result<(), String> {
             fallbacks: comm.fallback_total(),
             loss,
         };
-        let text = serde_json::to_string(&f).map_err(|e| e.to_string())?;
-        std::fs::write(result, text).map_err(|e| format!("{}: {e}", result.display()))?;
+        let text = serde_json::to_string(&f).map_err(|source| CliError::ResultJson {
+            path: result.to_path_buf(),
+            source,
+        })?;
+        std::fs::write(result, text).map_err(|source| CliError::ResultFile {
+            path: result.to_path_buf(),
+            source,
+        })?;
     }
     Ok(())
 }

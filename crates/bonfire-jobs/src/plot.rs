@@ -4,12 +4,16 @@
 use std::path::Path;
 
 /// One series: its name in the legend, its colour, and its points (x, y).
-pub(crate) struct Series<'a> {
-    pub(crate) name: &'a str,
-    pub(crate) colour: [u8; 3],
-    pub(crate) points: &'a [(f64, f64)],
+#[derive(Clone, Copy, Debug)]
+pub struct Series<'a> {
+    /// Its name in the legend.
+    pub name: &'a str,
+    /// Its colour, RGB.
+    pub colour: [u8; 3],
+    /// Its points, (x, y); points that are not finite are left out.
+    pub points: &'a [(f64, f64)],
     /// Draw a dot at each point (for sparse series such as per-epoch test figures).
-    pub(crate) dots: bool,
+    pub dots: bool,
 }
 
 const W: usize = 640;
@@ -163,7 +167,7 @@ fn label(v: f64, step: f64) -> String {
 
 /// Draws `series` against shared axes and writes a PNG to `path` (through a temporary file and a
 /// rename). `y_range` fixes the vertical axis; otherwise it spans the data.
-pub(crate) fn line_plot(
+pub fn line_plot(
     path: &Path,
     title: &str,
     x_label: &str,

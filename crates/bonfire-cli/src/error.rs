@@ -1,0 +1,98 @@
+//! What can go wrong in a command, typed; `main` prints `error: {message}` and exits 1 (clap's
+//! own errors, bad flag values included, exit 2).
+
+use bonfire::collectives::CollectiveError;
+
+/// A command failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    /// A training job failed (the message names the flag, file, rank or collective).
+    #[error(transparent)]
+    Job(#[from] bonfire_jobs::JobError),
+    /// Starting or running ranks failed (the message names the rank).
+    #[error(transparent)]
+    Launch(#[from] bonfire::launch::LaunchError),
+    /// This process could not join its job.
+    #[error(transparent)]
+    Init(#[from] bonfire::InitError),
+    /// A collective failed (the message names the ranks and the collective).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// `--resolved` was given outside a launched job.
+    #[error("--resolved is set by `bonfire train` on the ranks it starts")]
+    ResolvedByHand,
+    /// `bonfire launch` was given no program.
+    #[error("no program to launch")]
+    NoProgram,
+    /// This program's own path is unknown, so it cannot start its ranks.
+    #[error("cannot find this program: {0}")]
+    CurrentExe(#[source] std::io::Error),
+    /// A benchmark's socket failed.
+    #[error("{during}: {source}")]
+    Io {
+        /// What the benchmark was doing.
+        during: &'static str,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The QUIC link benchmark failed (its message says where).
+    #[error("QUIC loopback: {0}")]
+    Quic(#[source] bonfire::transport::quic::bench::BenchError),
+    /// A tensor-parallel plan did not apply.
+    #[error(transparent)]
+    Plan(#[from] bonfire::PlanError),
+    /// A benchmark's result file could not be written or read.
+    #[error("{}: {source}", path.display())]
+    ResultFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A benchmark's result file did not parse.
+    #[error("{}: {source}", path.display())]
+    ResultJson {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// A benchmark thread panicked.
+    #[error("{0} panicked")]
+    Panicked(&'static str),
+}
+
+impl CliError {
+    /// An I/O error maker for `map_err`, saying what was being done.
+    pub(crate) fn io(during: &'static str) -> impl FnOnce(std::io::Error) -> CliError {
+        move |source| CliError::Io { during, source }
+    }
+}
+
+/// A flag's value clap cannot take (clap prints it and exits 2).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ArgError {
+    /// Not a number above zero.
+    #[error("{0:?} is not a positive number")]
+    NotPositive(String),
+    /// Not a number of seconds.
+    #[error("{0:?} is not a number of seconds")]
+    NotSeconds(String),
+    /// Not above zero seconds (or absurdly many).
+    #[error("{0} is not a positive number of seconds")]
+    NotPositiveSeconds(String),
+    /// Not a byte size.
+    #[error("`{0}` is not a size (examples: 4096, 64K, 1MiB, 2G)")]
+    NotASize(String),
+    /// A byte size with a unit that is not K, M or G.
+    #[error("`{given}` has an unknown unit `{unit}` (use K, M or G)")]
+    UnknownUnit {
+        /// The size given.
+        given: String,
+        /// Its unit.
+        unit: String,
+    },
+    /// A byte size beyond this machine's addresses.
+    #[error("`{0}` is too large")]
+    TooLarge(String),
+}

@@ -1,0 +1,172 @@
+//! The backends a job trains on ([`BackendKind`]), opening a GPU with a message instead of a
+//! panic ([`open_gpu`]), and running a job's rank on the chosen one.
+
+use std::fmt;
+use std::str::FromStr;
+
+use bonfire::kernels::cubecl::Runtime;
+use bonfire::kernels::cubecl::prelude::ComputeClient;
+use serde::{Deserialize, Serialize};
+
+use crate::JobError;
+use crate::job::{Job, JobState};
+use crate::rank::RankContext;
+
+/// The Burn backend a job trains on (inside bonfire's data-parallel decorator).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Burn's Flex CPU backend.
+    #[default]
+    Flex,
+    /// Burn's ndarray CPU backend.
+    Ndarray,
+    /// wgpu: any GPU with a Vulkan, Metal or DX12 driver (or Mesa's software Vulkan).
+    Wgpu,
+    /// CUDA, in a build with the `cuda` feature; local rank `i` uses GPU `i % GPUs`.
+    Cuda,
+}
+
+impl BackendKind {
+    /// Every backend, in the order messages list them.
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Flex,
+        BackendKind::Ndarray,
+        BackendKind::Wgpu,
+        BackendKind::Cuda,
+    ];
+
+    /// Its name on the command line: `flex`, `ndarray`, `wgpu`, `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Flex => "flex",
+            BackendKind::Ndarray => "ndarray",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = JobError;
+
+    /// A backend by its name, in any case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let given = s.to_ascii_lowercase();
+        BackendKind::ALL
+            .into_iter()
+            .find(|b| b.name() == given)
+            .ok_or(JobError::UnknownBackend { given })
+    }
+}
+
+/// What to do when wgpu finds no adapter.
+pub const WGPU_HINT: &str = "install a Vulkan driver (`apt-get install -y \
+     mesa-vulkan-drivers libvulkan1` gives a software one) or choose another backend";
+
+/// What to do when CUDA cannot start.
+pub const CUDA_HINT: &str = "this needs an NVIDIA GPU with its driver, and NVRTC from the \
+     CUDA toolkit on the library path; or choose another backend";
+
+/// Opens `device`'s client of runtime `R` (`what` names it in messages: "wgpu", "CUDA"), or
+/// says why it cannot be opened and what to do (`hint`). CubeCL's runtimes panic when there is
+/// no driver or no device; this turns that into [`JobError::Gpu`].
+pub fn open_gpu<R: Runtime>(
+    device: &R::Device,
+    what: &str,
+    hint: &'static str,
+) -> Result<ComputeClient<R>, JobError> {
+    // The runtime may panic on a thread of its own (the device's server) and then again on
+    // this one when that thread is gone: the first message is the cause.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let hook = std::panic::take_hook();
+    let record = seen.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("the runtime gave no reason");
+        if let Ok(mut seen) = record.lock() {
+            seen.push(message.lines().next().unwrap_or_default().to_string());
+        }
+    }));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| R::client(device)));
+    std::panic::set_hook(hook);
+    result.map_err(|_| {
+        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+        let why = seen
+            .first()
+            .map(String::as_str)
+            .unwrap_or("the runtime gave no reason");
+        JobError::Gpu {
+            device: what.to_string(),
+            why: why.to_string(),
+            hint,
+        }
+    })
+}
+
+/// Runs `job` as this rank on the backend the settings name.
+pub(crate) fn train_on_backend<J: Job>(
+    job: &J,
+    ctx: &mut RankContext<'_, J>,
+) -> Result<(JobState<J>, J::Report), JobError> {
+    match ctx.settings().backend {
+        BackendKind::Flex => job.train::<burn::backend::Flex>(ctx, burn::backend::flex::FlexDevice),
+        BackendKind::Ndarray => job.train::<burn::backend::NdArray>(ctx, Default::default()),
+        BackendKind::Wgpu => {
+            use bonfire::kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+            let device = WgpuDevice::default();
+            open_gpu::<WgpuRuntime>(&device, "wgpu", WGPU_HINT)?;
+            job.train::<burn::backend::Wgpu>(ctx, device)
+        }
+        BackendKind::Cuda => cuda(job, ctx),
+    }
+}
+
+/// Local rank `i` trains on CUDA device `i` of its node; with fewer devices than ranks, ranks
+/// share them round-robin (`i % devices`), as several ranks on one GPU do for testing.
+#[cfg(feature = "cuda")]
+fn cuda<J: Job>(
+    job: &J,
+    ctx: &mut RankContext<'_, J>,
+) -> Result<(JobState<J>, J::Report), JobError> {
+    use bonfire::kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    let devices = open_gpu::<CudaRuntime>(&CudaDevice::new(0), "CUDA", CUDA_HINT)?
+        .device_count_total()
+        .max(1);
+    let device = CudaDevice::new(ctx.world().local_rank() % devices);
+    job.train::<burn::backend::Cuda>(ctx, device)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda<J: Job>(_: &J, _: &mut RankContext<'_, J>) -> Result<(JobState<J>, J::Report), JobError> {
+    Err(JobError::NoCuda)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backends_by_name() {
+        assert_eq!("WGPU".parse::<BackendKind>().unwrap(), BackendKind::Wgpu);
+        assert_eq!(
+            "tpu".parse::<BackendKind>().unwrap_err().to_string(),
+            "--backend \"tpu\": expected one of flex, ndarray, wgpu, cuda"
+        );
+        assert_eq!(BackendKind::default(), BackendKind::Flex);
+        assert_eq!(
+            serde_json::to_string(&BackendKind::Ndarray).unwrap(),
+            "\"ndarray\""
+        );
+    }
+}

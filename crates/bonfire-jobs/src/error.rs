@@ -1,0 +1,329 @@
+//! What can go wrong in a job, typed; every message names the setting, file, rank or collective
+//! involved, and says what to do next where there is something to do.
+//!
+//! Settings are named by their `bonfire train` flag (`--batch`), which is also the name of the
+//! request field with `-` for `_`.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use bonfire::collectives::CollectiveError;
+
+/// A setting a resumed run's request contradicts: the request gives `given`, the checkpoint was
+/// made with `saved`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Clash {
+    /// The setting, by its flag (`--batch`).
+    pub flag: &'static str,
+    /// The value asked for.
+    pub given: String,
+    /// The checkpoint's value.
+    pub saved: String,
+}
+
+impl Clash {
+    /// The clash of a setting the request gives (`Some`) with the checkpoint's `saved` value,
+    /// if they differ; `show` writes a value as the message shows it.
+    pub fn check<T: PartialEq>(
+        flag: &'static str,
+        given: Option<&T>,
+        saved: &T,
+        show: impl Fn(&T) -> String,
+    ) -> Option<Clash> {
+        given.filter(|g| *g != saved).map(|g| Clash {
+            flag,
+            given: show(g),
+            saved: show(saved),
+        })
+    }
+}
+
+impl fmt::Display for Clash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} (the checkpoint has {})",
+            self.flag, self.given, self.saved
+        )
+    }
+}
+
+fn joined(clashes: &[Clash]) -> String {
+    clashes
+        .iter()
+        .map(Clash::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn found_what(epoch: &Option<usize>) -> String {
+    match epoch {
+        Some(e) => format!("epoch {e}"),
+        None => "no readable checkpoint".to_string(),
+    }
+}
+
+/// Why a job could not be settled, started, trained or recorded.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// `--backend` names no backend bonfire trains on.
+    #[error("--backend {given:?}: expected one of flex, ndarray, wgpu, cuda")]
+    UnknownBackend {
+        /// What was given (lower-cased).
+        given: String,
+    },
+    /// `--dataset` names no data set of the job.
+    #[error("--dataset {given:?}: expected {expected}")]
+    UnknownDataset {
+        /// What was given.
+        given: String,
+        /// The names the job takes, in words.
+        expected: &'static str,
+    },
+    /// A setting outside the values it can take.
+    #[error("{flag} {given}: {why}")]
+    Invalid {
+        /// The setting.
+        flag: &'static str,
+        /// The value given.
+        given: String,
+        /// What it must be.
+        why: &'static str,
+    },
+    /// `--ranks` disagrees with the job this process runs in.
+    #[error("--ranks {ranks}, but this job has {world} ranks")]
+    RanksMismatch {
+        /// The ranks asked for.
+        ranks: usize,
+        /// The ranks of the job.
+        world: usize,
+    },
+    /// `--resume` without a checkpoint directory, and no run in `./runs`.
+    #[error("--resume: no run in ./runs to continue (pass --checkpoint-dir to name one)")]
+    NothingToResume,
+    /// A resumed run was asked for settings that would change its result.
+    #[error(
+        "cannot resume {} with {}: a resumed run must keep the settings that decide its result \
+         (leave these flags out to take the checkpoint's)",
+        .dir.display(),
+        joined(.clashes)
+    )]
+    CannotResume {
+        /// The run's checkpoint directory.
+        dir: PathBuf,
+        /// Every setting that differs.
+        clashes: Vec<Clash>,
+    },
+    /// `--epochs` is below what the resumed run has already trained.
+    #[error("--epochs {epochs}: {} already holds {done} epochs", .dir.display())]
+    EpochsBelowDone {
+        /// The epochs asked for.
+        epochs: usize,
+        /// The run's checkpoint directory.
+        dir: PathBuf,
+        /// The epochs its latest checkpoint holds.
+        done: usize,
+    },
+    /// A fresh run was pointed at a directory that already holds one.
+    #[error(
+        "{} already holds checkpoints (latest {}): pass --resume to continue that run, or \
+         choose another --checkpoint-dir",
+        .dir.display(),
+        .latest.display()
+    )]
+    CheckpointsExist {
+        /// The directory.
+        dir: PathBuf,
+        /// Its latest checkpoint.
+        latest: PathBuf,
+    },
+    /// A file or directory could not be read or written.
+    #[error("{}: {source}", .path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A data set could not be fetched or read (the message says which, and what to do).
+    #[error(transparent)]
+    Data(#[from] bonfire_datasets::DataError),
+    /// The checkpoint directory has no `latest` checkpoint.
+    #[error("{} holds no checkpoint to resume from (no `latest` file)", .dir.display())]
+    NoCheckpoint {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A checkpoint's `state.json` cannot be read.
+    #[error("{}: not a bonfire checkpoint state ({source})", .path.display())]
+    BadState {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: serde_json::Error,
+    },
+    /// The state could not be written as JSON.
+    #[error("cannot encode the checkpoint state: {0}")]
+    EncodeState(#[source] serde_json::Error),
+    /// A model or optimizer record cannot be read back.
+    #[error("{}: cannot read the {what}: {source}", .dir.display())]
+    ReadRecord {
+        /// The checkpoint.
+        dir: PathBuf,
+        /// `model` or `optimizer state`.
+        what: &'static str,
+        /// The cause.
+        source: burn::record::RecorderError,
+    },
+    /// A model or optimizer could not be recorded as bytes.
+    #[error("cannot record the {what}: {source}")]
+    EncodeRecord {
+        /// `model` or `optimizer state`.
+        what: &'static str,
+        /// The cause.
+        source: burn::record::RecorderError,
+    },
+    /// The model rank 0 shared for evaluation cannot be read.
+    #[error("rank 0's model: {0}")]
+    Rank0Model(#[source] burn::record::RecorderError),
+    /// The plots could not be written.
+    #[error("{}: cannot write the plots: {source}", .dir.display())]
+    Plots {
+        /// The run's directory.
+        dir: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Ranks found different checkpoints to resume from.
+    #[error(
+        "rank {rank} found {} in {}, this rank epoch {mine}: every rank must see the same \
+         checkpoint directory",
+        found_what(.found),
+        .dir.display()
+    )]
+    CheckpointMismatch {
+        /// The first rank that found something else.
+        rank: usize,
+        /// The epoch it found (`None`: no readable checkpoint).
+        found: Option<usize>,
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The epoch this rank found.
+        mine: usize,
+    },
+    /// This program's own path is unknown, so it cannot start its ranks.
+    #[error("cannot find this program: {0}")]
+    CurrentExe(#[source] std::io::Error),
+    /// Starting or running the ranks failed (the message names the rank).
+    #[error(transparent)]
+    Launch(#[from] bonfire::launch::LaunchError),
+    /// This rank could not join its job.
+    #[error(transparent)]
+    Init(Box<bonfire::InitError>),
+    /// A collective failed (its message names the ranks it waited for).
+    #[error("{during}: {source}")]
+    Collective {
+        /// What the ranks were doing.
+        during: &'static str,
+        /// The cause.
+        source: Box<CollectiveError>,
+    },
+    /// Rank 0 could not settle the run; this rank took its decision.
+    #[error("rank 0: {message}")]
+    FromRank0 {
+        /// Rank 0's error.
+        message: String,
+    },
+    /// The settled run could not be handed from the parent or rank 0 to the ranks.
+    #[error("the settled run could not be handed to the ranks: {0}")]
+    Handoff(#[source] serde_json::Error),
+    /// The settled run handed down belongs to another job.
+    #[error("this rank runs `{expected}` but was handed the settled run of `{found}`")]
+    WrongJob {
+        /// The job this process runs.
+        expected: &'static str,
+        /// The job the settings were made for.
+        found: String,
+    },
+    /// bf16 gradients were asked for, but the rank's data-parallel backend was not told.
+    #[error(
+        "--bf16 under `bonfire launch`: set BONFIRE_GRAD_DTYPE=bf16 for every rank \
+         (`bonfire train {job} --bf16` does it for you)"
+    )]
+    Bf16NotSet {
+        /// The job.
+        job: &'static str,
+    },
+    /// A GPU could not be opened.
+    #[error("cannot open the {device} device ({why}); {hint}")]
+    Gpu {
+        /// The runtime (`wgpu`, `CUDA`).
+        device: String,
+        /// The runtime's first panic message.
+        why: String,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// CUDA was asked for, but this build has none.
+    #[error(
+        "this bonfire was built without CUDA: rebuild it with \
+         `cargo build --release -p bonfire-cli --features cuda` (needs the CUDA toolkit)"
+    )]
+    NoCuda,
+}
+
+impl JobError {
+    /// A `path: cause` error maker for `map_err`.
+    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> JobError {
+        let path = path.into();
+        move |source| JobError::Io { path, source }
+    }
+
+    /// A collective error maker for `map_err`, saying what the ranks were doing.
+    pub(crate) fn collective(during: &'static str) -> impl FnOnce(CollectiveError) -> JobError {
+        move |source| JobError::Collective {
+            during,
+            source: Box::new(source),
+        }
+    }
+}
+
+impl From<bonfire::InitError> for JobError {
+    fn from(e: bonfire::InitError) -> Self {
+        JobError::Init(Box::new(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_what_is_involved() {
+        let e = JobError::CannotResume {
+            dir: "runs/vision-1".into(),
+            clashes: vec![
+                Clash::check("--batch", Some(&32), &64, |v| v.to_string()).unwrap(),
+                Clash::check("--lr", Some(&0.1), &0.003, |v| v.to_string()).unwrap(),
+            ],
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot resume runs/vision-1 with --batch 32 (the checkpoint has 64), --lr 0.1 (the \
+             checkpoint has 0.003): a resumed run must keep the settings that decide its result \
+             (leave these flags out to take the checkpoint's)"
+        );
+        assert!(Clash::check("--batch", Some(&64), &64, |v| v.to_string()).is_none());
+        assert!(Clash::check("--batch", None, &64, |v: &i32| v.to_string()).is_none());
+        let e = JobError::CheckpointMismatch {
+            rank: 1,
+            found: None,
+            dir: "d".into(),
+            mine: 2,
+        };
+        assert!(
+            e.to_string()
+                .starts_with("rank 1 found no readable checkpoint in d")
+        );
+    }
+}

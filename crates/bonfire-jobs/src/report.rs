@@ -1,0 +1,189 @@
+//! Where a job's output goes ([`Reporter`]: [`Console`] prints what `bonfire train` prints,
+//! [`Silent`] nothing), and the job-independent lines of the end report.
+
+use std::path::Path;
+use std::time::Duration;
+
+use bonfire::StepStats;
+
+use crate::progress::{ProgressLine, StepProgress, clock};
+
+/// What a line of a job's output is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Say {
+    /// Something the user should know about a decision (a fallback taken, nothing left to do).
+    Notice,
+    /// Rank 0's opening line: what is about to train, on what.
+    Start,
+    /// Rank 0 resumes a run from a checkpoint.
+    Resume,
+    /// Rank 0's results of an epoch, after its checkpoint is written.
+    Epoch,
+    /// A line of rank 0's end report (the first is empty).
+    Report,
+}
+
+/// Where a job's output goes. Only the deciding process (the parent, or rank 0) reports; the
+/// other ranks are silent.
+///
+/// The library never prints on its own: it hands every line to a reporter. [`Console`] prints
+/// them as `bonfire train` does; a program that wants them elsewhere (a log, a UI, nowhere)
+/// implements this trait, or uses [`Silent`] and reads the typed result instead.
+pub trait Reporter {
+    /// A line of output, of kind `kind`.
+    fn say(&mut self, kind: Say, text: &str);
+    /// Rank 0's progress through an epoch, after each step.
+    fn step(&mut self, progress: &StepProgress);
+}
+
+/// Prints to standard output: every line as it comes, and the progress line redrawn in place on
+/// a terminal (a line per quarter epoch otherwise). What `bonfire train` shows.
+#[derive(Debug)]
+pub struct Console {
+    progress: ProgressLine,
+}
+
+impl Console {
+    /// A reporter on standard output.
+    pub fn new() -> Console {
+        Console {
+            progress: ProgressLine::new(),
+        }
+    }
+}
+
+impl Default for Console {
+    fn default() -> Self {
+        Console::new()
+    }
+}
+
+impl Reporter for Console {
+    fn say(&mut self, _: Say, text: &str) {
+        println!("{text}");
+    }
+
+    fn step(&mut self, progress: &StepProgress) {
+        self.progress.draw(progress);
+    }
+}
+
+/// Reports nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Silent;
+
+impl Reporter for Silent {
+    fn say(&mut self, _: Say, _: &str) {}
+    fn step(&mut self, _: &StepProgress) {}
+}
+
+/// What a run's training moved: items over all ranks and the seconds spent training them (not
+/// evaluating), with the run's whole duration.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Throughput {
+    /// Items trained, over all ranks.
+    pub items: usize,
+    /// Seconds spent in training steps.
+    pub seconds: f64,
+    /// Ranks that trained.
+    pub ranks: usize,
+    /// The run's wall-clock time on this rank, evaluation and checkpoints included.
+    pub wall: Duration,
+}
+
+impl Throughput {
+    /// `throughput      1234 images/s over 2 rank(s) (617 per rank); this run trained for 0:10
+    /// of 0:12 in all`, or `None` when nothing was trained.
+    pub fn line(&self, unit: &str) -> Option<String> {
+        (self.items > 0).then(|| {
+            let rate = self.items as f64 / self.seconds;
+            format!(
+                "throughput      {:.0} {unit}/s over {} rank(s) ({:.0} per rank); this run \
+                 trained for {} of {} in all",
+                rate,
+                self.ranks,
+                rate / self.ranks as f64,
+                clock(Duration::from_secs_f64(self.seconds)),
+                clock(self.wall),
+            )
+        })
+    }
+}
+
+/// The data-parallel lines of the end report: time per step, how much of the gradient traffic
+/// backward hid, and (over several ranks) the bound that puts on scaling. `seconds` is the
+/// training time the steps took; nothing when no step was measured.
+pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize) -> Vec<String> {
+    let Some(st) = stats.filter(|st| st.steps > 0) else {
+        return Vec::new();
+    };
+    let ms = |d: Duration| 1e3 * d.as_secs_f64() / st.steps as f64;
+    let step_ms = 1e3 * seconds / st.steps as f64;
+    let exposed = ms(st.exposed);
+    let mut lines = vec![format!(
+        "data parallel   {:.1} ms per step: backward {:.1} ms, communication {:.2} ms of which \
+         {:.0}% hidden by backward, {:.2} ms exposed ({:.1}% of the step); {} KiB of gradients \
+         per step in {} bucket(s)",
+        step_ms,
+        ms(st.backward),
+        ms(st.communication),
+        100.0 * st.hidden_fraction(),
+        exposed,
+        100.0 * exposed / step_ms.max(1e-9),
+        st.bytes / st.steps / 1024,
+        st.buckets / st.steps,
+    )];
+    if ranks > 1 {
+        lines.push(format!(
+            "scaling         compute is {:.1}% of the step (the rest waits on communication): \
+             the upper bound on this run's scaling efficiency",
+            100.0 * (1.0 - exposed / step_ms.max(1e-9)).max(0.0)
+        ));
+    }
+    lines
+}
+
+/// `checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and
+/// runs/vision-1/accuracy.png`.
+pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String {
+    let plots: Vec<String> = plots
+        .iter()
+        .map(|p| dir.join(p).display().to_string())
+        .collect();
+    let plots = match plots.as_slice() {
+        [] => String::new(),
+        [one] => format!("; plot {one}"),
+        [init @ .., last] => format!("; plots {} and {last}", init.join(", ")),
+    };
+    format!(
+        "checkpoints     {} (latest: epoch-{last_epoch}){plots}",
+        dir.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_lines_read_as_before() {
+        assert_eq!(
+            checkpoints_line(Path::new("runs/vision-1"), 3, &["loss.png", "accuracy.png"]),
+            "checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and \
+             runs/vision-1/accuracy.png"
+        );
+        let t = Throughput {
+            items: 2000,
+            seconds: 2.0,
+            ranks: 2,
+            wall: Duration::from_secs(3),
+        };
+        assert_eq!(
+            t.line("images").unwrap(),
+            "throughput      1000 images/s over 2 rank(s) (500 per rank); this run trained for \
+             0:02 of 0:03 in all"
+        );
+        assert!(Throughput::default().line("images").is_none());
+        assert!(data_parallel_lines(None, 1.0, 2).is_empty());
+    }
+}

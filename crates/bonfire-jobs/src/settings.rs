@@ -1,0 +1,202 @@
+//! Settling a run: the job-independent options ([`RunOptions`]), the settled run every rank
+//! trains ([`Settings`]), and the rules that get from one to the other ([`settle`]): on a resume,
+//! options left out take the checkpoint's values and settings that decide the result must match
+//! it; a fresh run gets a new `runs/<job>-N` directory.
+
+use std::path::{Path, PathBuf};
+
+use bonfire_datasets::cache_root;
+use serde::{Deserialize, Serialize};
+
+use crate::JobError;
+use crate::backend::BackendKind;
+use crate::checkpoint;
+use crate::job::{Job, JobConfig};
+use crate::report::Reporter;
+
+/// Where runs without `--checkpoint-dir` go, relative to the working directory.
+pub const RUNS_DIR: &str = "runs";
+
+/// What a caller asks of any job, besides the job's own request: `None` (or `false`) where left
+/// to the default, or on a resume to the checkpoint.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunOptions {
+    /// Epochs in all; a resumed run counts the ones already done (default: the job's, or the
+    /// checkpoint's).
+    pub epochs: Option<usize>,
+    /// Where checkpoints, plots and the report go (default: a new `runs/<job>-N`; on a resume,
+    /// the newest).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Continue from the latest checkpoint of `checkpoint_dir`.
+    pub resume: bool,
+    /// The backend to train on (default: flex).
+    pub backend: Option<BackendKind>,
+    /// The data set cache (default: [`cache_root`]).
+    pub data_dir: Option<PathBuf>,
+}
+
+/// A settled run: what every rank trains with.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Settings<C> {
+    /// The settings that decide the result.
+    pub config: C,
+    /// Epochs in all (those a resumed run already holds included).
+    pub epochs: usize,
+    /// Where checkpoints, plots and the report go.
+    pub checkpoint_dir: PathBuf,
+    /// Whether the run continues from the latest checkpoint of `checkpoint_dir`.
+    pub resume: bool,
+    /// The backend it trains on.
+    pub backend: BackendKind,
+    /// The data set cache.
+    pub data_dir: PathBuf,
+}
+
+/// The runs of job `job` under `base` (`<base>/<job>-N`): the newest (highest N), if any, and
+/// the directory the next one gets.
+pub fn runs(base: &Path, job: &str) -> (Option<PathBuf>, PathBuf) {
+    let prefix = format!("{job}-");
+    let mut best: Option<u64> = None;
+    if let Ok(entries) = std::fs::read_dir(base) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(n) = name
+                .strip_prefix(&prefix)
+                .and_then(|n| n.parse::<u64>().ok())
+            {
+                best = Some(best.map_or(n, |b| b.max(n)));
+            }
+        }
+    }
+    (
+        best.map(|n| base.join(format!("{job}-{n}"))),
+        base.join(format!("{job}-{}", best.map_or(1, |n| n + 1))),
+    )
+}
+
+/// Settles a run of `job` from `request` and `options` (and, on a resume, the checkpoint), in a
+/// job of `world_size` ranks if it runs in one already; fetches what the run reads. A fallback
+/// taken is told to `reporter`.
+pub fn settle<J: Job>(
+    job: &J,
+    request: &J::Request,
+    options: &RunOptions,
+    world_size: Option<usize>,
+    reporter: &mut dyn Reporter,
+) -> Result<Settings<J::Config>, JobError> {
+    job.check(request)?;
+    if let (Some(world), Some(ranks)) = (world_size, job.requested_ranks(request))
+        && world != ranks
+    {
+        return Err(JobError::RanksMismatch { ranks, world });
+    }
+    if options.resume {
+        settle_resumed(job, request, options)
+    } else {
+        settle_fresh(job, request, options, world_size, reporter)
+    }
+}
+
+fn data_dir(options: &RunOptions) -> PathBuf {
+    options.data_dir.clone().unwrap_or_else(cache_root)
+}
+
+fn backend(options: &RunOptions) -> BackendKind {
+    options.backend.unwrap_or_default()
+}
+
+/// A resumed run: the checkpoint's settings, which the request may repeat but not change.
+fn settle_resumed<J: Job>(
+    job: &J,
+    request: &J::Request,
+    options: &RunOptions,
+) -> Result<Settings<J::Config>, JobError> {
+    let dir = match &options.checkpoint_dir {
+        Some(d) => d.clone(),
+        None => runs(Path::new(RUNS_DIR), J::NAME)
+            .0
+            .ok_or(JobError::NothingToResume)?,
+    };
+    let loaded = checkpoint::load::<J::Config, J::Record>(&dir)?;
+    let clashes = job.clashes(request, &loaded.state.config);
+    if !clashes.is_empty() {
+        return Err(JobError::CannotResume { dir, clashes });
+    }
+    let epochs = options.epochs.unwrap_or(loaded.state.epochs);
+    if epochs < loaded.state.epochs_done {
+        return Err(JobError::EpochsBelowDone {
+            epochs,
+            dir,
+            done: loaded.state.epochs_done,
+        });
+    }
+    let data_dir = data_dir(options);
+    job.prepare(&loaded.state.config, &data_dir)?;
+    Ok(Settings {
+        config: loaded.state.config,
+        epochs,
+        checkpoint_dir: dir,
+        resume: true,
+        backend: backend(options),
+        data_dir,
+    })
+}
+
+/// A fresh run: a new directory (or an empty one named), the request's settings and defaults.
+fn settle_fresh<J: Job>(
+    job: &J,
+    request: &J::Request,
+    options: &RunOptions,
+    world_size: Option<usize>,
+    reporter: &mut dyn Reporter,
+) -> Result<Settings<J::Config>, JobError> {
+    let checkpoint_dir = match &options.checkpoint_dir {
+        Some(d) => {
+            if let Some(latest) = checkpoint::latest(d)? {
+                return Err(JobError::CheckpointsExist {
+                    dir: d.clone(),
+                    latest,
+                });
+            }
+            d.clone()
+        }
+        None => runs(Path::new(RUNS_DIR), J::NAME).1,
+    };
+    std::fs::create_dir_all(&checkpoint_dir).map_err(JobError::io(&checkpoint_dir))?;
+    let ranks = world_size.unwrap_or(job.requested_ranks(request).unwrap_or(J::DEFAULT_RANKS));
+    let data_dir = data_dir(options);
+    let config = job.configure(request, ranks, &data_dir, reporter)?;
+    debug_assert_eq!(config.ranks(), ranks);
+    Ok(Settings {
+        config,
+        epochs: options.epochs.unwrap_or(J::DEFAULT_EPOCHS),
+        checkpoint_dir,
+        resume: false,
+        backend: backend(options),
+        data_dir,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_numbered_per_job() {
+        let base = std::env::temp_dir().join(format!("bonfire-runs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        assert_eq!(runs(&base, "vision"), (None, base.join("vision-1")));
+        for d in ["vision-1", "vision-7", "vision-x", "gpt-9"] {
+            std::fs::create_dir_all(base.join(d)).unwrap();
+        }
+        assert_eq!(
+            runs(&base, "vision"),
+            (Some(base.join("vision-7")), base.join("vision-8"))
+        );
+        assert_eq!(
+            runs(&base, "gpt"),
+            (Some(base.join("gpt-9")), base.join("gpt-10"))
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}

@@ -1,0 +1,324 @@
+//! One rank of the vision job: data loading, the training loop, evaluation, and rank 0's
+//! checkpoint, plots and lines after each epoch.
+
+use std::time::Instant;
+
+use bonfire::DataParallel;
+use bonfire_datasets::{ImageSet, Shard, Split};
+use bonfire_models::{ResNet, ResNetConfig};
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Int, Tensor};
+
+use super::{EpochRecord, Vision, VisionReport, VisionState, output};
+use crate::JobError;
+use crate::checkpoint::State;
+use crate::data::{param_digest, shuffled};
+use crate::progress::StepProgress;
+use crate::rank::RankContext;
+use crate::report::{Say, Throughput};
+use crate::settings::Settings;
+
+use super::VisionConfig;
+
+/// The training backend: `B` under bonfire's data-parallel decorator, with autodiff.
+type A<B> = Autodiff<DataParallel<B>>;
+type Rec = BinBytesRecorder<FullPrecisionSettings>;
+
+/// Points on the training-loss curve per epoch.
+const CURVE_POINTS: usize = 20;
+/// Test images evaluated at once.
+const EVAL_BATCH: usize = 500;
+
+/// Trains on backend `B` (wrapped in `Autodiff<DataParallel<B>>`).
+pub(super) fn run<B: Backend>(
+    ctx: &mut RankContext<'_, Vision>,
+    device: B::Device,
+) -> Result<(VisionState, VisionReport), JobError> {
+    let s = ctx.settings().clone();
+    let c = &s.config;
+    let (rank, size) = (ctx.rank(), ctx.world_size());
+    let (train, test) = load_data(&s, rank, size)?;
+    if ctx.is_main() {
+        ctx.say(Say::Start, &output::start_line(&s, &train, &test, size));
+    }
+    <A<B> as Backend>::seed(&device, c.seed);
+    let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
+    let optim = AdamConfig::new().init::<A<B>, ResNet<A<B>>>();
+    let mut state = State::new(c.clone(), s.epochs);
+    let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
+    let mut model = bonfire::replicate(model);
+    let started = Instant::now();
+    let mut throughput = Throughput {
+        ranks: size,
+        ..Throughput::default()
+    };
+    for epoch in state.epochs_done..s.epochs {
+        let t0 = Instant::now();
+        let trained;
+        (model, trained) = train_epoch(ctx, model, &mut optim, &train, epoch, &device)?;
+        let train_secs = t0.elapsed().as_secs_f64();
+        throughput.items += trained.seen as usize * size;
+        throughput.seconds += train_secs;
+        let totals = ctx.sum(
+            vec![
+                trained.loss_sum,
+                trained.correct as f64,
+                trained.seen as f64,
+            ],
+            "summing the epoch's training loss",
+        )?;
+        let t = evaluate(ctx, &model, &test, &device)?;
+        state.history.push(EpochRecord {
+            epoch: epoch + 1,
+            train_loss: totals[0] / totals[2],
+            train_accuracy: totals[1] / totals[2],
+            test_loss: t[0] / t[2],
+            test_accuracy: t[1] / t[2],
+            test_correct: t[1] as u64,
+            test_images: t[2] as u64,
+            images_per_second: totals[2] / train_secs,
+            seconds: t0.elapsed().as_secs_f64(),
+            curve: trained.curve,
+            param_digest: param_digest(&model),
+        });
+        state.epochs_done = epoch + 1;
+        record_epoch(ctx, &state, &model, &optim)?;
+    }
+    throughput.wall = started.elapsed();
+    let report = VisionReport {
+        throughput,
+        stats: bonfire::total_stats(),
+        checkpoint_dir: s.checkpoint_dir.clone(),
+    };
+    if ctx.is_main() {
+        for line in output::report_lines(&state, &report) {
+            ctx.say(Say::Report, &line);
+        }
+    }
+    Ok((state, report))
+}
+
+/// The training and test shards of this rank: equal shards of the training images (every rank
+/// runs the same number of steps), balanced shards of the test images (every one counts once).
+fn load_data(
+    s: &Settings<VisionConfig>,
+    rank: usize,
+    world: usize,
+) -> Result<(ImageSet, ImageSet), JobError> {
+    let c = &s.config;
+    let limit = |shard: Shard, n: Option<usize>| match n {
+        Some(n) => shard.limit(n),
+        None => shard,
+    };
+    let train_shard = limit(Shard::equal(rank, world), c.train_limit);
+    let test_shard = limit(Shard::balanced(rank, world), c.test_limit);
+    let (train, test) = match c.dataset.fetched() {
+        None => (
+            ImageSet::embedded(Split::Train, train_shard),
+            ImageSet::embedded(Split::Test, test_shard),
+        ),
+        Some(set) => (
+            ImageSet::load(set, Split::Train, &s.data_dir, train_shard),
+            ImageSet::load(set, Split::Test, &s.data_dir, test_shard),
+        ),
+    };
+    Ok((train?, test?))
+}
+
+/// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
+/// ones unchanged.
+fn resume<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, Vision>,
+    model: ResNet<A<B>>,
+    optim: O,
+    state: &mut VisionState,
+    device: &B::Device,
+) -> Result<(ResNet<A<B>>, O), JobError> {
+    let Some(loaded) = ctx.resume_checkpoint()? else {
+        return Ok((model, optim));
+    };
+    let recorder = Rec::default();
+    let bad = |what: &'static str| {
+        let dir = loaded.dir.clone();
+        move |source| JobError::ReadRecord { dir, what, source }
+    };
+    let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
+    let optim = optim.load_record(
+        recorder
+            .load(loaded.optimizer, device)
+            .map_err(bad("optimizer state"))?,
+    );
+    state.history = loaded.state.history;
+    state.epochs_done = loaded.state.epochs_done;
+    let line = format!(
+        "resuming from {} (epoch {} of {})",
+        loaded.dir.display(),
+        state.epochs_done,
+        state.epochs
+    );
+    ctx.say(Say::Resume, &line);
+    Ok((model, optim))
+}
+
+/// What one rank's training in an epoch measured.
+struct Trained {
+    loss_sum: f64,
+    correct: u64,
+    seen: u64,
+    curve: Vec<(f64, f64)>,
+}
+
+/// Trains one epoch on this rank's shard, in the epoch's order for this rank.
+fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, Vision>,
+    mut model: ResNet<A<B>>,
+    optim: &mut O,
+    train: &ImageSet,
+    epoch: usize,
+    device: &B::Device,
+) -> Result<(ResNet<A<B>>, Trained), JobError> {
+    let c = ctx.settings().config.clone();
+    let (rank, size, epochs) = (ctx.rank(), ctx.world_size(), ctx.settings().epochs);
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let steps = train.len().div_ceil(c.batch);
+    let lr = c.lr * c.lr_decay.powi(epoch as i32);
+    let order = shuffled(train.len(), c.seed, epoch, rank);
+    let t0 = Instant::now();
+    let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0u64, 0u64);
+    let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
+    let mut curve = Vec::new();
+    for (i, idx) in order.chunks(c.batch).enumerate() {
+        let (x, y) = train.batch::<A<B>>(idx, device);
+        let logits = model.forward(x);
+        let hits = hits(logits.clone().detach(), y.clone());
+        let loss = loss_fn.forward(logits, y);
+        let l: f64 = loss.clone().into_scalar().elem();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+        loss_sum += l * idx.len() as f64;
+        correct += hits as u64;
+        seen += idx.len() as u64;
+        stretch_sum += l;
+        stretch_n += 1;
+        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
+            curve.push((
+                epoch as f64 + (i + 1) as f64 / steps as f64,
+                stretch_sum / stretch_n as f64,
+            ));
+            (stretch_sum, stretch_n) = (0.0, 0);
+        }
+        if ctx.is_main() {
+            let elapsed = t0.elapsed();
+            ctx.step(&StepProgress {
+                epoch: epoch + 1,
+                epochs,
+                step: i + 1,
+                steps,
+                loss: loss_sum / seen as f64,
+                accuracy: Some(correct as f64 / seen as f64),
+                rate: (seen as usize * size) as f64 / elapsed.as_secs_f64(),
+                unit: "images",
+                elapsed,
+            });
+        }
+    }
+    let trained = Trained {
+        loss_sum,
+        correct,
+        seen,
+        curve,
+    };
+    Ok((model, trained))
+}
+
+/// Images of a batch classified right.
+fn hits<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> i64 {
+    logits
+        .argmax(1)
+        .flatten::<1>(0, 1)
+        .equal(labels)
+        .int()
+        .sum()
+        .into_scalar()
+        .elem()
+}
+
+/// Rank 0's model (its batch-norm statistics) evaluated on every rank's test shard: the summed
+/// test loss, images right and images, over all ranks.
+fn evaluate<B: Backend>(
+    ctx: &RankContext<'_, Vision>,
+    model: &ResNet<A<B>>,
+    test: &ImageSet,
+    device: &B::Device,
+) -> Result<Vec<f64>, JobError> {
+    let recorder = Rec::default();
+    let valid = model.valid();
+    let mine = if ctx.is_main() {
+        recorder
+            .record(valid.clone().into_record(), ())
+            .map_err(|source| JobError::EncodeRecord {
+                what: "model",
+                source,
+            })?
+    } else {
+        Vec::new()
+    };
+    let bytes = ctx.broadcast_bytes(mine, "sharing rank 0's model for evaluation")?;
+    let valid = valid.load_record(recorder.load(bytes, device).map_err(JobError::Rank0Model)?);
+    let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
+    let all: Vec<usize> = (0..test.len()).collect();
+    let eval_loss = CrossEntropyLossConfig::new().init(device);
+    for idx in all.chunks(EVAL_BATCH) {
+        let (x, y) = test.batch::<DataParallel<B>>(idx, device);
+        let logits = valid.forward(x);
+        let hits = hits(logits.clone(), y.clone());
+        let l: f64 = eval_loss.forward(logits, y).into_scalar().elem();
+        test_loss += l * idx.len() as f64;
+        test_correct += hits as f64;
+    }
+    ctx.sum(
+        vec![test_loss, test_correct, test.len() as f64],
+        "summing the test results",
+    )
+}
+
+/// Rank 0 writes the epoch's checkpoint and plots and says its line.
+fn record_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, Vision>,
+    state: &VisionState,
+    model: &ResNet<A<B>>,
+    optim: &O,
+) -> Result<(), JobError> {
+    let recorder = Rec::default();
+    let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
+    let saved = ctx.save_checkpoint(
+        state,
+        || {
+            recorder
+                .record(model.clone().into_record(), ())
+                .map_err(encode("model"))
+        },
+        || {
+            recorder
+                .record(optim.to_record(), ())
+                .map_err(encode("optimizer state"))
+        },
+    )?;
+    let Some(dir) = saved else {
+        return Ok(());
+    };
+    let root = &ctx.settings().checkpoint_dir;
+    output::write_plots(root, state).map_err(|source| JobError::Plots {
+        dir: root.clone(),
+        source,
+    })?;
+    let r = state.history.last().expect("just recorded");
+    let line = output::epoch_line(r, ctx.settings().epochs, &dir);
+    ctx.say(Say::Epoch, &line);
+    Ok(())
+}

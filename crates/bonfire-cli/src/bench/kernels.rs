@@ -3,11 +3,11 @@
 
 use std::time::Instant;
 
-use bonfire_kernels::cubecl::prelude::{ComputeClient, Runtime};
 use bonfire_kernels::{DeviceBuffer, GradElement, copy, pack, reduce, supports, unpack};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_cubecl::{CubeBackend, CubeRuntime};
+use cubecl::prelude::{ComputeClient, Runtime};
 use half::f16;
 
 use crate::error::CliError;
@@ -96,7 +96,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
     // clap admits only `wgpu` and `cuda`.
     match args.runtime.as_str() {
         "wgpu" => {
-            use bonfire_kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+            use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
             run_on::<WgpuRuntime>(&args, WgpuDevice::default(), bonfire_jobs::WGPU_HINT)
         }
         _ => cuda(&args),
@@ -105,7 +105,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
 
 #[cfg(feature = "cuda")]
 fn cuda(args: &Args) -> Result<(), CliError> {
-    use bonfire_kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
     run_on::<CudaRuntime>(args, CudaDevice::default(), bonfire_jobs::CUDA_HINT)
 }
 
@@ -122,7 +122,7 @@ fn run_on<R: CubeRuntime>(
     let client = bonfire_jobs::open_gpu::<R>(&device, &args.runtime, hint)?;
     let sync = || {
         let _ = <Burn<R> as Backend>::sync(&device);
-        let _ = bonfire_kernels::cubecl::future::block_on(client.sync());
+        let _ = cubecl::future::block_on(client.sync());
     };
     let half_ok = supports::<R, f16>(&client);
     let settings = if args.vectors_per_unit.is_empty() {

@@ -25,11 +25,17 @@ pub mod tensor_parallel;
 
 pub use data_parallel::{
     BindGuard, ConfigError, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, NoSyncGuard, StepStats, SyncError, abort, accumulate, bind_thread, communicator,
-    discard_kept_gradients, install, keep_gradients, last_step_stats, no_sync, replicate,
-    total_stats,
+    GradDType, LocalParts, NoSyncGuard, StepStats, SyncError, abort, accumulate, bind_thread,
+    communicator, discard_kept_gradients, install, keep_gradients, last_step_stats, no_sync,
+    register_local_parts, replicate, total_stats,
 };
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
+
+/// Data x tensor parallelism: `Autodiff<Hybrid<B>>` splits each model over its rank's
+/// tensor-parallel group (as [`TensorParallel`]) and averages each shard's gradients over its
+/// data-parallel group (as [`DataParallel`]), the ranks that hold the same shard. Split the model
+/// with [`tensor_parallel`] first, then [`replicate`] it.
+pub type Hybrid<B> = DataParallel<TensorParallel<B>>;
 
 #[cfg(test)]
 mod send_sync {

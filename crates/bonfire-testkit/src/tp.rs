@@ -91,7 +91,8 @@ impl<B: Backend> TpNet<B> for TpMlp<B> {
     }
 
     fn loss(&self, batch: &TpBatch, device: &B::Device) -> Tensor<B, 1> {
-        let x = Tensor::<B, 2>::from_data(TensorData::new(batch.x.clone(), [8, 12]), device);
+        let shape = [batch.x_shape[0], batch.x_shape[1]];
+        let x = Tensor::<B, 2>::from_data(TensorData::new(batch.x.clone(), shape), device);
         cross_entropy(
             self.fc2.forward(gelu(self.fc1.forward(x))),
             &batch.y,
@@ -139,10 +140,11 @@ impl<B: Backend> TpNet<B> for TpEncoder<B> {
     }
 
     fn loss(&self, batch: &TpBatch, device: &B::Device) -> Tensor<B, 1> {
-        let x = Tensor::<B, 3>::from_data(TensorData::new(batch.x.clone(), [4, 6, 16]), device);
+        let [b, s, d] = [batch.x_shape[0], batch.x_shape[1], batch.x_shape[2]];
+        let x = Tensor::<B, 3>::from_data(TensorData::new(batch.x.clone(), [b, s, d]), device);
         let y = self.encoder.forward(TransformerEncoderInput::new(x));
         cross_entropy(
-            self.head.forward(y.mean_dim(1).reshape([4, 16])),
+            self.head.forward(y.mean_dim(1).reshape([b, d])),
             &batch.y,
             device,
         )
@@ -227,7 +229,7 @@ impl<B: Backend> TpNet<B> for TpGpt<B> {
 
     fn batch(seed: u64) -> TpBatch {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (b, s) = (3, GPT_CONTEXT);
+        let (b, s) = (4, GPT_CONTEXT);
         let stream: Vec<i64> = (0..b * (s + 1))
             .map(|_| rng.random_range(0..GPT_VOCAB as i64))
             .collect();
@@ -285,9 +287,67 @@ pub fn gradients<B: AutodiffBackend, M: Module<B>>(
     c.1
 }
 
+impl TpBatch {
+    /// Part `part` of `parts` equal parts of the batch (split along its first dimension), as a
+    /// data-parallel rank gets it; the mean loss over the whole batch is the mean of the parts'.
+    ///
+    /// # Panics
+    /// If the batch does not split into `parts` equal parts.
+    pub fn part(&self, part: usize, parts: usize) -> TpBatch {
+        fn rows<T: Clone>(v: &[T], shape: &[usize], part: usize, parts: usize) -> Vec<T> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            assert!(
+                shape[0].is_multiple_of(parts),
+                "a batch of {} rows does not split in {parts}",
+                shape[0]
+            );
+            let row = v.len() / shape[0];
+            let n = shape[0] / parts * row;
+            v[part * n..(part + 1) * n].to_vec()
+        }
+        let shrink = |shape: &[usize]| {
+            let mut s = shape.to_vec();
+            if let Some(first) = s.first_mut() {
+                *first /= parts;
+            }
+            s
+        };
+        let y_shape = if self.t_shape.is_empty() {
+            vec![self.y.len()]
+        } else {
+            self.t_shape.clone()
+        };
+        TpBatch {
+            x: rows(&self.x, &self.x_shape, part, parts),
+            x_shape: shrink(&self.x_shape),
+            tokens: rows(&self.tokens, &self.t_shape, part, parts),
+            y: rows(&self.y, &y_shape, part, parts),
+            t_shape: shrink(&self.t_shape),
+        }
+    }
+}
+
 /// `steps` Adam steps (lr 0.001) on batches from seeds `100..100 + steps`; returns the model and
 /// each step's loss.
-pub fn adam_steps<B, M>(mut model: M, steps: usize, device: &B::Device) -> (M, Vec<f32>)
+pub fn adam_steps<B, M>(model: M, steps: usize, device: &B::Device) -> (M, Vec<f32>)
+where
+    B: AutodiffBackend,
+    M: TpNet<B> + burn::module::AutodiffModule<B>,
+{
+    adam_steps_on_part(model, steps, device, 0, 1)
+}
+
+/// [`adam_steps`] on part `part` of `parts` of each batch ([`TpBatch::part`]): a data-parallel
+/// rank's share of the union batch.
+pub fn adam_steps_on_part<B, M>(
+    mut model: M,
+    steps: usize,
+    device: &B::Device,
+    part: usize,
+    parts: usize,
+) -> (M, Vec<f32>)
 where
     B: AutodiffBackend,
     M: TpNet<B> + burn::module::AutodiffModule<B>,
@@ -295,7 +355,8 @@ where
     let mut optim = AdamConfig::new().init::<B, M>();
     let mut losses = Vec::new();
     for step in 0..steps {
-        let loss = model.loss(&M::batch(100 + step as u64), device);
+        let batch = M::batch(100 + step as u64).part(part, parts);
+        let loss = model.loss(&batch, device);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         losses.push(loss.into_scalar().elem::<f32>());
         model = optim.step(0.001, model, grads);

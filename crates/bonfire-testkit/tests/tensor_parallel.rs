@@ -198,8 +198,9 @@ fn the_gpt_block_never_gathers_the_logits() {
         // and the loss's max and sum of exponentials over the split vocabulary (one value per
         // position each: b x s, never b x s x vocab).
         assert_eq!(fwd.all_reduces, 5, "rank {rank}: {fwd:?}");
-        let activation = 3 * 8 * 16 * 4;
-        let per_position = 3 * 8 * 4;
+        let (b, s, width, f32_bytes) = (4, 8, 16, 4);
+        let activation = b * s * width * f32_bytes;
+        let per_position = b * s * f32_bytes;
         assert_eq!(
             fwd.all_reduce_bytes,
             3 * activation + 2 * per_position,

@@ -1,7 +1,9 @@
 //! `Autodiff<TensorParallel<Flex>>` across processes: 2 ranks under the launcher with
-//! `BONFIRE_TP=2`, over QUIC. Each starts from a plain single-device record, splits it by the
-//! plan, trains 5 Adam steps; the gathered parameters (and the plain record rank 0 saves from
-//! them) equal single-device training from the same record (within 1e-5).
+//! `BONFIRE_TP=2`, over QUIC; and `Autodiff<Hybrid<Flex>>`: 4 ranks with `BONFIRE_TP=2` (2
+//! replicas of 2 tensor-parallel ranks, each replica on half of every batch). Each starts from a
+//! plain single-device record, splits it by the plan, trains 5 Adam steps; the gathered
+//! parameters (and the plain record rank 0 saves from them) equal single-device training on the
+//! whole batch from the same record (within 1e-5).
 
 use std::time::Duration;
 
@@ -17,7 +19,7 @@ use burn::record::{BinFileRecorder, FullPrecisionSettings};
 const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-tp-check");
 const STEPS: usize = 5;
 
-fn check<M>(name: &str, make: fn(&FlexDevice) -> M)
+fn check<M>(name: &str, make: fn(&FlexDevice) -> M, ranks: usize)
 where
     M: TpNet<DpFlex> + AutodiffModule<DpFlex>,
 {
@@ -40,19 +42,19 @@ where
         .expect("save the initial record");
     let want = parameters(&adam_steps(start, STEPS, &device).0);
 
-    let mut c = LaunchConfig::local(2, CHECK);
+    let mut c = LaunchConfig::local(ranks, CHECK);
     c.args = vec![
-        name.into(),
+        name.split('-').next().unwrap_or(name).into(),
         STEPS.to_string().into(),
         dir.join("init.bin").into(),
         dir.clone().into(),
     ];
     c.extra_env = vec![("BONFIRE_TP".into(), "2".into())];
     c.timeout = Some(Duration::from_secs(60));
-    launch(&c).expect("the two-process job succeeds");
+    launch(&c).expect("the job succeeds");
 
     let flat: Vec<f32> = want.iter().flatten().copied().collect();
-    for r in 0..2 {
+    for r in 0..ranks {
         let got = read_params(&dir.join(format!("rank{r}.bin")));
         let d = max_abs_diff(&[got], std::slice::from_ref(&flat));
         assert!(
@@ -65,16 +67,26 @@ where
         .expect("rank 0's plain record loads on one device");
     let d = max_abs_diff(&parameters(&whole), &want);
     assert!(d <= 1e-5, "{name}: the plain record differs by {d:e}");
-    assert!(dir.join("shards/tp-rank1-of-2.bin").exists());
+    for replica in 0..ranks / 2 {
+        assert!(
+            dir.join(format!("shards-dp{replica}/tp-rank1-of-2.bin"))
+                .exists()
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn transformer_encoder_over_two_processes_matches_one_device() {
-    check("encoder", TpEncoder::new);
+    check("encoder", TpEncoder::new, 2);
 }
 
 #[test]
 fn gpt_block_over_two_processes_matches_one_device() {
-    check("gpt", TpGpt::new);
+    check("gpt", TpGpt::new, 2);
+}
+
+#[test]
+fn gpt_block_over_dp2_x_tp2_processes_matches_one_device_on_the_union_batch() {
+    check("gpt-hybrid", TpGpt::new, 4);
 }

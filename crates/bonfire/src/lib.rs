@@ -56,7 +56,9 @@ pub use bonfire_backend::{
     StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync,
     replicate, total_stats,
 };
-pub use bonfire_backend::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
+pub use bonfire_backend::{
+    Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
+};
 
 /// burn-train: the data-parallel learning strategy for one process per rank
 /// ([`train::DataParallelStrategy`], installed with [`train::DataParallelTraining`]).
@@ -125,7 +127,8 @@ pub mod prelude {
     };
     pub use crate::topology::{DType, Mesh, Rank, ReduceOp};
     pub use crate::{
-        DataParallel, DistributedSampler, NoSyncGuard, World, accumulate, init, no_sync, replicate,
+        DataParallel, DistributedSampler, Hybrid, NoSyncGuard, TensorParallel, TpPlan, World,
+        accumulate, init, no_sync, replicate, tensor_parallel,
     };
 }
 
@@ -146,4 +149,6 @@ pub mod book {
     pub struct DataParallel;
     #[doc = include_str!("../../../book/src/tensor-parallel.md")]
     pub struct TensorParallel;
+    #[doc = include_str!("../../../book/src/hybrid.md")]
+    pub struct Hybrid;
 }

@@ -9,7 +9,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DeviceId, DeviceOps, TensorMetadata};
 
 use super::error::SyncError;
-use super::{DataParallel, context, sync};
+use super::{DataParallel, context, local, sync};
 
 impl<B: Backend> DistributedBackend for DataParallel<B> {
     /// burn-train's one-process DDP: every listed device becomes a rank of an in-process group.
@@ -50,7 +50,8 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
     ) -> CollectiveTensor<Self> {
         let device = B::float_device(&tensor);
         let rep = context::for_device(&device);
-        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        let (shape, dtype) = (local::shape::<B>(&tensor), tensor.dtype());
+        let like = tensor.clone();
         let values = sync::to_host::<B>(&rep, tensor, "all_reduce's tensor");
         let n = values.len();
         let op = match op {
@@ -64,7 +65,13 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
                 source,
             }),
         };
-        CollectiveTensor::new(sync::from_host::<B>(reduced, shape, dtype, &device))
+        CollectiveTensor::new(sync::from_host::<B>(
+            reduced,
+            shape,
+            dtype,
+            &device,
+            Some(&like),
+        ))
     }
 
     /// Nothing to wait for: [`DistributedBackend::all_reduce`] completes before it returns.

@@ -5,7 +5,8 @@
 //! (`Replica`: its communicator, `config`, bucket `state` and `stats`); the hooks in `sync` and
 //! the module helpers in `replicate` take a replica from it and act on its state; `distributed`
 //! is Burn's gradient hook, which looks the replica up once per call and hands it to `sync`;
-//! `device_pack` packs buckets on CubeCL devices; `error` names every failure, and
+//! `device_pack` packs buckets on CubeCL devices; `local` reads and writes the part of a tensor
+//! this rank averages (the whole tensor, or its shard under `TensorParallel`); `error` names every failure, and
 //! `Replica::fail` applies the failure policy to it.
 
 mod backend;
@@ -15,6 +16,7 @@ mod convert;
 mod device_pack;
 mod distributed;
 mod error;
+mod local;
 mod ops;
 mod replicate;
 mod sampler;
@@ -28,6 +30,7 @@ pub use context::{
     BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,
 };
 pub use error::SyncError;
+pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
 pub use stats::StepStats;

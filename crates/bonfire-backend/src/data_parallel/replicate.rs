@@ -3,7 +3,7 @@
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
 
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use std::sync::Arc;
 use super::context::{self, Replica};
 use super::error::SyncError;
 use super::state::ParamInfo;
+use super::{local, sync};
 
 /// Makes `module` a replica of rank 0's, as the constructor of PyTorch's
 /// `DistributedDataParallel` does: every float parameter (values and id) is broadcast from rank 0,
@@ -135,16 +136,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Harvest<B> {
             .rep
             .get_or_insert_with(|| context::for_device(&device))
             .clone();
-        let values = grad
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .unwrap_or_else(|e| {
-                rep.fail(SyncError::Read {
-                    what: "a gradient as f32".into(),
-                    reason: format!("{e:?}"),
-                })
-            });
+        let values =
+            sync::to_host::<B::InnerBackend>(&rep, grad.into_primitive().tensor(), "a gradient");
         let name = self.path.join(".");
         rep.state().accumulate(param.id.val(), || name, &values);
     }
@@ -180,9 +173,16 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
             .clone();
         let require_grad = tensor.is_require_grad();
         let name = self.path.join(".");
-        let numel = tensor.shape().num_elements();
+        // This rank's part of the parameter (all of it, but for a tensor-parallel shard).
+        let inner = tensor.clone().inner().into_primitive().tensor();
+        let numel = local::shape::<B::InnerBackend>(&inner).num_elements();
         let (id, tensor) = if rep.comm.size() > 1 {
-            let data = tensor.into_data();
+            let data = local::read::<B::InnerBackend>(inner.clone()).unwrap_or_else(|e| {
+                rep.fail(SyncError::Read {
+                    what: format!("parameter {name}"),
+                    reason: e.to_string(),
+                })
+            });
             let (shape, dtype) = (data.shape.clone(), data.dtype);
             let ids = rep
                 .comm
@@ -207,9 +207,10 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
                     })
                 });
             let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+            let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
             (
                 ParamId::from(ids[0] as u64),
-                Tensor::from_data(data, &device),
+                Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed))),
             )
         } else {
             (id, tensor.detach())

@@ -26,6 +26,7 @@ use super::config::GradDType;
 use super::context::Replica;
 use super::device_pack;
 use super::error::SyncError;
+use super::local;
 use super::state::{Agreement, Inflight, ParamInfo, Step, SyncState};
 use super::stats::StepStats;
 
@@ -166,7 +167,7 @@ pub(crate) fn gradient<B: Backend>(
     let Some(&i) = index.get(&id) else {
         rep.fail(SyncError::UnknownParameter { id });
     };
-    let shape = unsafe { burn_backend::TensorMetadata::shape(&*tensor.0) };
+    let shape = local::shape::<B>(unsafe { &*tensor.0 });
     let dtype = unsafe { burn_backend::TensorMetadata::dtype(&*tensor.0) };
     // With a plan, a device gradient waits for the rest of its bucket to be packed with it.
     let on_device = step.plan.is_some()
@@ -356,8 +357,11 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
             if let Some(r) = refs[p].take() {
                 let n = r.shape.num_elements();
-                let t = from_host::<B>(reduced[off..off + n].to_vec(), r.shape, r.dtype, device);
                 // SAFETY: as in `gradient`; backward has not returned yet.
+                let like = unsafe { &*r.tensor.0 };
+                let values = reduced[off..off + n].to_vec();
+                let t = from_host::<B>(values, r.shape, r.dtype, device, Some(like));
+                // SAFETY: as above.
                 unsafe { *r.tensor.0 = t };
             }
         }
@@ -503,9 +507,10 @@ fn read<B: Backend>(rep: &Replica, tensor: &TensorRef<DataParallel<B>>) -> Vec<f
     to_host::<B>(rep, unsafe { (*tensor.0).clone() }, "a gradient")
 }
 
-/// A float tensor's values in host memory, as f32 (`what` names it in errors).
+/// A float tensor's values in host memory, as f32 (`what` names it in errors): this rank's part
+/// of it (see `local`).
 pub(crate) fn to_host<B: Backend>(rep: &Replica, t: FloatTensor<B>, what: &str) -> Vec<f32> {
-    let data = match futures::executor::block_on(B::float_into_data(t)) {
+    let data = match local::read::<B>(t) {
         Ok(d) => d,
         Err(e) => rep.fail(SyncError::Read {
             what: format!("{what} from the device"),
@@ -526,18 +531,20 @@ pub(crate) fn to_host<B: Backend>(rep: &Replica, t: FloatTensor<B>, what: &str) 
     }
 }
 
-/// A float tensor of `shape` and `dtype` on `device`, from f32 values.
+/// A float tensor of `shape` and `dtype` on `device`, from f32 values: this rank's part of a
+/// tensor placed as `like` (when given; see `local`).
 pub(crate) fn from_host<B: Backend>(
     values: Vec<f32>,
     shape: Shape,
     dtype: DType,
     device: &B::Device,
+    like: Option<&FloatTensor<B>>,
 ) -> FloatTensor<B> {
     let mut data = TensorData::new(values, shape);
     if dtype != DType::F32 {
         data = data.convert_dtype(dtype);
     }
-    B::float_from_data(data, device)
+    local::write::<B>(like, data, device)
 }
 
 /// The number inside a parameter id (Burn keeps it private; it is serialised as the bare number).

@@ -31,6 +31,7 @@ pub fn distribute<B: TensorParallelBackend, const D: usize>(
     tensor: Tensor<B, D>,
     placement: Placement,
 ) -> Tensor<B, D> {
+    super::hybrid::register::<B::Inner>();
     let t = tp::<B, D>(tensor);
     let shape = t.shape.clone();
     let (rank, n) = group().map_or((0, 1), |g| (g.rank(), g.size()));

@@ -8,13 +8,14 @@
 //! `redistribute` moves a tensor between placements (the only code that communicates); `rules/`
 //! hold one function per op with a rule, `fallback` what every other op does, and `ops/` (generated)
 //! wires Burn's op traits to them; `plan` splits a model's parameters; `checkpoint` saves and
-//! loads them.
+//! loads them; `hybrid` lets `DataParallel` average a split model's gradients shard by shard.
 
 mod backend;
 mod checkpoint;
 mod context;
 mod distribute;
 mod fallback;
+mod hybrid;
 mod ops;
 mod placement;
 mod plan;

@@ -408,6 +408,8 @@ where
     B: TensorParallelBackend,
     M: Module<B>,
 {
+    // Under `DataParallel` (the hybrid), gradients are averaged shard by shard.
+    super::hybrid::register::<B::Inner>();
     match context::current() {
         Some(bound) if bound.comm.id() != group.id() => {
             return Err(PlanError::OtherGroup {

@@ -1,8 +1,11 @@
 //! One rank of a tensor-parallel check job: `bonfire-tp-check <mlp|encoder|gpt> <steps>
 //! <init-record> <out-dir>`, started by `bonfire launch` with `BONFIRE_TP` set. Joins the job,
 //! loads the plain (single-device) record `<init-record>` into the model and splits it by the
-//! model's plan, runs `<steps>` Adam steps, then:
-//! - saves its shards to `<out-dir>/shards` and checks that loading them gives the same model;
+//! model's plan; when the job has more ranks than `BONFIRE_TP` (data x tensor parallelism), runs
+//! on `Autodiff<Hybrid<Flex>>`, replicates the split model over its data-parallel group and
+//! trains on its replica's part of every batch. It runs `<steps>` Adam steps, then:
+//! - saves its shards to `<out-dir>/shards-dp<replica>` and checks that loading them gives the
+//!   same model;
 //! - writes its gathered parameters to `<out-dir>/rank<r>.bin` (module order, f32), and rank 0
 //!   the gathered model as a plain record `<out-dir>/whole` (Burn's full-precision bin format).
 //!
@@ -11,14 +14,20 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use bonfire::backend::tensor_parallel::{gathered, load_shards, save_shards};
+use bonfire::backend::tensor_parallel::{
+    TensorParallelBackend, gathered, load_shards, save_shards,
+};
 use bonfire_testkit::nets::{max_abs_diff, parameters, write_params};
-use bonfire_testkit::tp::{TpEncoder, TpFlex, TpGpt, TpMlp, TpNet, adam_steps};
-use burn::backend::flex::FlexDevice;
+use bonfire_testkit::tp::{TpEncoder, TpFlex, TpGpt, TpMlp, TpNet, adam_steps_on_part};
+use burn::backend::Autodiff;
+use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::AutodiffModule;
 use burn::record::{BinFileRecorder, FullPrecisionSettings};
+use burn::tensor::backend::AutodiffBackend;
 
-fn run<M>(
+type HybridFlex = Autodiff<bonfire::Hybrid<Flex>>;
+
+fn run<B, M>(
     make: fn(&FlexDevice) -> M,
     steps: usize,
     init: &Path,
@@ -26,7 +35,8 @@ fn run<M>(
     world: &bonfire::World,
 ) -> Result<(), String>
 where
-    M: TpNet<TpFlex> + AutodiffModule<TpFlex>,
+    B: AutodiffBackend<Device = FlexDevice> + TensorParallelBackend,
+    M: TpNet<B> + AutodiffModule<B>,
 {
     let device = FlexDevice;
     let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
@@ -35,9 +45,15 @@ where
         .map_err(|e| format!("cannot load {}: {e}", init.display()))?;
     let model =
         bonfire::tensor_parallel(model, &M::plan(), world.tp_group()).map_err(|e| e.to_string())?;
-    let model = adam_steps(model, steps, &device).0;
+    let (replica, replicas) = (world.dp_group().rank(), world.dp_group().size());
+    let model = if replicas > 1 {
+        bonfire::replicate(model)
+    } else {
+        model
+    };
+    let model = adam_steps_on_part(model, steps, &device, replica, replicas).0;
 
-    let shards = out.join("shards");
+    let shards = out.join(format!("shards-dp{replica}"));
     save_shards(&model, &shards).map_err(|e| e.to_string())?;
     let reloaded = load_shards(make(&device), &shards).map_err(|e| e.to_string())?;
     let d = max_abs_diff(&parameters(&reloaded), &parameters(&model));
@@ -75,11 +91,15 @@ fn main() -> ExitCode {
         }
     };
     let (init, out) = (PathBuf::from(init), PathBuf::from(out));
-    let result = match model.as_str() {
-        "mlp" => run(TpMlp::new, steps, &init, &out, &world),
-        "encoder" => run(TpEncoder::new, steps, &init, &out, &world),
-        "gpt" => run(TpGpt::new, steps, &init, &out, &world),
-        other => Err(format!("unknown model {other:?}")),
+    let hybrid = world.dp_group().size() > 1;
+    let result = match (model.as_str(), hybrid) {
+        ("mlp", false) => run::<TpFlex, _>(TpMlp::new, steps, &init, &out, &world),
+        ("mlp", true) => run::<HybridFlex, _>(TpMlp::new, steps, &init, &out, &world),
+        ("encoder", false) => run::<TpFlex, _>(TpEncoder::new, steps, &init, &out, &world),
+        ("encoder", true) => run::<HybridFlex, _>(TpEncoder::new, steps, &init, &out, &world),
+        ("gpt", false) => run::<TpFlex, _>(TpGpt::new, steps, &init, &out, &world),
+        ("gpt", true) => run::<HybridFlex, _>(TpGpt::new, steps, &init, &out, &world),
+        (other, _) => Err(format!("unknown model {other:?}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

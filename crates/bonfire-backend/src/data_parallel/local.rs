@@ -1,0 +1,76 @@
+//! The part of a tensor that data parallelism averages and broadcasts: for most inner backends the
+//! whole tensor; for an inner backend that splits tensors over other ranks (`TensorParallel`, in
+//! the hybrid `DataParallel<TensorParallel<B>>`), this rank's own part, so that gradients are
+//! averaged over the data-parallel axis shard by shard and never gathered on the other axis.
+//!
+//! Such a backend registers its float primitive's [`LocalParts`] (`DataParallel` is generic over
+//! any backend and cannot name it); the functions here fall back to the whole tensor for every
+//! primitive that has not.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{OnceLock, RwLock};
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, ExecutionError, Shape, TensorData, TensorMetadata};
+
+/// How `DataParallel` reads and writes this rank's part of one kind of float primitive.
+pub trait LocalParts: Send + Sync {
+    /// The shape of this rank's part of `tensor`.
+    fn shape(&self, tensor: &dyn Any) -> Shape;
+    /// This rank's part of `tensor`, in host memory (a pending sum is resolved first).
+    fn read(&self, tensor: &dyn Any) -> Result<TensorData, ExecutionError>;
+    /// A tensor placed as `like` whose part on this rank is `data` (of [`LocalParts::shape`]).
+    fn write(&self, like: &dyn Any, data: TensorData) -> Box<dyn Any>;
+}
+
+type Registry = RwLock<HashMap<TypeId, &'static dyn LocalParts>>;
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Makes `DataParallel` read and write tensors of primitive type `P` through `parts` (once per
+/// type; later calls for the same type are ignored).
+pub fn register<P: 'static>(parts: impl LocalParts + 'static) {
+    let mut map = registry().write().unwrap_or_else(|e| e.into_inner());
+    map.entry(TypeId::of::<P>())
+        .or_insert_with(|| Box::leak(Box::new(parts)));
+}
+
+fn parts_of<P: 'static>() -> Option<&'static dyn LocalParts> {
+    let map = registry().read().unwrap_or_else(|e| e.into_inner());
+    map.get(&TypeId::of::<P>()).copied()
+}
+
+/// The shape of this rank's part of `t`.
+pub(crate) fn shape<B: Backend>(t: &FloatTensor<B>) -> Shape {
+    match parts_of::<FloatTensor<B>>() {
+        Some(parts) => parts.shape(t),
+        None => t.shape(),
+    }
+}
+
+/// This rank's part of `t`, in host memory.
+pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> Result<TensorData, ExecutionError> {
+    match parts_of::<FloatTensor<B>>() {
+        Some(parts) => parts.read(&t),
+        None => futures::executor::block_on(B::float_into_data(t)),
+    }
+}
+
+/// A tensor on `device` whose part on this rank is `data`, placed as `like` (when given).
+pub(crate) fn write<B: Backend>(
+    like: Option<&FloatTensor<B>>,
+    data: TensorData,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    match (parts_of::<FloatTensor<B>>(), like) {
+        (Some(parts), Some(like)) => *parts
+            .write(like, data)
+            .downcast::<FloatTensor<B>>()
+            .expect("LocalParts::write returns the primitive it was registered for"),
+        _ => B::float_from_data(data, device),
+    }
+}

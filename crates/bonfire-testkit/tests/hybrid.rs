@@ -1,0 +1,182 @@
+//! `Autodiff<Hybrid<Flex>>` (data x tensor parallelism) against one device: 4 ranks as threads,
+//! dp = 2 replicas of tp = 2 ranks each, every replica training on its half of the union batch.
+//! After 5 Adam steps every parameter equals single-device training on the union batch (f32,
+//! within 1e-5), for an MLP, Burn's `TransformerEncoder` and a GPT-style block; the data-parallel
+//! all-reduce carries each rank's shard only, and the tensor-parallel collectives are counted
+//! apart from it.
+
+use std::time::Duration;
+
+use bonfire::backend::tensor_parallel::{self, local_part};
+use bonfire::backend::{DataParallelConfig, FailurePolicy, StepStats, total_stats};
+use bonfire::collectives::{CommConfig, Communicator};
+use bonfire::topology::Mesh;
+use bonfire::{Hybrid, replicate};
+use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, seeded};
+use bonfire_testkit::run_ranks;
+use bonfire_testkit::tp::{TpEncoder, TpGpt, TpMlp, TpNet, adam_steps, adam_steps_on_part};
+use burn::backend::Autodiff;
+use burn::backend::flex::Flex;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+type Device = burn::backend::flex::FlexDevice;
+type HybridFlex = Autodiff<Hybrid<Flex>>;
+type Params = Vec<Vec<f32>>;
+
+const TOLERANCE: f32 = 1e-5;
+const DP: usize = 2;
+const TP: usize = 2;
+const STEPS: usize = 5;
+
+fn comm_config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(30),
+        ..CommConfig::default()
+    }
+}
+
+fn dp_config() -> DataParallelConfig {
+    DataParallelConfig {
+        failure: FailurePolicy::Panic,
+        ..DataParallelConfig::default()
+    }
+}
+
+/// One device, the whole batch of every step.
+fn reference<M>(make: fn(&Device) -> M) -> Params
+where
+    M: TpNet<DpFlex> + AutodiffModule<DpFlex>,
+{
+    let device = Device::default();
+    let _bind = bonfire::backend::bind_thread(
+        Communicator::in_process(1, comm_config()).remove(0),
+        dp_config(),
+    );
+    let model = seeded::<DpFlex, _>(1, &device, make);
+    parameters(&adam_steps(model, STEPS, &device).0)
+}
+
+/// The elements of this rank's parts of `model`'s parameters.
+fn local_elements<B: tensor_parallel::TensorParallelBackend, M: Module<B>>(model: &M) -> usize {
+    struct Count(usize);
+    impl<B: tensor_parallel::TensorParallelBackend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 += local_part(param.val()).shape().num_elements();
+        }
+    }
+    let mut count = Count(0);
+    model.visit(&mut count);
+    count.0
+}
+
+struct Rank {
+    params: Params,
+    dp: StepStats,
+    tp: tensor_parallel::TpStats,
+    local_elements: usize,
+    tensors: usize,
+}
+
+/// dp x tp ranks as threads: each splits the model over its tensor-parallel group, replicates it
+/// over its data-parallel group, and trains on its replica's part of every batch.
+fn hybrid<M>(make: fn(&Device) -> M) -> Vec<Rank>
+where
+    M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+{
+    run_ranks(
+        Communicator::in_process(DP * TP, comm_config()),
+        Duration::from_secs(180),
+        move |world| {
+            let device = Device::default();
+            let groups = world
+                .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
+                .expect("split the mesh");
+            let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
+            let model = seeded::<HybridFlex, _>(1, &device, make);
+            let _dp = bonfire::backend::bind_thread(groups.dp.clone(), dp_config());
+            let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
+            let model =
+                bonfire::tensor_parallel(model, &M::plan(), &groups.tp).expect("the plan applies");
+            let model = replicate(model);
+            let tp_before = tensor_parallel::stats().expect("tp stats");
+            let (model, _) = adam_steps_on_part(model, STEPS, &device, replica, replicas);
+            let tp = tensor_parallel::stats()
+                .expect("tp stats")
+                .since(&tp_before);
+            let mut tensors = 0;
+            model.visit(&mut CountTensors(&mut tensors));
+            Rank {
+                local_elements: local_elements(&model),
+                params: parameters(&model),
+                dp: total_stats().expect("dp stats"),
+                tp,
+                tensors,
+            }
+        },
+    )
+}
+
+struct CountTensors<'a>(&'a mut usize);
+impl<B: Backend> ModuleVisitor<B> for CountTensors<'_> {
+    fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<B, D>>) {
+        *self.0 += 1;
+    }
+}
+
+fn check<MR, MH>(name: &str, reference_make: fn(&Device) -> MR, make: fn(&Device) -> MH)
+where
+    MR: TpNet<DpFlex> + AutodiffModule<DpFlex>,
+    MH: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+{
+    let want = reference(reference_make);
+    let whole: usize = want.iter().map(Vec::len).sum();
+    for (rank, got) in hybrid(make).into_iter().enumerate() {
+        let d = max_abs_diff(&got.params, &want);
+        assert!(
+            d <= TOLERANCE,
+            "{name} rank {rank} (dp {DP} x tp {TP}): parameters after {STEPS} Adam steps differ \
+             by {d} from one device on the union batch"
+        );
+        // The data-parallel all-reduce carries this rank's shards (and one presence flag per
+        // parameter), never the whole model.
+        assert_eq!(
+            got.dp.steps, STEPS as u64,
+            "{name} rank {rank}: {:?}",
+            got.dp
+        );
+        assert_eq!(
+            got.dp.bytes,
+            (STEPS * 4 * (got.local_elements + got.tensors)) as u64,
+            "{name} rank {rank}: data-parallel bytes"
+        );
+        assert!(
+            got.local_elements < whole,
+            "{name} rank {rank}: nothing is split"
+        );
+        // The tensor-parallel collectives are counted apart, and the plan does not leak.
+        assert!(got.tp.all_reduces > 0, "{name} rank {rank}: {:?}", got.tp);
+        assert_eq!(
+            got.tp.fallback_total(),
+            0,
+            "{name} rank {rank}: {:?}",
+            got.tp
+        );
+    }
+}
+
+#[test]
+fn mlp_dp2_tp2_trains_as_one_device_on_the_union_batch() {
+    check("mlp", TpMlp::new, TpMlp::new);
+}
+
+#[test]
+fn transformer_encoder_dp2_tp2_trains_as_one_device_on_the_union_batch() {
+    check("encoder", TpEncoder::new, TpEncoder::new);
+}
+
+#[test]
+fn gpt_block_dp2_tp2_trains_as_one_device_on_the_union_batch() {
+    check("gpt", TpGpt::new, TpGpt::new);
+}

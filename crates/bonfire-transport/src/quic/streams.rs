@@ -10,10 +10,14 @@ use bytes::{Bytes, BytesMut};
 use quinn::{Connection, ConnectionError, RecvStream, SendStream, VarInt};
 use tokio::task::JoinHandle;
 
-use super::control::CLOSE_BAD_FRAME;
+use super::control::{CLOSE_BAD_FRAME, CLOSE_SHUTDOWN};
 use super::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN};
-use super::shared::{Shared, log};
+use super::shared::{Shared, lock, log};
 use crate::Tag;
+
+/// How long the loss watcher lets the readers of a peer that shut down cleanly file the frames
+/// already received before it reports the peer gone.
+const READERS_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A link to one peer: the connection and this side's streams to it.
 pub(crate) struct Link {
@@ -86,20 +90,22 @@ pub(crate) async fn start_link(
         next: AtomicUsize::new(0),
     });
     let mut tasks = Vec::new();
+    // The readers' tasks, so that the loss watcher can let them file what already arrived.
+    let readers: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
     // Readers: one per incoming stream.
     {
-        let (shared, conn) = (shared.clone(), conn.clone());
+        let (shared, conn, readers) = (shared.clone(), conn.clone(), readers.clone());
         tasks.push(tokio::spawn(async move {
             while let Ok(stream) = conn.accept_uni().await {
                 let (shared, conn) = (shared.clone(), conn.clone());
-                tokio::spawn(async move {
+                lock(&readers).push(tokio::spawn(async move {
                     if let Err(e) = read_stream(&shared, peer, stream).await {
                         let reason = e.to_string();
                         shared.mailbox.peer_lost(peer, reason.clone());
                         log(shared.me, format!("closing the link to {peer}: {reason}"));
                         conn.close(VarInt::from_u32(CLOSE_BAD_FRAME), reason.as_bytes());
                     }
-                });
+                }));
             }
         }));
     }
@@ -111,8 +117,25 @@ pub(crate) async fn start_link(
             if shared.closing.load(Ordering::Acquire) {
                 return;
             }
+            // A peer that shut down cleanly waited until this side had acknowledged everything
+            // it sent, so its last frames may still sit in this side's stream buffers. Declaring
+            // it lost now would fail a receive whose frame is about to be filed: let the readers
+            // reach its goodbyes first (they can: buffered data stays readable after a close).
+            if matches!(&err, ConnectionError::ApplicationClosed(c)
+                if c.error_code.into_inner() == u64::from(CLOSE_SHUTDOWN))
+            {
+                let pending = std::mem::take(&mut *lock(&readers));
+                let drain = async {
+                    for reader in pending {
+                        let _ = reader.await;
+                    }
+                };
+                let _ = tokio::time::timeout(READERS_DRAIN, drain).await;
+            }
             let reason = match err {
-                ConnectionError::ApplicationClosed(c) if c.error_code.into_inner() == 0 => {
+                ConnectionError::ApplicationClosed(c)
+                    if c.error_code.into_inner() == u64::from(CLOSE_SHUTDOWN) =>
+                {
                     "shut down (its program finished or released bonfire)".to_string()
                 }
                 ConnectionError::ApplicationClosed(c) => {
@@ -178,6 +201,11 @@ async fn read_stream(
                     }
                 }
                 let frame = arena.split().freeze();
+                #[cfg(test)]
+                {
+                    let ms = shared.slow_filing_ms.load(Ordering::Relaxed);
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                }
                 shared.mailbox.deliver(peer, h.tag, frame);
             }
         }

@@ -294,3 +294,51 @@ async fn workers_without_a_rank_are_assigned_distinct_ones() {
         t.shutdown().await;
     }
 }
+
+/// A rank that sends and then shuts down at once must not be reported gone before its frames
+/// are filed: a busy receiver may still be reading them from its buffers when the close arrives.
+/// (Seen in CI: a two-rank benchmark's last all-reduce failed on the slower rank.) The receiver's
+/// readers here wait 100 ms before filing each frame, standing for that busy rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_shutdown_is_reported_only_after_its_frames_are_filed() {
+    const FRAMES: u32 = 8;
+    let mut ranks = job(2).await;
+    let receiver = ranks.pop().unwrap();
+    let sender = ranks.pop().unwrap();
+    receiver
+        .shared
+        .slow_filing_ms
+        .store(100, std::sync::atomic::Ordering::Relaxed);
+    let inbox = receiver.mailbox().open(11, 0).unwrap();
+    let payload = |step: u32| Bytes::from(format!("frame {step}"));
+    for step in 0..FRAMES {
+        let tag = Tag {
+            context: 11,
+            seq: 0,
+            step,
+        };
+        sender.send(Rank(1), tag, payload(step)).await.unwrap();
+    }
+    sender.shutdown().await;
+    // Take nothing until the loss is reported; then every frame must already be there.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let changed = inbox.changed();
+        if let Some(reason) = inbox.lost(Rank(0)) {
+            assert!(reason.contains("shut down"), "{reason}");
+            break;
+        }
+        tokio::time::timeout_at(deadline, changed)
+            .await
+            .expect("the sender's shutdown was never reported");
+    }
+    assert_eq!(
+        inbox.pending(),
+        FRAMES as usize,
+        "the shutdown was reported before the frames already received were filed"
+    );
+    for step in 0..FRAMES {
+        assert_eq!(inbox.take(Rank(0), step), Some(payload(step)));
+    }
+    receiver.shutdown().await;
+}

@@ -13,7 +13,7 @@ use burn::nn::attention::{
 };
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
@@ -85,9 +85,20 @@ impl GptConfig {
             },
             dropout: DropoutConfig::new(self.dropout).init(),
         };
+        // Small embeddings (GPT-2's 0.02): the head is tied to the token embedding, and Burn's
+        // default N(0, 1) would start the logits at a standard deviation of about sqrt(embd)
+        // (an initial loss near 50 nats instead of ln(vocab)).
+        let embedding = |n: usize| {
+            EmbeddingConfig::new(n, self.embd)
+                .with_initializer(Initializer::Normal {
+                    mean: 0.0,
+                    std: 0.02,
+                })
+                .init(device)
+        };
         Gpt {
-            tok: EmbeddingConfig::new(self.vocab, self.embd).init(device),
-            pos: EmbeddingConfig::new(self.context, self.embd).init(device),
+            tok: embedding(self.vocab),
+            pos: embedding(self.context),
             blocks: (0..self.layers).map(|_| block()).collect(),
             ln_f: LayerNormConfig::new(self.embd).init(device),
             head: (!self.tied).then(|| LinearConfig::new(self.embd, self.vocab).init(device)),
@@ -150,5 +161,163 @@ impl<B: Backend> Gpt<B> {
     /// The longest sequence.
     pub fn context(&self) -> usize {
         self.pos.weight.dims()[0]
+    }
+
+    /// `prompt` (token ids, at least one) followed by `new_tokens` tokens drawn one at a time
+    /// from the model's next-token distribution as `sampling` shapes it. The model sees at most
+    /// its last [`Gpt::context`] tokens. Deterministic for a given seed.
+    ///
+    /// # Panics
+    /// If `prompt` is empty.
+    pub fn generate(&self, prompt: &[u32], new_tokens: usize, sampling: &Sampling) -> Vec<u32> {
+        assert!(
+            !prompt.is_empty(),
+            "generation needs at least one prompt token"
+        );
+        let device = self.tok.weight.device();
+        let context = self.context();
+        let mut rng = SplitMix64(sampling.seed);
+        let mut out = prompt.to_vec();
+        for _ in 0..new_tokens {
+            let window = &out[out.len().saturating_sub(context)..];
+            let ids: Vec<i64> = window.iter().map(|&t| i64::from(t)).collect();
+            let tokens =
+                Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &device).reshape([1, window.len()]);
+            let logits = self.forward(tokens);
+            let vocab = logits.dims()[2];
+            let last = logits
+                .slice([0..1, window.len() - 1..window.len(), 0..vocab])
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 logits");
+            out.push(sampling.pick(&last, rng.next_f64()));
+        }
+        out
+    }
+}
+
+/// How [`Gpt::generate`] draws each token from the logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Logits are divided by it before the softmax: below 1 sharpens, above 1 flattens; 0
+    /// always takes the most likely token.
+    pub temperature: f64,
+    /// Draw among the `top_k` most likely tokens only (`None` or 0: among all).
+    pub top_k: Option<usize>,
+    /// Seed of the draws.
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    /// Temperature 0.8, the 20 most likely tokens, seed 0.
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.8,
+            top_k: Some(20),
+            seed: 0,
+        }
+    }
+}
+
+impl Sampling {
+    /// The token `logits` give for a uniform draw `u` in `[0, 1)`: the candidates (the `top_k`
+    /// most likely, ties to the lower id) weighted by `softmax(logits / temperature)`.
+    pub fn pick(&self, logits: &[f32], u: f64) -> u32 {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if self.temperature <= 0.0 {
+            return order[0] as u32;
+        }
+        let k = match self.top_k {
+            Some(k) if k > 0 => k.min(order.len()),
+            _ => order.len(),
+        };
+        let top = &order[..k];
+        let max = f64::from(logits[top[0]]);
+        let weights: Vec<f64> = top
+            .iter()
+            .map(|&i| ((f64::from(logits[i]) - max) / self.temperature).exp())
+            .collect();
+        let mut target = u * weights.iter().sum::<f64>();
+        for (&i, w) in top.iter().zip(&weights) {
+            if target < *w {
+                return i as u32;
+            }
+            target -= w;
+        }
+        top[k - 1] as u32
+    }
+}
+
+/// The draws of [`Gpt::generate`].
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod sampling_tests {
+    use super::*;
+
+    #[test]
+    fn temperature_zero_and_top_one_take_the_most_likely_token() {
+        let logits = [0.1, 2.0, -1.0, 2.0, 0.5];
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: None,
+            seed: 0,
+        };
+        // Ties go to the lower id.
+        assert_eq!(greedy.pick(&logits, 0.99), 1);
+        let top1 = Sampling {
+            temperature: 1.0,
+            top_k: Some(1),
+            seed: 0,
+        };
+        for u in [0.0, 0.5, 0.999] {
+            assert_eq!(top1.pick(&logits, u), 1);
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_tempered_softmax_of_the_top_k() {
+        // ln 1, ln 3, ln 6 and a token top-k 3 leaves out: probabilities 0.1, 0.3, 0.6.
+        let logits = [1f32.ln(), 3f32.ln(), 6f32.ln(), -1.0];
+        let s = Sampling {
+            temperature: 1.0,
+            top_k: Some(3),
+            seed: 0,
+        };
+        let n = 10_000;
+        let mut counts = [0usize; 4];
+        for i in 0..n {
+            counts[s.pick(&logits, (i as f64 + 0.5) / n as f64) as usize] += 1;
+        }
+        // Candidates in order of likelihood: 2 (0.6), 1 (0.3), 0 (0.1); never 3.
+        for (got, want) in counts.iter().zip([1000usize, 3000, 6000, 0]) {
+            assert!(got.abs_diff(want) <= 2, "{counts:?}");
+        }
+        // Temperature 2 takes square roots of the weights: sqrt 6 : sqrt 3 : 1.
+        let hot = Sampling {
+            temperature: 2.0,
+            ..s
+        };
+        let mut c2 = 0usize;
+        for i in 0..n {
+            if hot.pick(&logits, (i as f64 + 0.5) / n as f64) == 2 {
+                c2 += 1;
+            }
+        }
+        let expect = 6f64.sqrt() / (6f64.sqrt() + 3f64.sqrt() + 1.0);
+        assert!((c2 as f64 / n as f64 - expect).abs() < 1e-3, "{c2}");
     }
 }

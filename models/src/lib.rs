@@ -5,10 +5,11 @@
 //! - [`ResNet`]: a small residual network with batch norm for 28x28 single-channel images
 //!   (MNIST, Fashion-MNIST), built from a [`ResNetConfig`].
 //! - [`Gpt`]: a GPT-style decoder (causal self-attention, GELU MLP, tied head), built from a
-//!   [`GptConfig`].
+//!   [`GptConfig`], with [`Gpt::generate`] drawing text as [`Sampling`] (temperature, top-k)
+//!   says.
 
 mod gpt;
 mod resnet;
 
-pub use gpt::{Block, Gpt, GptConfig, Mlp};
+pub use gpt::{Block, Gpt, GptConfig, Mlp, Sampling};
 pub use resnet::{BasicBlock, ResNet, ResNetConfig};

@@ -1,5 +1,5 @@
-//! What can go wrong in a command, typed; `main` prints `error: {message}` and exits 1 (clap's
-//! own errors, bad flag values included, exit 2).
+//! What can go wrong in a command, typed; `main` prints `error: {message}` and exits 2 for the
+//! caller's input (as clap's own errors, bad flag values included, do) and 1 for a failure.
 
 use bonfire::collectives::CollectiveError;
 
@@ -73,6 +73,17 @@ pub(crate) enum CliError {
 }
 
 impl CliError {
+    /// 2 for the caller's input (as clap exits for a bad flag), 1 for a failure of the command.
+    pub(crate) fn exit_code(&self) -> std::process::ExitCode {
+        match self {
+            CliError::Job(e) if e.is_usage() => std::process::ExitCode::from(2),
+            CliError::ResolvedByHand | CliError::NoProgram | CliError::Mesh { .. } => {
+                std::process::ExitCode::from(2)
+            }
+            _ => std::process::ExitCode::FAILURE,
+        }
+    }
+
     /// An I/O error maker for `map_err`, saying what was being done.
     pub(crate) fn io(during: &'static str) -> impl FnOnce(std::io::Error) -> CliError {
         move |source| CliError::Io { during, source }

@@ -22,7 +22,7 @@ struct Cli {
 enum Command {
     /// Start this node's ranks of a job (torchrun-style) and watch them.
     Launch(launch::Args),
-    /// Train a bundled model (`bonfire train vision`).
+    /// Train a bundled model (`bonfire train vision`, `bonfire train gpt`).
     #[command(subcommand)]
     Train(train::Train),
     /// Measure bonfire against the machine it runs on.
@@ -41,7 +41,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            e.exit_code()
         }
     }
 }

@@ -270,9 +270,67 @@ pub enum JobError {
          `cargo build --release -p bonfire-cli --features cuda` (needs the CUDA toolkit)"
     )]
     NoCuda,
+    /// A text cannot be trained on as the settings ask (too short for a window of the context).
+    #[error(transparent)]
+    Text(#[from] bonfire_datasets::text::TextError),
+    /// Too few items to give every rank a shard.
+    #[error(transparent)]
+    Shard(#[from] bonfire_datasets::ShardError),
+    /// A resumed GPT run's text has another vocabulary than its checkpoint.
+    #[error(
+        "the checkpoint's vocabulary ({saved} characters) is not the vocabulary of the \
+         {dataset} text here ({found} characters): the text changed since the run began, and \
+         the model's characters would no longer mean the same; resume with the text it began \
+         with, or start a fresh run"
+    )]
+    VocabMismatch {
+        /// The data set.
+        dataset: &'static str,
+        /// Characters in the checkpoint's vocabulary.
+        saved: usize,
+        /// Characters in the text's.
+        found: usize,
+    },
+    /// A `--sample` prompt has characters the model never saw.
+    #[error(
+        "the prompt has characters outside the model's vocabulary: {outside:?} (it knows \
+         {vocab:?})"
+    )]
+    PromptOutsideVocab {
+        /// The characters it lacks.
+        outside: String,
+        /// The vocabulary.
+        vocab: String,
+    },
+    /// `--sample` without a checkpoint directory, and no GPT run in `./runs`.
+    #[error("--sample: no run in ./runs to sample from (pass --checkpoint-dir to name one)")]
+    NothingToSample,
 }
 
 impl JobError {
+    /// Whether the error is the caller's input (a flag, a value, a run directory or checkpoint
+    /// that is not there or not usable): `bonfire train` exits 2 for these, as for a bad flag,
+    /// and 1 for failures of the run itself.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            JobError::UnknownBackend { .. }
+                | JobError::UnknownDataset { .. }
+                | JobError::Invalid { .. }
+                | JobError::RanksMismatch { .. }
+                | JobError::NothingToResume
+                | JobError::NothingToSample
+                | JobError::CannotResume { .. }
+                | JobError::EpochsBelowDone { .. }
+                | JobError::CheckpointsExist { .. }
+                | JobError::NoCheckpoint { .. }
+                | JobError::VocabMismatch { .. }
+                | JobError::PromptOutsideVocab { .. }
+                | JobError::Text(_)
+                | JobError::Shard(_)
+        )
+    }
+
     /// A `path: cause` error maker for `map_err`.
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> JobError {
         let path = path.into();

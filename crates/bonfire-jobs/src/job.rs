@@ -42,6 +42,18 @@ pub trait Job {
     const DEFAULT_EPOCHS: usize;
     /// Ranks of a fresh run whose request names none, started by the runner.
     const DEFAULT_RANKS: usize = 2;
+    /// What the job's rounds (the epochs of the runner, checkpoints and `state.json`) are,
+    /// plural, in messages: "epochs"; the GPT job's round is the stretch of steps between two
+    /// evaluations.
+    const ROUNDS: &'static str = "epochs";
+    /// How to train a finished run further, after "already holds all N epochs".
+    const TRAIN_ON_HINT: &'static str = "; pass a larger --epochs to train on";
+
+    /// The rounds a run with `config` has, when its settings decide them (the GPT job's steps
+    /// and evaluation interval do); `None` takes `--epochs` or [`Job::DEFAULT_EPOCHS`].
+    fn rounds(&self, _config: &Self::Config) -> Option<usize> {
+        None
+    }
 
     /// What a caller asks of the job: every field a setting, `None` (or `false`) where left to
     /// the default, or on a resume to the checkpoint.

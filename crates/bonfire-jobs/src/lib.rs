@@ -14,8 +14,9 @@
 //!   progress line ([`StepProgress`]), the PNG [`plot`]s and the end [`report`];
 //! - [`data`]: the per-epoch order of a rank's shard, and parameter digests.
 //!
-//! The jobs themselves are modules: [`vision`] (the bundled ResNet on MNIST); [`gpt`] holds the
-//! bundled GPT-style model's tensor-parallel plan.
+//! The jobs themselves are modules: [`vision`] (the bundled ResNet on MNIST) and [`gpt`] (the
+//! bundled GPT-style decoder on Shakespeare, character by character, with sampling; and the
+//! model's tensor-parallel plan).
 //!
 //! ```no_run
 //! use bonfire_jobs::vision::{Vision, VisionData, VisionRequest};

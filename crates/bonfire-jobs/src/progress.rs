@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 /// Where rank 0 stands after a step of an epoch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepProgress {
+    /// What the job's round is called on the line: `epoch` (the GPT job: `eval`, the stretch
+    /// of steps up to an evaluation).
+    pub round: &'static str,
     /// The epoch, from 1.
     pub epoch: usize,
     /// Epochs in the run.
@@ -41,7 +44,8 @@ impl StepProgress {
             None => String::new(),
         };
         format!(
-            "epoch {}/{} [{}{}] {:>3}% step {done}/{steps}  loss {:.4}{accuracy}  {:.0} {}/s  eta {}",
+            "{} {}/{} [{}{}] {:>3}% step {done}/{steps}  loss {:.4}{accuracy}  {:.0} {}/s  eta {}",
+            self.round,
             self.epoch,
             self.epochs,
             "#".repeat(filled),
@@ -123,6 +127,7 @@ mod tests {
     #[test]
     fn the_line_reads_as_before() {
         let p = StepProgress {
+            round: "epoch",
             epoch: 1,
             epochs: 3,
             step: 4,

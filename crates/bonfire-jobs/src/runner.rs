@@ -157,9 +157,11 @@ impl<'a, J: Job> Runner<'a, J> {
                 reporter.say(
                     Say::Notice,
                     &format!(
-                        "{} already holds all {} epochs; pass a larger --epochs to train on",
+                        "{} already holds all {} {}{}",
                         settings.checkpoint_dir.display(),
-                        settings.epochs
+                        settings.epochs,
+                        J::ROUNDS,
+                        J::TRAIN_ON_HINT,
                     ),
                 );
                 return Ok(self.parent_finished(settings, Some(state)));

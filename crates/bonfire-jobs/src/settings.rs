@@ -122,7 +122,10 @@ fn settle_resumed<J: Job>(
     if !clashes.is_empty() {
         return Err(JobError::CannotResume { dir, clashes });
     }
-    let epochs = options.epochs.unwrap_or(loaded.state.epochs);
+    let epochs = options
+        .epochs
+        .or_else(|| job.rounds(&loaded.state.config))
+        .unwrap_or(loaded.state.epochs);
     if epochs < loaded.state.epochs_done {
         return Err(JobError::EpochsBelowDone {
             epochs,
@@ -166,10 +169,14 @@ fn settle_fresh<J: Job>(
     let ranks = world_size.unwrap_or(job.requested_ranks(request).unwrap_or(J::DEFAULT_RANKS));
     let data_dir = data_dir(options);
     let config = job.configure(request, ranks, &data_dir, reporter)?;
+    let epochs = options
+        .epochs
+        .or_else(|| job.rounds(&config))
+        .unwrap_or(J::DEFAULT_EPOCHS);
     debug_assert_eq!(config.ranks(), ranks);
     Ok(Settings {
         config,
-        epochs: options.epochs.unwrap_or(J::DEFAULT_EPOCHS),
+        epochs,
         checkpoint_dir,
         resume: false,
         backend: backend(options),

@@ -145,6 +145,8 @@ pub mod book {
     pub struct Kernels;
     #[doc = include_str!("../../../book/src/first-run.md")]
     pub struct FirstRun;
+    #[doc = include_str!("../../../book/src/gpt.md")]
+    pub struct Gpt;
     #[doc = include_str!("../../../book/src/data-parallel.md")]
     pub struct DataParallel;
     #[doc = include_str!("../../../book/src/tensor-parallel.md")]

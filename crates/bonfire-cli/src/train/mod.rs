@@ -15,17 +15,23 @@ use bonfire_jobs::{RunOptions, Runner, Settings, under_launcher};
 
 use crate::error::{ArgError, CliError};
 
+mod gpt;
+
 /// The bundled training jobs.
 #[derive(clap::Subcommand)]
 pub(crate) enum Train {
     /// Train the bundled ResNet on MNIST (or Fashion-MNIST), data-parallel over local ranks.
     Vision(VisionArgs),
+    /// Train the bundled GPT-style model on Shakespeare, character by character, data-parallel
+    /// over local ranks; or generate text with a trained one (--sample).
+    Gpt(gpt::GptArgs),
 }
 
 impl Train {
     pub(crate) fn run(self) -> Result<(), CliError> {
         match self {
             Train::Vision(args) => vision(args),
+            Train::Gpt(args) => gpt::gpt(args),
         }
     }
 }
@@ -89,7 +95,7 @@ pub(crate) struct VisionArgs {
     resolved: bool,
 }
 
-fn positive(s: &str) -> Result<f64, ArgError> {
+pub(crate) fn positive(s: &str) -> Result<f64, ArgError> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
         _ => Err(ArgError::NotPositive(s.to_string())),

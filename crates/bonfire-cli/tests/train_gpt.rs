@@ -1,0 +1,271 @@
+//! `bonfire train gpt` as a user runs it: two ranks as two processes under the launcher, on the
+//! plays compiled into bonfire (no download), with a tiny model: it learns, a run killed and
+//! resumed ends bit for bit where an uninterrupted one does, `--sample` continues a prompt from a
+//! checkpoint, and bad input exits 2 with a message.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bonfire-gpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn bonfire(cwd: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_bonfire"));
+    c.current_dir(cwd)
+        .args(args)
+        .env("BONFIRE_DATA_DIR", cwd.join("data"))
+        .env("RUST_BACKTRACE", "1")
+        .env("BONFIRE_TIMEOUT", "120");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn state(dir: &Path, round: usize) -> serde_json::Value {
+    let path = dir.join(format!("epoch-{round}/state.json"));
+    serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
+        .unwrap()
+}
+
+fn f(v: &serde_json::Value) -> f64 {
+    v.as_f64().unwrap()
+}
+
+/// A tiny GPT: one block of width 32 over 16 characters, 8 windows per rank per step.
+const TINY: [&str; 22] = [
+    "train",
+    "gpt",
+    "--dataset",
+    "embedded",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--embd",
+    "32",
+    "--context",
+    "16",
+    "--batch",
+    "8",
+    "--lr",
+    "0.01",
+    "--eval-windows",
+    "64",
+    "--sample-chars",
+    "40",
+    "--eval-every",
+    "10",
+];
+
+fn assert_clean_failure(out: &Output, needle: &str) {
+    let log = text(out);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(log.contains(needle), "expected `{needle}` in: {log}");
+    assert!(
+        !log.contains("panicked") && !log.contains("stack backtrace"),
+        "{log}"
+    );
+}
+
+/// Two processes: the validation loss falls well below a uniform guess over the vocabulary
+/// (ln 67 = 4.2 nats) and below the first evaluation's; every evaluation prints a sample; the
+/// plot is a PNG; `--sample` continues a prompt with the latest checkpoint.
+#[test]
+fn two_processes_learn_and_sample() {
+    let dir = scratch("learn");
+    let out = bonfire(&dir, &TINY)
+        .args(["--steps", "40"])
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    let run = dir.join("runs/gpt-1");
+    let s = state(&run, 4);
+    assert_eq!(s["config"]["ranks"], 2);
+    assert_eq!(s["epochs"], 4);
+    let h = s["history"].as_array().unwrap();
+    assert_eq!(h.len(), 4);
+    let (first, last) = (f(&h[0]["val_loss"]), f(&h[3]["val_loss"]));
+    assert!(
+        last < 3.2 && last < first - 0.2,
+        "validation loss {first} -> {last}"
+    );
+    assert_eq!(h[3]["step"], 40);
+    for r in h {
+        assert_eq!(r["sample"].as_str().unwrap().chars().count(), 40);
+    }
+    assert_eq!(
+        log.matches("sample (temperature 0.8, top-k 20):").count(),
+        4,
+        "{log}"
+    );
+    assert!(
+        log.contains("== result") && log.contains("data parallel"),
+        "{log}"
+    );
+    let png = std::fs::read(run.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+
+    let out = bonfire(
+        &dir,
+        &["train", "gpt", "--sample", "KING", "--sample-chars", "30"],
+    )
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out));
+    let sampled = stdout.trim_end_matches('\n');
+    assert!(sampled.starts_with("KING"), "{sampled:?}");
+    assert_eq!(sampled.chars().count(), 4 + 30, "{sampled:?}");
+    // The same seed draws the same text; another seed, other text.
+    let again = bonfire(
+        &dir,
+        &["train", "gpt", "--sample", "KING", "--sample-chars", "30"],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(again.stdout, out.stdout);
+    assert_clean_failure(
+        &bonfire(&dir, &["train", "gpt", "--sample", "KING\u{20ac}"])
+            .output()
+            .unwrap(),
+        "outside the model's vocabulary",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run killed after its first checkpoint and resumed ends with the same weights (digest of
+/// every parameter) and the same losses as an uninterrupted run.
+#[test]
+fn resume_after_a_kill_equals_the_uninterrupted_run() {
+    let dir = scratch("resume");
+    let straight = dir.join("straight");
+    let out = bonfire(&dir, &TINY)
+        .args(["--steps", "60", "--checkpoint-dir"])
+        .arg(&straight)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+
+    let killed = dir.join("killed");
+    let mut child = bonfire(&dir, &TINY)
+        .args(["--steps", "60", "--checkpoint-dir"])
+        .arg(&killed)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !killed.join("latest").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint after 300 s"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the job ended before its first checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL to the command; its ranks die with it
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let done = std::fs::read_to_string(killed.join("latest")).unwrap();
+    assert_ne!(
+        done.trim(),
+        "epoch-6",
+        "the job finished before it was killed: nothing resumed"
+    );
+
+    // Settings that would change the result are refused, with exit code 2; the checkpoint
+    // stays.
+    let mut resume = vec!["train", "gpt", "--resume", "--checkpoint-dir"];
+    let killed_s = killed.to_str().unwrap();
+    resume.push(killed_s);
+    let mut changed = resume.clone();
+    changed.extend(["--lr", "0.5"]);
+    assert_clean_failure(
+        &bonfire(&dir, &changed).output().unwrap(),
+        "--lr 0.5 (the checkpoint has 0.01)",
+    );
+    let out = bonfire(&dir, &resume).output().unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("resuming from"), "{log}");
+    let (a, b) = (state(&straight, 6), state(&killed, 6));
+    let (ha, hb) = (
+        a["history"].as_array().unwrap(),
+        b["history"].as_array().unwrap(),
+    );
+    assert_eq!(ha.len(), 6);
+    for (x, y) in ha.iter().zip(hb) {
+        assert_eq!(
+            x["param_digest"], y["param_digest"],
+            "evaluation {}",
+            x["eval"]
+        );
+        assert_eq!(x["val_loss"], y["val_loss"]);
+        assert_eq!(x["train_loss"], y["train_loss"]);
+        assert_eq!(x["sample"], y["sample"]);
+    }
+
+    // A checkpoint whose vocabulary is not the text's: refused before any rank starts.
+    let latest = killed.join("epoch-6/state.json");
+    let mut st: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&latest).unwrap()).unwrap();
+    st["config"]["vocab"] = "abc".into();
+    st["epochs"] = 7.into();
+    std::fs::write(&latest, serde_json::to_vec(&st).unwrap()).unwrap();
+    assert_clean_failure(
+        &bonfire(&dir, &resume).output().unwrap(),
+        "is not the vocabulary of the embedded text here",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_input_exits_2_with_a_message() {
+    let dir = scratch("bad");
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--heads", "3"],
+            "--heads 3 with --embd 128: the heads must divide the model width",
+        ),
+        (
+            &["--dataset", "tolstoy"],
+            "expected shakespeare or embedded",
+        ),
+        (&["--steps", "0"], "--steps"),
+        (
+            &["--warmup", "100", "--steps", "100"],
+            "the warmup must be shorter than the run",
+        ),
+        (&["--resume", "--checkpoint-dir", "nowhere"], "nowhere"),
+        (&["--sample", "x", "--checkpoint-dir", "nowhere"], "nowhere"),
+    ];
+    for (args, needle) in cases {
+        let out = bonfire(&dir, &[&["train", "gpt"], args].concat())
+            .output()
+            .unwrap();
+        assert_clean_failure(&out, needle);
+    }
+    assert_clean_failure(
+        &bonfire(&dir, &["train", "gpt", "--sample", "x"])
+            .output()
+            .unwrap(),
+        "no run in ./runs to sample from",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

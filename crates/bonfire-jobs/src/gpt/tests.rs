@@ -1,0 +1,130 @@
+use super::*;
+
+fn config() -> GptRunConfig {
+    let request = GptRequest {
+        dataset: Some(GptData::Embedded),
+        steps: Some(1000),
+        ..GptRequest::default()
+    };
+    let dir = std::env::temp_dir();
+    GptJob
+        .configure(&request, 2, &dir, &mut crate::Silent)
+        .unwrap()
+}
+
+#[test]
+fn the_defaults_are_a_small_model_on_the_embedded_plays() {
+    let c = config();
+    assert_eq!((c.layers, c.heads, c.embd, c.context), (4, 4, 128, 64));
+    assert_eq!(
+        (c.batch, c.grad_accum, c.eval_every, c.warmup),
+        (16, 1, 200, 100)
+    );
+    assert_eq!(c.rounds(), 5);
+    assert_eq!(GptJob.rounds(&c), Some(5));
+    assert_eq!(c.tokens_per_step(), 2 * 16 * 64);
+    let vocab = c.vocab();
+    assert!(vocab.len() > 50 && vocab.id('\n').is_some(), "{}", c.vocab);
+    let params = c.model().init::<burn::backend::Flex>(&Default::default());
+    let n = burn::module::Module::num_params(&params);
+    assert!((700_000..1_200_000).contains(&n), "{n} parameters");
+}
+
+#[test]
+fn the_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth() {
+    let c = GptRunConfig {
+        steps: 110,
+        warmup: 10,
+        lr: 1.0,
+        ..config()
+    };
+    assert!((c.lr_at(0) - 0.1).abs() < 1e-12);
+    assert!((c.lr_at(9) - 1.0).abs() < 1e-12);
+    assert!((c.lr_at(10) - 1.0).abs() < 1e-12);
+    // Half way down the cosine: the mean of the peak and the floor.
+    assert!((c.lr_at(60) - 0.55).abs() < 1e-12);
+    assert!((c.lr_at(110) - 0.1).abs() < 1e-12);
+    for s in 10..110 {
+        assert!(c.lr_at(s + 1) <= c.lr_at(s));
+    }
+}
+
+#[test]
+fn bad_requests_name_the_flag() {
+    let bad = |r: GptRequest| GptJob.check(&r).unwrap_err().to_string();
+    let e = bad(GptRequest {
+        heads: Some(3),
+        ..GptRequest::default()
+    });
+    assert_eq!(
+        e,
+        "--heads 3 with --embd 128: the heads must divide the model width"
+    );
+    assert!(
+        bad(GptRequest {
+            steps: Some(0),
+            ..GptRequest::default()
+        })
+        .starts_with("--steps 0")
+    );
+    assert!(
+        bad(GptRequest {
+            warmup: Some(50),
+            steps: Some(50),
+            ..GptRequest::default()
+        })
+        .starts_with("--warmup 50 with --steps 50")
+    );
+    assert!(GptJob.check(&GptRequest::default()).is_ok());
+    assert_eq!(
+        "Tolstoy".parse::<GptData>().unwrap_err().to_string(),
+        "--dataset \"Tolstoy\": expected shakespeare or embedded"
+    );
+    let e = JobError::Invalid {
+        flag: "--heads",
+        given: "3".into(),
+        why: "x",
+    };
+    assert!(e.is_usage());
+}
+
+#[test]
+fn a_resume_keeps_the_settings_and_the_vocabulary() {
+    let saved = config();
+    let same = GptRequest {
+        steps: Some(1000),
+        dp: Some(2),
+        ..GptRequest::default()
+    };
+    assert!(GptJob.clashes(&same, &saved).is_empty());
+    let changed = GptRequest {
+        lr: Some(0.01),
+        bf16: true,
+        ..GptRequest::default()
+    };
+    let c: Vec<String> = GptJob
+        .clashes(&changed, &saved)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        c,
+        vec![
+            "--lr 0.01 (the checkpoint has 0.002)",
+            "--bf16-comm on (the checkpoint has f32 gradients)",
+        ]
+    );
+    let dir = std::env::temp_dir();
+    GptJob.prepare(&saved, &dir).unwrap();
+    let other = GptRunConfig {
+        vocab: "abc".into(),
+        ..saved
+    };
+    let e = GptJob.prepare(&other, &dir).unwrap_err();
+    assert!(e.is_usage());
+    assert!(
+        e.to_string()
+            .starts_with("the checkpoint's vocabulary (3 characters) is not the vocabulary of the embedded text here"),
+        "{e}"
+    );
+}

@@ -1,0 +1,338 @@
+//! One rank of the GPT job: its shard of the training windows, the training loop (micro-batches,
+//! gradient accumulation, the learning-rate schedule), the validation loss over every rank's
+//! part of the validation windows, and rank 0's sample, checkpoint, plot and lines after each
+//! round.
+
+use std::time::Instant;
+
+use bonfire::DataParallel;
+use bonfire_datasets::text::{CharCorpus, Windows};
+use bonfire_datasets::{RankShard, Sharding};
+use bonfire_models::{Gpt, Sampling};
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+
+use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
+use crate::JobError;
+use crate::checkpoint::State;
+use crate::data::param_digest;
+use crate::progress::StepProgress;
+use crate::rank::RankContext;
+use crate::report::{Say, Throughput};
+
+/// The training backend: `B` under bonfire's data-parallel decorator, with autodiff.
+type A<B> = Autodiff<DataParallel<B>>;
+type Rec = BinBytesRecorder<FullPrecisionSettings>;
+
+/// Points on the training-loss curve per round.
+const CURVE_POINTS: usize = 10;
+/// Validation windows evaluated at once.
+const EVAL_BATCH: usize = 64;
+
+/// Trains on backend `B` (wrapped in `Autodiff<DataParallel<B>>`).
+pub(super) fn run<B: Backend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    device: B::Device,
+) -> Result<(GptState, GptReport), JobError> {
+    let s = ctx.settings().clone();
+    let c = &s.config;
+    let (rank, size) = (ctx.rank(), ctx.world_size());
+    let text = c.dataset.text(&s.data_dir)?;
+    let corpus = CharCorpus::with_vocab(c.vocab(), &text, VAL_FRACTION)?;
+    drop(text);
+    let train = corpus.train_windows(c.context, 1)?;
+    let shard = train.shard(rank, size)?;
+    let val = corpus.val_windows(c.context, c.context)?;
+    if ctx.is_main() {
+        let params = c.model().init::<B>(&device).num_params();
+        ctx.say(
+            Say::Start,
+            &output::start_line(&s, &corpus, params, shard.len(), size),
+        );
+    }
+    <A<B> as Backend>::seed(&device, c.seed);
+    let model: Gpt<A<B>> = c.model().init(&device);
+    let optim = AdamConfig::new()
+        .with_beta_2(0.99)
+        .init::<A<B>, Gpt<A<B>>>();
+    let mut state = State::new(c.clone(), s.epochs);
+    let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
+    let mut model = bonfire::replicate(model);
+    let started = Instant::now();
+    let mut throughput = Throughput {
+        ranks: size,
+        ..Throughput::default()
+    };
+    for round in state.epochs_done..s.epochs {
+        let t0 = Instant::now();
+        let trained;
+        (model, trained) = train_round(ctx, model, &mut optim, &train, &shard, round, &device)?;
+        let train_secs = t0.elapsed().as_secs_f64();
+        throughput.items += trained.tokens * size;
+        throughput.seconds += train_secs;
+        let totals = ctx.sum(
+            vec![trained.loss_sum, trained.batches as f64],
+            "summing the round's training loss",
+        )?;
+        let v = validate(ctx, &model, &val, c.eval_windows, &device)?;
+        let sample = if ctx.is_main() {
+            let sampling = Sampling {
+                temperature: c.temperature,
+                top_k: Some(c.top_k),
+                seed: c.seed.wrapping_add(round as u64),
+            };
+            generate(&model.valid(), c, &sampling)
+        } else {
+            String::new()
+        };
+        state.history.push(EvalRecord {
+            eval: round + 1,
+            step: trained.last_step,
+            train_loss: totals[0] / totals[1],
+            val_loss: v[0] / v[1],
+            tokens_per_second: (trained.tokens * size) as f64 / train_secs,
+            seconds: t0.elapsed().as_secs_f64(),
+            curve: trained.curve,
+            sample,
+            param_digest: param_digest(&model),
+        });
+        state.epochs_done = round + 1;
+        record_round(ctx, &state, &model, &optim)?;
+    }
+    throughput.wall = started.elapsed();
+    let report = GptReport {
+        throughput,
+        stats: bonfire::total_stats(),
+        checkpoint_dir: s.checkpoint_dir.clone(),
+    };
+    if ctx.is_main() {
+        for line in output::report_lines(&state, &report) {
+            ctx.say(Say::Report, &line);
+        }
+    }
+    Ok((state, report))
+}
+
+/// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
+/// ones unchanged.
+fn resume<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, GptJob>,
+    model: Gpt<A<B>>,
+    optim: O,
+    state: &mut GptState,
+    device: &B::Device,
+) -> Result<(Gpt<A<B>>, O), JobError> {
+    let Some(loaded) = ctx.resume_checkpoint()? else {
+        return Ok((model, optim));
+    };
+    let recorder = Rec::default();
+    let bad = |what: &'static str| {
+        let dir = loaded.dir.clone();
+        move |source| JobError::ReadRecord { dir, what, source }
+    };
+    let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
+    let optim = optim.load_record(
+        recorder
+            .load(loaded.optimizer, device)
+            .map_err(bad("optimizer state"))?,
+    );
+    state.history = loaded.state.history;
+    state.epochs_done = loaded.state.epochs_done;
+    let step = state.history.last().map_or(0, |r| r.step);
+    let line = format!(
+        "resuming from {} (step {step} of {}, evaluation {} of {})",
+        loaded.dir.display(),
+        state.config.steps,
+        state.epochs_done,
+        state.epochs
+    );
+    ctx.say(Say::Resume, &line);
+    Ok((model, optim))
+}
+
+/// What one rank's training in a round measured.
+struct Trained {
+    loss_sum: f64,
+    batches: usize,
+    tokens: usize,
+    last_step: usize,
+    curve: Vec<(f64, f64)>,
+}
+
+/// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
+/// same in a resumed run as in an uninterrupted one.
+fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
+    let mut z = seed
+        ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ (micro as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)
+        ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+        ^ (row as u64).wrapping_mul(0x1656_67b1_9e37_79f9);
+    // SplitMix64's finaliser.
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Windows `idx` of `windows` as input and target tensors `[rows, context]`.
+fn batch<B: Backend>(
+    windows: &Windows<'_>,
+    idx: impl Iterator<Item = usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let (mut xs, mut ys, mut rows) = (Vec::new(), Vec::new(), 0);
+    let mut context = 0;
+    for i in idx {
+        let (x, y) = windows.get(i);
+        context = x.len();
+        xs.extend(x.iter().map(|&t| i64::from(t)));
+        ys.extend(y.iter().map(|&t| i64::from(t)));
+        rows += 1;
+    }
+    let make =
+        |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [rows, context]), device);
+    (make(xs), make(ys))
+}
+
+/// Trains one round's steps, each on `grad_accum` micro-batches of windows drawn from this
+/// rank's shard.
+fn train_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, GptJob>,
+    mut model: Gpt<A<B>>,
+    optim: &mut O,
+    train: &Windows<'_>,
+    shard: &RankShard,
+    round: usize,
+    device: &B::Device,
+) -> Result<(Gpt<A<B>>, Trained), JobError> {
+    let c = ctx.settings().config.clone();
+    let (rank, size, rounds) = (ctx.rank(), ctx.world_size(), ctx.settings().epochs);
+    let first = round * c.eval_every;
+    let end = ((round + 1) * c.eval_every).min(c.steps);
+    let steps = end - first;
+    let t0 = Instant::now();
+    let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
+    let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
+    let mut curve = Vec::new();
+    for (i, step) in (first..end).enumerate() {
+        let lr = c.lr_at(step);
+        for micro in 0..c.grad_accum {
+            let rows = (0..c.batch).map(|row| {
+                let k = draw(c.seed, step, micro, rank, row) % shard.len() as u64;
+                shard.position(k as usize)
+            });
+            let (x, y) = batch::<A<B>>(train, rows, device);
+            let loss = model.loss(x, y);
+            let l: f64 = loss.clone().into_scalar().elem();
+            let loss = loss / c.grad_accum as f32;
+            if micro + 1 < c.grad_accum {
+                model = bonfire::accumulate(model, loss);
+            } else {
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(lr, model, grads);
+            }
+            loss_sum += l;
+            batches += 1;
+            tokens += c.batch * c.context;
+            stretch_sum += l;
+            stretch_n += 1;
+        }
+        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
+            curve.push(((step + 1) as f64, stretch_sum / stretch_n as f64));
+            (stretch_sum, stretch_n) = (0.0, 0);
+        }
+        if ctx.is_main() {
+            let elapsed = t0.elapsed();
+            ctx.step(&StepProgress {
+                round: "eval",
+                epoch: round + 1,
+                epochs: rounds,
+                step: i + 1,
+                steps,
+                loss: loss_sum / batches as f64,
+                accuracy: None,
+                rate: (tokens * size) as f64 / elapsed.as_secs_f64(),
+                unit: "chars",
+                elapsed,
+            });
+        }
+    }
+    let trained = Trained {
+        loss_sum,
+        batches,
+        tokens,
+        last_step: end,
+        curve,
+    };
+    Ok((model, trained))
+}
+
+/// The validation loss over the first `n` validation windows, each rank evaluating its share
+/// with its own replica (the replicas are equal): summed loss and windows, over all ranks.
+fn validate<B: Backend>(
+    ctx: &RankContext<'_, GptJob>,
+    model: &Gpt<A<B>>,
+    val: &Windows<'_>,
+    n: usize,
+    device: &B::Device,
+) -> Result<Vec<f64>, JobError> {
+    let n = n.min(val.len());
+    let mine = Sharding::Balanced.shard(ctx.rank(), ctx.world_size(), n)?;
+    let valid = model.valid();
+    let idx: Vec<usize> = mine.positions().collect();
+    let mut sum = 0.0f64;
+    for chunk in idx.chunks(EVAL_BATCH) {
+        let (x, y) = batch::<DataParallel<B>>(val, chunk.iter().copied(), device);
+        let l: f64 = valid.loss(x, y).into_scalar().elem();
+        sum += l * chunk.len() as f64;
+    }
+    ctx.sum(vec![sum, idx.len() as f64], "summing the validation loss")
+}
+
+/// `c.sample_chars` characters generated after a newline (or the vocabulary's first character).
+fn generate<B: Backend>(model: &Gpt<B>, c: &GptRunConfig, sampling: &Sampling) -> String {
+    let vocab = c.vocab();
+    let start = vocab.id('\n').unwrap_or(0);
+    let ids = model.generate(&[start], c.sample_chars, sampling);
+    vocab.decode(&ids[1..])
+}
+
+/// Rank 0 writes the round's checkpoint and plot and says its lines.
+fn record_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+    ctx: &mut RankContext<'_, GptJob>,
+    state: &GptState,
+    model: &Gpt<A<B>>,
+    optim: &O,
+) -> Result<(), JobError> {
+    let recorder = Rec::default();
+    let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
+    let saved = ctx.save_checkpoint(
+        state,
+        || {
+            recorder
+                .record(model.clone().into_record(), ())
+                .map_err(encode("model"))
+        },
+        || {
+            recorder
+                .record(optim.to_record(), ())
+                .map_err(encode("optimizer state"))
+        },
+    )?;
+    let Some(dir) = saved else {
+        return Ok(());
+    };
+    let root = &ctx.settings().checkpoint_dir;
+    output::write_plot(root, state).map_err(|source| JobError::Plots {
+        dir: root.clone(),
+        source,
+    })?;
+    let r = state.history.last().expect("just recorded");
+    for line in output::eval_lines(r, state, &dir) {
+        ctx.say(Say::Epoch, &line);
+    }
+    Ok(())
+}

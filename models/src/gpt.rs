@@ -170,9 +170,29 @@ impl<B: Backend> Gpt<B> {
     /// # Panics
     /// If `prompt` is empty.
     pub fn generate(&self, prompt: &[u32], new_tokens: usize, sampling: &Sampling) -> Vec<u32> {
+        self.generate_within(prompt, new_tokens, sampling, self.vocab())
+    }
+
+    /// [`Gpt::generate`], drawing only among the first `vocab` token ids: for a model whose
+    /// vocabulary was padded (to divide by a tensor-parallel size) past the ids the text uses.
+    ///
+    /// # Panics
+    /// If `prompt` is empty, or `vocab` is 0 or above [`Gpt::vocab`].
+    pub fn generate_within(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        sampling: &Sampling,
+        vocab: usize,
+    ) -> Vec<u32> {
         assert!(
             !prompt.is_empty(),
             "generation needs at least one prompt token"
+        );
+        assert!(
+            vocab > 0 && vocab <= self.vocab(),
+            "vocab {vocab} of {}",
+            self.vocab()
         );
         let device = self.tok.weight.device();
         let context = self.context();
@@ -184,7 +204,6 @@ impl<B: Backend> Gpt<B> {
             let tokens =
                 Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &device).reshape([1, window.len()]);
             let logits = self.forward(tokens);
-            let vocab = logits.dims()[2];
             let last = logits
                 .slice([0..1, window.len() - 1..window.len(), 0..vocab])
                 .into_data()

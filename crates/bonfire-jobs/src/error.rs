@@ -302,6 +302,23 @@ pub enum JobError {
         /// The vocabulary.
         vocab: String,
     },
+    /// The run is tensor-parallel but this rank's job was started with another `BONFIRE_TP`.
+    #[error(
+        "this {job} run has {tp} tensor-parallel rank(s) per replica, but the job was started \
+         with BONFIRE_TP={found}: start it with `bonfire train {job}` (which sets it), or set \
+         BONFIRE_TP={tp} for `bonfire launch`"
+    )]
+    TpNotSet {
+        /// The job.
+        job: &'static str,
+        /// The run's tensor-parallel size.
+        tp: usize,
+        /// The job's.
+        found: usize,
+    },
+    /// A tensor-parallel plan did not apply to the model.
+    #[error(transparent)]
+    Plan(#[from] bonfire::PlanError),
     /// `--sample` without a checkpoint directory, and no GPT run in `./runs`.
     #[error("--sample: no run in ./runs to sample from (pass --checkpoint-dir to name one)")]
     NothingToSample,

@@ -20,6 +20,11 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     /// Whether gradients travel as bf16 (the ranks' data-parallel backend must be told, through
     /// `BONFIRE_GRAD_DTYPE=bf16`).
     fn bf16_gradients(&self) -> bool;
+    /// Tensor-parallel ranks per replica (the ranks are told through `BONFIRE_TP`); 1 for a
+    /// purely data-parallel job.
+    fn tensor_parallel(&self) -> usize {
+        1
+    }
 }
 
 /// The state of a run of job `J`, as its checkpoints hold it.

@@ -209,6 +209,12 @@ impl<'a, J: Job> Runner<'a, J> {
                 .extra_env
                 .push(("BONFIRE_GRAD_DTYPE".into(), "bf16".into()));
         }
+        if s.config.tensor_parallel() > 1 {
+            config.extra_env.push((
+                "BONFIRE_TP".into(),
+                s.config.tensor_parallel().to_string().into(),
+            ));
+        }
         // Like torchrun's OMP_NUM_THREADS: the ranks share this machine's cores instead of each
         // starting a compute thread per core (with 2 ranks on 2 cores, 2 threads each cost
         // 10-20% of the throughput; see BENCHMARKS.md). An explicit RAYON_NUM_THREADS is kept.
@@ -236,6 +242,14 @@ impl<'a, J: Job> Runner<'a, J> {
             && std::env::var("BONFIRE_GRAD_DTYPE").as_deref() != Ok("bf16")
         {
             return Err(JobError::Bf16NotSet { job: J::NAME });
+        }
+        let tp = settings.config.tensor_parallel();
+        if world.tp_group().size() != tp {
+            return Err(JobError::TpNotSet {
+                job: J::NAME,
+                tp,
+                found: world.tp_group().size(),
+            });
         }
         let mut ctx = RankContext::new(&world, &settings, reporter);
         let (state, report) = train_on_backend(self.job, &mut ctx)?;

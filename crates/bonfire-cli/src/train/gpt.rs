@@ -20,9 +20,15 @@ pub(crate) struct GptArgs {
     /// into bonfire) [default: shakespeare, or embedded when it cannot be fetched]
     #[arg(long)]
     dataset: Option<String>,
-    /// Data-parallel ranks (processes) to start on this machine [default: 2]
+    /// Data-parallel replicas; the job starts dp x tp ranks (processes) on this machine
+    /// [default: 2]
     #[arg(long, visible_alias = "ranks", value_parser = clap::value_parser!(u32).range(1..=1024))]
     dp: Option<u32>,
+    /// Tensor-parallel ranks per replica: each layer is split over them by the model's plan
+    /// (attention by heads, the MLP by hidden features, the embedding and tied head by
+    /// vocabulary); must divide --heads [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    tp: Option<u32>,
     /// Blocks [default: 4]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     layers: Option<u32>,
@@ -101,6 +107,7 @@ impl GptArgs {
         Ok(GptRequest {
             dataset: self.dataset.as_deref().map(str::parse).transpose()?,
             dp: n(self.dp),
+            tp: n(self.tp),
             layers: n(self.layers),
             heads: n(self.heads),
             embd: n(self.embd),
@@ -141,7 +148,8 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
         v.push(val.into());
     };
     flag("--dataset", c.dataset.key().to_string());
-    flag("--dp", c.ranks.to_string());
+    flag("--dp", c.dp().to_string());
+    flag("--tp", c.tp.to_string());
     flag("--layers", c.layers.to_string());
     flag("--heads", c.heads.to_string());
     flag("--embd", c.embd.to_string());

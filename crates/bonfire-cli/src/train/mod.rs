@@ -23,7 +23,8 @@ pub(crate) enum Train {
     /// Train the bundled ResNet on MNIST (or Fashion-MNIST), data-parallel over local ranks.
     Vision(VisionArgs),
     /// Train the bundled GPT-style model on Shakespeare, character by character, data-parallel
-    /// over local ranks; or generate text with a trained one (--sample).
+    /// (and optionally tensor-parallel) over local ranks; or generate text with a trained one
+    /// (--sample).
     Gpt(gpt::GptArgs),
 }
 

@@ -109,8 +109,11 @@ impl FromStr for GptData {
 pub struct GptRequest {
     /// The text (default: Shakespeare, or the embedded plays when it cannot be fetched).
     pub dataset: Option<GptData>,
-    /// Data-parallel ranks (processes) to start on this machine (default: 2).
+    /// Data-parallel replicas (default: 2); the job has `dp x tp` ranks.
     pub dp: Option<usize>,
+    /// Tensor-parallel ranks per replica, splitting each layer by the model's plan
+    /// ([`plan`]); must divide the heads (default: 1).
+    pub tp: Option<usize>,
     /// Blocks (default: 4).
     pub layers: Option<usize>,
     /// Attention heads per block; must divide `embd` (default: 4).
@@ -152,8 +155,11 @@ pub struct GptRequest {
 pub struct GptRunConfig {
     /// The text.
     pub dataset: GptData,
-    /// Data-parallel ranks.
+    /// Ranks: data-parallel replicas x tensor-parallel ranks.
     pub ranks: usize,
+    /// Tensor-parallel ranks per replica.
+    #[serde(default = "one")]
+    pub tp: usize,
     /// Blocks.
     pub layers: usize,
     /// Attention heads per block.
@@ -190,10 +196,16 @@ pub struct GptRunConfig {
     pub vocab: String,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl GptRunConfig {
-    /// The model's shape.
+    /// The model's shape. Under tensor parallelism its vocabulary is the text's padded to a
+    /// multiple of `tp` (the plan splits the embedding by vocabulary); the padding ids never
+    /// occur in the text and are never sampled.
     pub fn model(&self) -> bonfire_models::GptConfig {
-        bonfire_models::GptConfig::new(self.vocab.chars().count())
+        bonfire_models::GptConfig::new(self.vocab.chars().count().next_multiple_of(self.tp))
             .with_context(self.context)
             .with_layers(self.layers)
             .with_heads(self.heads)
@@ -222,9 +234,14 @@ impl GptRunConfig {
         self.steps.div_ceil(self.eval_every)
     }
 
-    /// Characters seen per optimizer step, over all ranks.
+    /// Data-parallel replicas.
+    pub fn dp(&self) -> usize {
+        self.ranks / self.tp
+    }
+
+    /// Characters seen per optimizer step, over all replicas.
     pub fn tokens_per_step(&self) -> usize {
-        self.ranks * self.grad_accum * self.batch * self.context
+        self.dp() * self.grad_accum * self.batch * self.context
     }
 }
 
@@ -235,6 +252,10 @@ impl JobConfig for GptRunConfig {
 
     fn bf16_gradients(&self) -> bool {
         self.bf16
+    }
+
+    fn tensor_parallel(&self) -> usize {
+        self.tp
     }
 }
 
@@ -271,6 +292,8 @@ pub struct GptReport {
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
     pub stats: Option<StepStats>,
+    /// The tensor-parallel decorator's totals on this rank, in a tensor-parallel run.
+    pub tp_stats: Option<bonfire::backend::tensor_parallel::TpStats>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -318,6 +341,7 @@ impl Job for GptJob {
     fn check(&self, r: &GptRequest) -> Result<(), JobError> {
         for (flag, v) in [
             ("--dp", r.dp),
+            ("--tp", r.tp),
             ("--layers", r.layers),
             ("--heads", r.heads),
             ("--embd", r.embd),
@@ -331,11 +355,19 @@ impl Job for GptJob {
             at_least(flag, v, 1)?;
         }
         let (heads, embd) = (r.heads.unwrap_or(4), r.embd.unwrap_or(128));
-        if embd % heads != 0 {
+        if !embd.is_multiple_of(heads) {
             return Err(JobError::Invalid {
                 flag: "--heads",
                 given: format!("{heads} with --embd {embd}"),
                 why: "the heads must divide the model width",
+            });
+        }
+        let tp = r.tp.unwrap_or(1);
+        if !heads.is_multiple_of(tp) {
+            return Err(JobError::Invalid {
+                flag: "--tp",
+                given: format!("{tp} with --heads {heads}"),
+                why: "the tensor-parallel size must divide the heads (the plan splits attention by heads)",
             });
         }
         if let Some(v) = r.lr.filter(|v| !(*v > 0.0 && v.is_finite())) {
@@ -365,7 +397,10 @@ impl Job for GptJob {
     }
 
     fn requested_ranks(&self, r: &GptRequest) -> Option<usize> {
-        r.dp
+        match (r.dp, r.tp) {
+            (None, None) => None,
+            (dp, tp) => Some(dp.unwrap_or(2) * tp.unwrap_or(1)),
+        }
     }
 
     fn rounds(&self, config: &GptRunConfig) -> Option<usize> {
@@ -380,7 +415,8 @@ impl Job for GptJob {
             Clash::check("--dataset", r.dataset.as_ref(), &s.dataset, |d| {
                 d.key().into()
             }),
-            Clash::check("--dp", r.dp.as_ref(), &s.ranks, num),
+            Clash::check("--dp", r.dp.as_ref(), &s.dp(), num),
+            Clash::check("--tp", r.tp.as_ref(), &s.tp, num),
             Clash::check("--layers", r.layers.as_ref(), &s.layers, num),
             Clash::check("--heads", r.heads.as_ref(), &s.heads, num),
             Clash::check("--embd", r.embd.as_ref(), &s.embd, num),
@@ -457,12 +493,21 @@ impl Job for GptJob {
             },
             Some(d) => (d, d.text(data_dir)?),
         };
+        let tp = r.tp.unwrap_or(1);
+        if !ranks.is_multiple_of(tp) {
+            return Err(JobError::Invalid {
+                flag: "--tp",
+                given: format!("{tp} in a job of {ranks} ranks"),
+                why: "the tensor-parallel size must divide the ranks",
+            });
+        }
         let context = r.context.unwrap_or(64);
         let vocab = vocabulary(&text, context)?;
         let steps = r.steps.unwrap_or(1200);
         Ok(GptRunConfig {
             dataset,
             ranks,
+            tp,
             layers: r.layers.unwrap_or(4),
             heads: r.heads.unwrap_or(4),
             embd: r.embd.unwrap_or(128),

@@ -20,16 +20,24 @@ pub(super) fn start_line(
     s: &Settings<GptRunConfig>,
     corpus: &CharCorpus,
     params: usize,
-    windows_per_rank: usize,
-    size: usize,
+    windows_per_replica: usize,
+    replicas: usize,
 ) -> String {
     let c = &s.config;
+    let mesh = if c.tp > 1 {
+        format!(
+            "{} rank(s): {replicas} data-parallel replica(s) x {} tensor-parallel",
+            c.ranks, c.tp
+        )
+    } else {
+        format!("{} rank(s)", c.ranks)
+    };
     format!(
         "bonfire train gpt: {} ({} training and {} validation characters, a vocabulary of {}), \
-         {size} rank(s) ({windows_per_rank} training windows each), backend {} ({} compute \
+         {mesh} ({windows_per_replica} training windows per replica), backend {} ({} compute \
          thread(s) per rank); GPT of {params} parameters ({} layers, {} heads, width {}, context \
-         {}); {} step(s) of {} sequence(s) x {} per rank{}, {} characters per step; Adam lr {} \
-         (warmup {}, cosine to {}){}",
+         {}); {} step(s) of {} sequence(s) x {} per replica{}, {} characters per step; Adam lr \
+         {} (warmup {}, cosine to {}){}",
         c.dataset,
         corpus.train().len(),
         corpus.val().len(),
@@ -105,8 +113,21 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
     lines.extend(data_parallel_lines(
         report.stats.as_ref(),
         report.throughput.seconds,
-        report.throughput.ranks,
+        state.config.dp(),
     ));
+    if let Some(tp) = &report.tp_stats {
+        lines.push(format!(
+            "tensor parallel {} rank(s) per replica; on rank 0 this run (evaluations and samples \
+             included): {} all-reduces of {:.1} MiB, {} gathers of {:.1} MiB, {} fallback \
+             gather(s)",
+            state.config.tp,
+            tp.all_reduces,
+            tp.all_reduce_bytes as f64 / (1 << 20) as f64,
+            tp.gathers,
+            tp.gather_bytes as f64 / (1 << 20) as f64,
+            tp.fallback_total(),
+        ));
+    }
     lines.push(checkpoints_line(&report.checkpoint_dir, last.eval, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));
     lines

@@ -128,3 +128,39 @@ fn a_resume_keeps_the_settings_and_the_vocabulary() {
         "{e}"
     );
 }
+
+#[test]
+fn tensor_parallel_sizes_must_divide_the_heads_and_the_ranks() {
+    let dir = std::env::temp_dir();
+    let r = GptRequest {
+        dataset: Some(GptData::Embedded),
+        tp: Some(2),
+        ..GptRequest::default()
+    };
+    assert_eq!(GptJob.requested_ranks(&r), Some(4));
+    let e = GptJob
+        .configure(&r, 3, &dir, &mut crate::Silent)
+        .unwrap_err();
+    assert!(e.is_usage());
+    assert_eq!(
+        e.to_string(),
+        "--tp 2 in a job of 3 ranks: the tensor-parallel size must divide the ranks"
+    );
+    let c = GptJob.configure(&r, 4, &dir, &mut crate::Silent).unwrap();
+    assert_eq!((c.dp(), c.tp, c.tensor_parallel()), (2, 2, 2));
+    // 67 characters, padded to 68 for a split by vocabulary over 2 ranks.
+    assert_eq!(c.vocab.chars().count(), 67);
+    assert_eq!(c.model().vocab, 68);
+    assert_eq!(c.tokens_per_step(), 2 * 16 * 64);
+    let bad = GptRequest {
+        tp: Some(3),
+        ..GptRequest::default()
+    };
+    assert!(
+        GptJob
+            .check(&bad)
+            .unwrap_err()
+            .to_string()
+            .starts_with("--tp 3 with --heads 4")
+    );
+}

@@ -1,19 +1,29 @@
-//! One rank of the GPT job: its shard of the training windows, the training loop (micro-batches,
-//! gradient accumulation, the learning-rate schedule), the validation loss over every rank's
-//! part of the validation windows, and rank 0's sample, checkpoint, plot and lines after each
-//! round.
+//! One rank of the GPT job: its replica's shard of the training windows, the training loop
+//! (micro-batches, gradient accumulation, the learning-rate schedule), the validation loss over
+//! every replica's part of the validation windows, and rank 0's sample, checkpoint, plot and
+//! lines after each round.
+//!
+//! Data-parallel only, a rank trains on `Autodiff<DataParallel<B>>`. With `tp` > 1 it trains on
+//! `Autodiff<Hybrid<B>>`: the model is split by the GPT plan over the rank's tensor-parallel
+//! group, whose ranks train on the same batches (their replica's), and replicas average
+//! gradients shard by shard. Whatever reads a whole tensor (a loss, a sample, a digest, a
+//! checkpoint) then gathers over the group, so every rank runs it.
 
 use std::time::Instant;
 
-use bonfire::DataParallel;
+use bonfire::{DataParallel, Hybrid};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::Backend;
+use std::collections::HashMap;
+
+use burn::module::{ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{Adam, AdamConfig, GradientsParams, Optimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
@@ -24,47 +34,111 @@ use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 
-/// The training backend: `B` under bonfire's data-parallel decorator, with autodiff.
-type A<B> = Autodiff<DataParallel<B>>;
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
+/// The job's optimizer: Adam over the GPT.
+type Optim<A> = OptimizerAdaptor<Adam, Gpt<A>, A>;
+
+/// An optimizer's state (a map from parameter to state) recorded in the model's parameter order.
+/// Burn records the map in its own iteration order, which differs between processes; under
+/// tensor parallelism reading each tensor gathers it over the group, so the ranks must read
+/// them in one order (not the ids' order either: a fresh model's ids differ between ranks).
+struct Ordered<T>(Vec<(ParamId, T)>);
+
+impl<T> Ordered<T> {
+    /// `state`'s entries in the order of `model`'s parameters.
+    fn new<B: Backend, M: Module<B>>(state: hashbrown::HashMap<ParamId, T>, model: &M) -> Self {
+        struct Order(Vec<ParamId>);
+        impl<B: Backend> ModuleVisitor<B> for Order {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                self.0.push(p.id);
+            }
+        }
+        let mut order = Order(Vec::new());
+        model.visit(&mut order);
+        let rank: HashMap<ParamId, usize> = order
+            .0
+            .into_iter()
+            .enumerate()
+            .map(|(i, id)| (id, i))
+            .collect();
+        let mut entries: Vec<(ParamId, T)> = state.into_iter().collect();
+        entries.sort_by_key(|(id, _)| rank.get(id).copied().unwrap_or(usize::MAX));
+        Ordered(entries)
+    }
+}
+
+impl<B: Backend, T: Record<B>> Record<B> for Ordered<T> {
+    type Item<S: PrecisionSettings> = Vec<(String, T::Item<S>)>;
+
+    fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
+        self.0
+            .into_iter()
+            .map(|(id, record)| (id.serialize(), record.into_item()))
+            .collect()
+    }
+
+    fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
+        Ordered(
+            item.into_iter()
+                .map(|(id, item)| (ParamId::deserialize(&id), T::from_item(item, device)))
+                .collect(),
+        )
+    }
+}
 
 /// Points on the training-loss curve per round.
 const CURVE_POINTS: usize = 10;
 /// Validation windows evaluated at once.
 const EVAL_BATCH: usize = 64;
 
-/// Trains on backend `B` (wrapped in `Autodiff<DataParallel<B>>`).
+/// Trains on backend `B`: under `DataParallel`, or with `tp` > 1 under `Hybrid`.
 pub(super) fn run<B: Backend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: B::Device,
 ) -> Result<(GptState, GptReport), JobError> {
+    if ctx.settings().config.tp > 1 {
+        let group = ctx.world().tp_group().clone();
+        let split = move |model| Ok(bonfire::tensor_parallel(model, &super::plan(), &group)?);
+        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &split)
+    } else {
+        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &Ok)
+    }
+}
+
+/// How a rank lays out the whole model it built or loaded: as it is, or split by the plan.
+type Split<'a, A> = dyn Fn(Gpt<A>) -> Result<Gpt<A>, JobError> + 'a;
+
+/// Trains on autodiff backend `A`, with the model laid out by `split`.
+fn run_on<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    device: A::Device,
+    split: &Split<'_, A>,
+) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
-    let (rank, size) = (ctx.rank(), ctx.world_size());
+    let (replica, replicas) = (ctx.world().dp_group().rank(), c.dp());
     let text = c.dataset.text(&s.data_dir)?;
     let corpus = CharCorpus::with_vocab(c.vocab(), &text, VAL_FRACTION)?;
     drop(text);
     let train = corpus.train_windows(c.context, 1)?;
-    let shard = train.shard(rank, size)?;
+    let shard = train.shard(replica, replicas)?;
     let val = corpus.val_windows(c.context, c.context)?;
+    A::seed(&device, c.seed);
+    let model: Gpt<A> = c.model().init(&device);
     if ctx.is_main() {
-        let params = c.model().init::<B>(&device).num_params();
+        let params = model.num_params();
         ctx.say(
             Say::Start,
-            &output::start_line(&s, &corpus, params, shard.len(), size),
+            &output::start_line(&s, &corpus, params, shard.len(), replicas),
         );
     }
-    <A<B> as Backend>::seed(&device, c.seed);
-    let model: Gpt<A<B>> = c.model().init(&device);
-    let optim = AdamConfig::new()
-        .with_beta_2(0.99)
-        .init::<A<B>, Gpt<A<B>>>();
+    let optim = AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>();
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
-    let mut model = bonfire::replicate(model);
+    let mut model = bonfire::replicate(split(model)?);
     let started = Instant::now();
     let mut throughput = Throughput {
-        ranks: size,
+        ranks: ctx.world_size(),
         ..Throughput::default()
     };
     for round in state.epochs_done..s.epochs {
@@ -72,29 +146,29 @@ pub(super) fn run<B: Backend>(
         let trained;
         (model, trained) = train_round(ctx, model, &mut optim, &train, &shard, round, &device)?;
         let train_secs = t0.elapsed().as_secs_f64();
-        throughput.items += trained.tokens * size;
+        throughput.items += trained.tokens * replicas;
         throughput.seconds += train_secs;
+        // The ranks of a tensor-parallel group count the same batches: the sums over all
+        // ranks are `tp` times the replicas', which the means cancel.
         let totals = ctx.sum(
             vec![trained.loss_sum, trained.batches as f64],
             "summing the round's training loss",
         )?;
         let v = validate(ctx, &model, &val, c.eval_windows, &device)?;
-        let sample = if ctx.is_main() {
-            let sampling = Sampling {
-                temperature: c.temperature,
-                top_k: Some(c.top_k),
-                seed: c.seed.wrapping_add(round as u64),
-            };
-            generate(&model.valid(), c, &sampling)
-        } else {
-            String::new()
+        // Every rank draws the same sample (same seed, same gathered logits); rank 0 keeps it.
+        // Under tensor parallelism the forward passes need every rank of the group.
+        let sampling = Sampling {
+            temperature: c.temperature,
+            top_k: Some(c.top_k),
+            seed: c.seed.wrapping_add(round as u64),
         };
+        let sample = generate(&model.valid(), c, &sampling);
         state.history.push(EvalRecord {
             eval: round + 1,
             step: trained.last_step,
             train_loss: totals[0] / totals[1],
             val_loss: v[0] / v[1],
-            tokens_per_second: (trained.tokens * size) as f64 / train_secs,
+            tokens_per_second: (trained.tokens * replicas) as f64 / train_secs,
             seconds: t0.elapsed().as_secs_f64(),
             curve: trained.curve,
             sample,
@@ -107,6 +181,9 @@ pub(super) fn run<B: Backend>(
     let report = GptReport {
         throughput,
         stats: bonfire::total_stats(),
+        tp_stats: (c.tp > 1)
+            .then(bonfire::backend::tensor_parallel::stats)
+            .flatten(),
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -119,13 +196,13 @@ pub(super) fn run<B: Backend>(
 
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
 /// ones unchanged.
-fn resume<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+fn resume<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
-    model: Gpt<A<B>>,
-    optim: O,
+    model: Gpt<A>,
+    optim: Optim<A>,
     state: &mut GptState,
-    device: &B::Device,
-) -> Result<(Gpt<A<B>>, O), JobError> {
+    device: &A::Device,
+) -> Result<(Gpt<A>, Optim<A>), JobError> {
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((model, optim));
     };
@@ -137,8 +214,11 @@ fn resume<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
     let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
     let optim = optim.load_record(
         recorder
-            .load(loaded.optimizer, device)
-            .map_err(bad("optimizer state"))?,
+            .load::<Ordered<_>>(loaded.optimizer, device)
+            .map_err(bad("optimizer state"))?
+            .0
+            .into_iter()
+            .collect(),
     );
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
@@ -199,17 +279,18 @@ fn batch<B: Backend>(
 
 /// Trains one round's steps, each on `grad_accum` micro-batches of windows drawn from this
 /// rank's shard.
-fn train_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+fn train_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
-    mut model: Gpt<A<B>>,
-    optim: &mut O,
+    mut model: Gpt<A>,
+    optim: &mut Optim<A>,
     train: &Windows<'_>,
     shard: &RankShard,
     round: usize,
-    device: &B::Device,
-) -> Result<(Gpt<A<B>>, Trained), JobError> {
+    device: &A::Device,
+) -> Result<(Gpt<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
-    let (rank, size, rounds) = (ctx.rank(), ctx.world_size(), ctx.settings().epochs);
+    let (replica, replicas, rounds) =
+        (ctx.world().dp_group().rank(), c.dp(), ctx.settings().epochs);
     let first = round * c.eval_every;
     let end = ((round + 1) * c.eval_every).min(c.steps);
     let steps = end - first;
@@ -221,10 +302,10 @@ fn train_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
         let lr = c.lr_at(step);
         for micro in 0..c.grad_accum {
             let rows = (0..c.batch).map(|row| {
-                let k = draw(c.seed, step, micro, rank, row) % shard.len() as u64;
+                let k = draw(c.seed, step, micro, replica, row) % shard.len() as u64;
                 shard.position(k as usize)
             });
-            let (x, y) = batch::<A<B>>(train, rows, device);
+            let (x, y) = batch::<A>(train, rows, device);
             let loss = model.loss(x, y);
             let l: f64 = loss.clone().into_scalar().elem();
             let loss = loss / c.grad_accum as f32;
@@ -254,7 +335,7 @@ fn train_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
                 steps,
                 loss: loss_sum / batches as f64,
                 accuracy: None,
-                rate: (tokens * size) as f64 / elapsed.as_secs_f64(),
+                rate: (tokens * replicas) as f64 / elapsed.as_secs_f64(),
                 unit: "chars",
                 elapsed,
             });
@@ -270,22 +351,24 @@ fn train_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
     Ok((model, trained))
 }
 
-/// The validation loss over the first `n` validation windows, each rank evaluating its share
-/// with its own replica (the replicas are equal): summed loss and windows, over all ranks.
-fn validate<B: Backend>(
+/// The validation loss over the first `n` validation windows, each replica evaluating its share
+/// (the replicas are equal; the ranks of a tensor-parallel group evaluate theirs together):
+/// summed loss and windows, over all ranks.
+fn validate<A: AutodiffBackend>(
     ctx: &RankContext<'_, GptJob>,
-    model: &Gpt<A<B>>,
+    model: &Gpt<A>,
     val: &Windows<'_>,
     n: usize,
-    device: &B::Device,
+    device: &A::Device,
 ) -> Result<Vec<f64>, JobError> {
     let n = n.min(val.len());
-    let mine = Sharding::Balanced.shard(ctx.rank(), ctx.world_size(), n)?;
+    let dp = ctx.world().dp_group();
+    let mine = Sharding::Balanced.shard(dp.rank(), dp.size(), n)?;
     let valid = model.valid();
     let idx: Vec<usize> = mine.positions().collect();
     let mut sum = 0.0f64;
     for chunk in idx.chunks(EVAL_BATCH) {
-        let (x, y) = batch::<DataParallel<B>>(val, chunk.iter().copied(), device);
+        let (x, y) = batch::<A::InnerBackend>(val, chunk.iter().copied(), device);
         let l: f64 = valid.loss(x, y).into_scalar().elem();
         sum += l * chunk.len() as f64;
     }
@@ -296,32 +379,27 @@ fn validate<B: Backend>(
 fn generate<B: Backend>(model: &Gpt<B>, c: &GptRunConfig, sampling: &Sampling) -> String {
     let vocab = c.vocab();
     let start = vocab.id('\n').unwrap_or(0);
-    let ids = model.generate(&[start], c.sample_chars, sampling);
+    let ids = model.generate_within(&[start], c.sample_chars, sampling, vocab.len());
     vocab.decode(&ids[1..])
 }
 
-/// Rank 0 writes the round's checkpoint and plot and says its lines.
-fn record_round<B: Backend, O: Optimizer<Gpt<A<B>>, A<B>>>(
+/// Every rank encodes the round's records (under tensor parallelism that gathers the whole
+/// tensors over the group); rank 0 writes the checkpoint and the plot and says its lines.
+fn record_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     state: &GptState,
-    model: &Gpt<A<B>>,
-    optim: &O,
+    model: &Gpt<A>,
+    optim: &Optim<A>,
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
-    let saved = ctx.save_checkpoint(
-        state,
-        || {
-            recorder
-                .record(model.clone().into_record(), ())
-                .map_err(encode("model"))
-        },
-        || {
-            recorder
-                .record(optim.to_record(), ())
-                .map_err(encode("optimizer state"))
-        },
-    )?;
+    let model_bytes = recorder
+        .record(model.clone().into_record(), ())
+        .map_err(encode("model"))?;
+    let optim_bytes = recorder
+        .record(Ordered::new(optim.to_record(), model), ())
+        .map_err(encode("optimizer state"))?;
+    let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
     let Some(dir) = saved else {
         return Ok(());
     };

@@ -3,44 +3,11 @@
 //! resumed ends bit for bit where an uninterrupted one does, `--sample` continues a prompt from a
 //! checkpoint, and bad input exits 2 with a message.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bonfire-gpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use std::process::Output;
 
-fn bonfire(cwd: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_bonfire"));
-    c.current_dir(cwd)
-        .args(args)
-        .env("BONFIRE_DATA_DIR", cwd.join("data"))
-        .env("RUST_BACKTRACE", "1")
-        .env("BONFIRE_TIMEOUT", "120");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn state(dir: &Path, round: usize) -> serde_json::Value {
-    let path = dir.join(format!("epoch-{round}/state.json"));
-    serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
-        .unwrap()
-}
-
-fn f(v: &serde_json::Value) -> f64 {
-    v.as_f64().unwrap()
-}
+use common::{bonfire, f, kill_after_first_checkpoint, scratch, state, text};
 
 /// A tiny GPT: one block of width 32 over 16 characters, 8 windows per rank per step.
 const TINY: [&str; 22] = [
@@ -83,7 +50,7 @@ fn assert_clean_failure(out: &Output, needle: &str) {
 /// plot is a PNG; `--sample` continues a prompt with the latest checkpoint.
 #[test]
 fn two_processes_learn_and_sample() {
-    let dir = scratch("learn");
+    let dir = scratch("gpt-learn");
     let out = bonfire(&dir, &TINY)
         .args(["--steps", "40"])
         .output()
@@ -150,7 +117,7 @@ fn two_processes_learn_and_sample() {
 /// every parameter) and the same losses as an uninterrupted run.
 #[test]
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
-    let dir = scratch("resume");
+    let dir = scratch("gpt-resume");
     let straight = dir.join("straight");
     let out = bonfire(&dir, &TINY)
         .args(["--steps", "60", "--checkpoint-dir"])
@@ -160,32 +127,14 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     assert!(out.status.success(), "{}", text(&out));
 
     let killed = dir.join("killed");
-    let mut child = bonfire(&dir, &TINY)
-        .args(["--steps", "60", "--checkpoint-dir"])
-        .arg(&killed)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !killed.join("latest").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint after 300 s"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the job ended before its first checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.kill().unwrap(); // SIGKILL to the command; its ranks die with it
-    child.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let done = std::fs::read_to_string(killed.join("latest")).unwrap();
+    let done = kill_after_first_checkpoint(
+        bonfire(&dir, &TINY)
+            .args(["--steps", "60", "--checkpoint-dir"])
+            .arg(&killed),
+        &killed,
+    );
     assert_ne!(
-        done.trim(),
-        "epoch-6",
+        done, "epoch-6",
         "the job finished before it was killed: nothing resumed"
     );
 
@@ -242,7 +191,7 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
 /// checkpoint and split again on resume).
 #[test]
 fn hybrid_runs_learn_and_resume_exactly() {
-    let dir = scratch("hybrid");
+    let dir = scratch("gpt-hybrid");
     let hybrid = [
         "--dp",
         "2",
@@ -282,34 +231,8 @@ fn hybrid_runs_learn_and_resume_exactly() {
     );
 
     let killed = dir.join("killed");
-    let mut child = bonfire(&dir, &TINY)
-        .args(hybrid)
-        .arg(&killed)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !killed.join("latest").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint after 300 s"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the job ended before its first checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let done = std::fs::read_to_string(killed.join("latest")).unwrap();
-    assert_ne!(
-        done.trim(),
-        "epoch-4",
-        "the job finished before it was killed"
-    );
+    let done = kill_after_first_checkpoint(bonfire(&dir, &TINY).args(hybrid).arg(&killed), &killed);
+    assert_ne!(done, "epoch-4", "the job finished before it was killed");
     let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
         .arg(&killed)
         .output()
@@ -358,7 +281,7 @@ fn hybrid_runs_learn_and_resume_exactly() {
 /// differ, so the losses are compared with a bound, not for equality).
 #[test]
 fn accumulation_and_bf16_gradients_train() {
-    let dir = scratch("accum");
+    let dir = scratch("gpt-accum");
     let mut tiny: Vec<&str> = TINY.to_vec();
     let batch = tiny.iter().position(|a| *a == "--batch").unwrap();
     tiny[batch + 1] = "4";
@@ -418,7 +341,7 @@ fn accumulation_and_bf16_gradients_train() {
 
 #[test]
 fn bad_input_exits_2_with_a_message() {
-    let dir = scratch("bad");
+    let dir = scratch("gpt-bad");
     let cases: [(&[&str], &str); 7] = [
         (
             &["--tp", "3"],

@@ -1,50 +1,15 @@
 //! `bonfire train vision` as a user runs it: two ranks as two processes under the launcher, on the
 //! MNIST slice compiled into bonfire (no download), with checkpoints, plots and resume.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bonfire-train-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn bonfire(cwd: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_bonfire"));
-    c.current_dir(cwd)
-        .args(args)
-        .env("BONFIRE_DATA_DIR", cwd.join("data"))
-        .env("RUST_BACKTRACE", "1")
-        .env("BONFIRE_TIMEOUT", "120");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn state(dir: &Path, epoch: usize) -> serde_json::Value {
-    let path = dir.join(format!("epoch-{epoch}/state.json"));
-    serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
-        .unwrap()
-}
-
-fn f(v: &serde_json::Value) -> f64 {
-    v.as_f64().unwrap()
-}
+use common::{bonfire, f, kill_after_first_checkpoint, scratch, state, text};
 
 /// The default data set cannot be fetched (no npm on PATH), so the job says so and trains on the
 /// embedded slice; across two processes the loss falls and test accuracy ends far above chance.
 #[test]
 fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
-    let dir = scratch("learn");
+    let dir = scratch("train-learn");
     let out = bonfire(
         &dir,
         &["train", "vision", "--epochs", "3", "--test-limit", "300"],
@@ -94,7 +59,7 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
 /// parameter) and the same test results as an uninterrupted run; bad flags fail cleanly.
 #[test]
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
-    let dir = scratch("resume");
+    let dir = scratch("train-resume");
     let args = [
         "train",
         "vision",
@@ -113,31 +78,9 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     assert!(out.status.success(), "{}", text(&out));
 
     let killed = dir.join("killed");
-    let mut child = bonfire(&dir, &args)
-        .arg(&killed)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !killed.join("latest").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint after 300 s"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the job ended before its first checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL to the command; its ranks die with it
-    child.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let done = std::fs::read_to_string(killed.join("latest")).unwrap();
+    let done = kill_after_first_checkpoint(bonfire(&dir, &args).arg(&killed), &killed);
     assert_ne!(
-        done.trim(),
-        "epoch-3",
+        done, "epoch-3",
         "the job finished before it was killed: nothing resumed"
     );
 
@@ -191,7 +134,7 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
 
 #[test]
 fn bad_flags_fail_with_a_message_and_no_backtrace() {
-    let dir = scratch("flags");
+    let dir = scratch("train-flags");
     for (args, expect) in [
         (
             &["train", "vision", "--backend", "tpu"][..],

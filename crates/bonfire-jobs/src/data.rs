@@ -20,10 +20,7 @@ pub fn shuffled(n: usize, seed: u64, epoch: usize, rank: usize) -> Vec<usize> {
     let mut next = move || {
         // SplitMix64.
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        mix64(state)
     };
     let mut v: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
@@ -31,6 +28,14 @@ pub fn shuffled(n: usize, seed: u64, epoch: usize, rank: usize) -> Vec<usize> {
         v.swap(i, j);
     }
     v
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit value from any 64-bit key (consecutive keys give
+/// unrelated values), for draws that must be the same on every run.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// SHA-256 of every parameter's values, in module order, as little-endian f32, in hex: two runs

@@ -324,6 +324,21 @@ pub enum JobError {
     NothingToSample,
 }
 
+/// Refuses a setting given as zero (or below): `--batch 0: must be positive`.
+pub(crate) fn positive<T: PartialOrd + Default + fmt::Display>(
+    flag: &'static str,
+    v: Option<T>,
+) -> Result<(), JobError> {
+    match v {
+        Some(v) if v <= T::default() => Err(JobError::Invalid {
+            flag,
+            given: v.to_string(),
+            why: "must be positive",
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl JobError {
     /// Whether the error is the caller's input (a flag, a value, a run directory or checkpoint
     /// that is not there or not usable): `bonfire train` exits 2 for these, as for a bad flag,

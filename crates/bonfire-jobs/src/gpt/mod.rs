@@ -38,6 +38,7 @@ use bonfire_datasets::shakespeare::{self, Vocab};
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
+use crate::error::positive;
 use crate::job::{Job, JobConfig, JobState};
 use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
@@ -304,21 +305,6 @@ pub fn run(request: &GptRequest, options: &RunOptions) -> Result<Finished<GptJob
     Runner::new(&GptJob, request, options).run()
 }
 
-fn at_least(flag: &'static str, v: Option<usize>, min: usize) -> Result<(), JobError> {
-    match v {
-        Some(v) if v < min => Err(JobError::Invalid {
-            flag,
-            given: v.to_string(),
-            why: if min == 1 {
-                "must be at least 1"
-            } else {
-                "must be at least 2"
-            },
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// The text's vocabulary, and that it has the windows the run needs.
 fn vocabulary(text: &str, context: usize) -> Result<Vocab, JobError> {
     let corpus = bonfire_datasets::text::CharCorpus::new(text, VAL_FRACTION)?;
@@ -352,7 +338,7 @@ impl Job for GptJob {
             ("--eval-every", r.eval_every),
             ("--eval-windows", r.eval_windows),
         ] {
-            at_least(flag, v, 1)?;
+            positive(flag, v)?;
         }
         let (heads, embd) = (r.heads.unwrap_or(4), r.embd.unwrap_or(128));
         if !embd.is_multiple_of(heads) {

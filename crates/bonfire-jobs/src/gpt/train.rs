@@ -29,7 +29,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
 use crate::checkpoint::State;
-use crate::data::param_digest;
+use crate::data::{mix64, param_digest};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
@@ -246,15 +246,12 @@ struct Trained {
 /// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
 /// same in a resumed run as in an uninterrupted one.
 fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
-    let mut z = seed
-        ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        ^ (micro as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)
-        ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
-        ^ (row as u64).wrapping_mul(0x1656_67b1_9e37_79f9);
-    // SplitMix64's finaliser.
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    mix64(
+        seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            ^ (micro as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)
+            ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+            ^ (row as u64).wrapping_mul(0x1656_67b1_9e37_79f9),
+    )
 }
 
 /// Windows `idx` of `windows` as input and target tensors `[rows, context]`.

@@ -33,6 +33,7 @@ use bonfire_datasets::Vision as VisionSet;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
+use crate::error::positive;
 use crate::job::{Job, JobConfig, JobState};
 use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
@@ -207,20 +208,6 @@ pub struct VisionReport {
 /// settles the run and starts its ranks, a rank trains (see [`Runner`]).
 pub fn run(request: &VisionRequest, options: &RunOptions) -> Result<Finished<Vision>, JobError> {
     Runner::new(&Vision, request, options).run()
-}
-
-fn positive<T: PartialOrd + Default + fmt::Display>(
-    flag: &'static str,
-    v: Option<T>,
-) -> Result<(), JobError> {
-    match v {
-        Some(v) if v <= T::default() => Err(JobError::Invalid {
-            flag,
-            given: v.to_string(),
-            why: "must be positive",
-        }),
-        _ => Ok(()),
-    }
 }
 
 impl Job for Vision {

@@ -39,7 +39,8 @@ pub(crate) struct Shared {
     pub(crate) accepted: Mutex<Vec<Option<Connection>>>,
     /// Signalled whenever a worker joins (rank 0) or a higher rank links (workers).
     pub(crate) changed: Notify,
-    /// Tests: milliseconds each reader waits before filing a frame, to stand for a busy rank.
+    /// Tests: milliseconds the acceptor waits before taking each stream and each reader waits
+    /// before filing a frame, to stand for a busy rank.
     #[cfg(test)]
     pub(crate) slow_filing_ms: std::sync::atomic::AtomicU64,
 }

@@ -92,11 +92,19 @@ pub(crate) async fn start_link(
     let mut tasks = Vec::new();
     // The readers' tasks, so that the loss watcher can let them file what already arrived.
     let readers: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+    // Says when the acceptor has taken every stream the peer opened: after a close, quinn still
+    // hands out the streams that had arrived, then fails.
+    let (accepted_all, all_accepted) = tokio::sync::oneshot::channel::<()>();
     // Readers: one per incoming stream.
     {
         let (shared, conn, readers) = (shared.clone(), conn.clone(), readers.clone());
         tasks.push(tokio::spawn(async move {
             while let Ok(stream) = conn.accept_uni().await {
+                #[cfg(test)]
+                {
+                    let ms = shared.slow_filing_ms.load(Ordering::Relaxed);
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                }
                 let (shared, conn) = (shared.clone(), conn.clone());
                 lock(&readers).push(tokio::spawn(async move {
                     if let Err(e) = read_stream(&shared, peer, stream).await {
@@ -107,6 +115,7 @@ pub(crate) async fn start_link(
                     }
                 }));
             }
+            let _ = accepted_all.send(());
         }));
     }
     // Loss watcher.
@@ -121,11 +130,15 @@ pub(crate) async fn start_link(
             // it sent, so its last frames may still sit in this side's stream buffers. Declaring
             // it lost now would fail a receive whose frame is about to be filed: let the readers
             // reach its goodbyes first (they can: buffered data stays readable after a close).
+            // The acceptor may not even have taken every stream yet: wait for it first, so that
+            // the list of readers is complete.
             if matches!(&err, ConnectionError::ApplicationClosed(c)
                 if c.error_code.into_inner() == u64::from(CLOSE_SHUTDOWN))
             {
-                let pending = std::mem::take(&mut *lock(&readers));
                 let drain = async {
+                    // An error means the acceptor was stopped: the job is closing.
+                    let _ = all_accepted.await;
+                    let pending = std::mem::take(&mut *lock(&readers));
                     for reader in pending {
                         let _ = reader.await;
                     }

@@ -297,8 +297,9 @@ async fn workers_without_a_rank_are_assigned_distinct_ones() {
 
 /// A rank that sends and then shuts down at once must not be reported gone before its frames
 /// are filed: a busy receiver may still be reading them from its buffers when the close arrives.
-/// (Seen in CI: a two-rank benchmark's last all-reduce failed on the slower rank.) The receiver's
-/// readers here wait 100 ms before filing each frame, standing for that busy rank.
+/// (Seen in CI: a two-rank benchmark's last all-reduce failed on the slower rank.) The receiver
+/// here waits 100 ms before taking each stream and before filing each frame, standing for that
+/// busy rank, so the close arrives before its streams are even accepted (also seen in CI).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_shutdown_is_reported_only_after_its_frames_are_filed() {
     const FRAMES: u32 = 8;

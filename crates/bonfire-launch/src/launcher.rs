@@ -7,6 +7,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bonfire_transport::shm::{self, vars as shm_vars};
 use bonfire_transport::{Secret, SecretError};
 
 use crate::env::vars;
@@ -302,12 +303,33 @@ pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
         set(vars::PEER_TIMEOUT, t.as_secs_f64().to_string());
     }
     env.extend(c.extra_env.iter().cloned());
+    // Shared-memory segments carry the job's tag in their names, so that whatever a killed rank
+    // left behind can be removed once the round is over.
+    let setting = |var: &str| -> Option<String> {
+        env.iter()
+            .rev()
+            .find(|(k, _)| k == var)
+            .map(|(_, v)| v.to_string_lossy().into_owned())
+            .or_else(|| std::env::var(var).ok())
+            .filter(|v| !v.trim().is_empty())
+    };
+    let shm_dir = PathBuf::from(setting(shm_vars::SHM_DIR).unwrap_or_else(|| "/dev/shm".into()));
+    let shm_tag = match setting(shm_vars::SHM_TAG) {
+        Some(tag) => tag,
+        None => {
+            let tag = shm::new_tag();
+            env.push((shm_vars::SHM_TAG.into(), tag.clone().into()));
+            tag
+        }
+    };
     // Time the surviving ranks get to notice a failure and report it themselves.
     let grace = c.peer_timeout.unwrap_or(Duration::from_secs(6)) + Duration::from_secs(4);
 
     let mut round = 0u32;
     loop {
-        match run_round(c, &env, round, grace) {
+        let outcome = run_round(c, &env, round, grace);
+        shm::remove_segments(&shm_dir, &shm_tag);
+        match outcome {
             Ok(()) => return Ok(()),
             Err(LaunchError::RankFailed {
                 rank, pid, status, ..

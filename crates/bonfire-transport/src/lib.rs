@@ -12,8 +12,10 @@
 
 mod error;
 mod inproc;
+mod job;
 mod mailbox;
 pub mod quic;
+pub mod shm;
 mod tag;
 
 use std::future::Future;
@@ -25,6 +27,7 @@ use bytes::Bytes;
 
 pub use error::TransportError;
 pub use inproc::{InProcess, InProcessTransport};
+pub use job::{JobTransport, JobTransportError, Lane};
 pub use mailbox::{Inbox, Mailbox, OpenError};
 pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
 pub use tag::Tag;

@@ -95,8 +95,8 @@ pub mod topology {
 /// Moving frames between ranks.
 pub mod transport {
     pub use bonfire_transport::{
-        InProcess, InProcessTransport, Mailbox, QuicConfig, QuicError, QuicTransport, Secret,
-        SecretError, Tag, Transport, TransportError, quic,
+        InProcess, InProcessTransport, JobTransport, JobTransportError, Lane, Mailbox, QuicConfig,
+        QuicError, QuicTransport, Secret, SecretError, Tag, Transport, TransportError, quic, shm,
     };
 }
 

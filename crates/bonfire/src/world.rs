@@ -7,7 +7,8 @@ use bonfire_backend::{ConfigError, DataParallelConfig};
 use bonfire_collectives::{CollectiveError, CommConfig, Communicator, runtime};
 use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
 use bonfire_topology::{Mesh, MeshError, NodeLayout, Rank};
-use bonfire_transport::{QuicConfig, QuicError, QuicTransport, Secret, SecretError};
+use bonfire_transport::shm::{ShmConfig, ShmConfigError};
+use bonfire_transport::{JobTransport, JobTransportError, Lane, QuicConfig, Secret, SecretError};
 
 /// Why [`init`] failed. Its message says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +32,10 @@ pub enum InitError {
     },
     /// The job could not be joined.
     #[error("bonfire::init: {0}")]
-    Connect(#[from] QuicError),
+    Connect(#[from] JobTransportError),
+    /// A transport setting (`BONFIRE_TRANSPORT`, `BONFIRE_SHM_*`) is malformed.
+    #[error("bonfire::init: {0}")]
+    Transport(#[from] ShmConfigError),
     /// The world communicator could not be built over the joined transport.
     #[error("bonfire::init: cannot build the world communicator: {0}")]
     Communicator(#[from] CollectiveError),
@@ -72,7 +76,7 @@ pub struct World {
     tp: Communicator,
     env: JobEnv,
     nodes: NodeLayout,
-    quic: Option<Arc<QuicTransport>>,
+    transport: Option<Arc<JobTransport>>,
 }
 
 impl World {
@@ -134,6 +138,16 @@ impl World {
         &self.env
     }
 
+    /// How frames from this rank to each rank travel, in rank order: shared memory to the ranks
+    /// of this host (unless `BONFIRE_TRANSPORT=quic`, or it could not be set up), QUIC to the
+    /// others.
+    pub fn lanes(&self) -> Vec<Lane> {
+        match &self.transport {
+            Some(t) => t.lanes(),
+            None => vec![Lane::Local],
+        }
+    }
+
     /// Leaves the job cleanly: everything sent reaches its peer before the links close.
     pub fn shutdown(self) {
         drop(self);
@@ -142,7 +156,7 @@ impl World {
 
 impl Drop for World {
     fn drop(&mut self) {
-        let Some(quic) = self.quic.take() else {
+        let Some(quic) = self.transport.take() else {
             return;
         };
         if tokio::runtime::Handle::try_current().is_ok() {
@@ -201,7 +215,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
             tp: tp_comm,
             nodes: NodeLayout::single_node(1),
             env,
-            quic: None,
+            transport: None,
         });
     }
     let secret = match &env.secret {
@@ -236,7 +250,8 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         quic.peer_timeout = t;
     }
     quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
-    let transport = Arc::new(runtime().block_on(QuicTransport::connect(quic))?);
+    let shm = ShmConfig::from_env()?;
+    let transport = Arc::new(runtime().block_on(JobTransport::connect(quic, &shm))?);
     let nodes = transport.nodes().clone();
     let rank = bonfire_transport::Transport::rank(transport.as_ref());
     let comm = Communicator::builder(transport.clone())
@@ -253,7 +268,7 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         tp: tp_comm,
         env,
         nodes,
-        quic: Some(transport),
+        transport: Some(transport),
     })
 }
 

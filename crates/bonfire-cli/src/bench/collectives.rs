@@ -16,10 +16,27 @@ use crate::size;
 pub(crate) enum TransportKind {
     /// Ranks are threads of this process; frames move as shared buffers.
     Inproc,
-    /// Ranks are processes linked by authenticated QUIC. Under `bonfire launch` this process is
-    /// one rank of the launched job (on one host or several); otherwise it launches `--nproc`
-    /// copies of itself on this host.
+    /// Ranks are processes, as `bonfire launch` runs them: shared memory between the ranks of
+    /// one host, authenticated QUIC between hosts (and where shared memory cannot be set up,
+    /// which is said once). Under `bonfire launch` this process is one rank of the launched job
+    /// (on one host or several); otherwise it launches `--nproc` copies of itself on this host.
+    Auto,
+    /// As `auto`, but every pair talks QUIC, also on one host.
     Quic,
+    /// As `auto`, but ranks of one host must share memory (the job fails where they cannot).
+    Shm,
+}
+
+impl TransportKind {
+    /// The `BONFIRE_TRANSPORT` value of a multi-process kind.
+    fn env_value(self) -> Option<&'static str> {
+        match self {
+            TransportKind::Inproc => None,
+            TransportKind::Auto => Some("auto"),
+            TransportKind::Quic => Some("quic"),
+            TransportKind::Shm => Some("shm"),
+        }
+    }
 }
 
 /// The collective to time.
@@ -144,7 +161,7 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
             let n = usize::from(args.nproc);
             (Communicator::in_process(n, config.clone()), n)
         }
-        TransportKind::Quic => {
+        TransportKind::Auto | TransportKind::Quic | TransportKind::Shm => {
             if std::env::var_os("RANK").is_none() && std::env::var_os("WORLD_SIZE").is_none() {
                 return launch_self(args);
             }
@@ -179,6 +196,10 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
         args.algorithm,
         size::format(config.chunk_bytes),
     );
+    if let Some(w) = &world {
+        let lanes = lane_table(w)?;
+        say!("# lanes: {lanes}");
+    }
     say!(
         "# {:>10} {:>11} {:>19} {:>6} {:>11} {:>11} {:>11} {:>12} {:>13}",
         "size",
@@ -247,6 +268,12 @@ fn launch_self(args: &Args) -> Result<(), CliError> {
     let exe = std::env::current_exe().map_err(CliError::CurrentExe)?;
     let mut config = bonfire::launch::LaunchConfig::local(usize::from(args.nproc), exe);
     config.args = std::env::args_os().skip(1).collect();
+    if let Some(mode) = args.transport.env_value() {
+        config.extra_env.push((
+            bonfire::transport::shm::vars::TRANSPORT.into(),
+            mode.into(),
+        ));
+    }
     // The table comes from rank 0 alone, so it reads as the in-process one does.
     config.prefix_output = false;
     Ok(bonfire::launch::launch(&config)?)
@@ -255,8 +282,31 @@ fn launch_self(args: &Args) -> Result<(), CliError> {
 fn transport_name(t: TransportKind) -> &'static str {
     match t {
         TransportKind::Inproc => "in-process",
+        TransportKind::Auto => "auto (shared memory on one host, QUIC between hosts)",
         TransportKind::Quic => "QUIC",
+        TransportKind::Shm => "shared memory on one host, QUIC between hosts",
     }
+}
+
+/// Which lane each pair of ranks used, gathered from every rank: `0-1 shm, 0-2 quic, ...`.
+fn lane_table(world: &bonfire::World) -> Result<String, CliError> {
+    let n = world.world_size();
+    let mine: Vec<u8> = world.lanes().iter().map(|l| l.code()).collect();
+    let all = world.comm().all_gather(mine).wait()?;
+    let mut pairs = Vec::new();
+    for a in 0..n {
+        for b in a + 1..n {
+            let ab = bonfire::transport::Lane::from_code(all[a * n + b]);
+            let ba = bonfire::transport::Lane::from_code(all[b * n + a]);
+            let name = |l: Option<bonfire::transport::Lane>| l.map_or("?", |l| l.name());
+            if ab == ba {
+                pairs.push(format!("{a}-{b} {}", name(ab)));
+            } else {
+                pairs.push(format!("{a}->{b} {}, {b}->{a} {}", name(ab), name(ba)));
+            }
+        }
+    }
+    Ok(pairs.join(", "))
 }
 
 fn print_row(op: Op, n: usize, iters: usize, row: &Row) {

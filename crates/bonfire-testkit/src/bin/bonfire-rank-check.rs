@@ -3,7 +3,7 @@
 //!
 //! Modes:
 //! - `every`: every collective and algorithm on f32, bf16 and i64 against the oracle, then
-//!   `digest`;
+//!   `digest`, then the lane to the other ranks (`transport=shm` if any pair shares memory);
 //! - `digest`: a 256 Ki-element f32 all-reduce, summarised as a hash of its bits;
 //! - `die K`: after a barrier, rank K kills itself with SIGKILL while the others wait in an
 //!   all-reduce; they report the error and how long it took to arrive.
@@ -72,7 +72,15 @@ fn main() -> ExitCode {
             every_call::<f32>(world.comm(), 1);
             every_call::<bf16>(world.comm(), 2);
             every_call::<i64>(world.comm(), 3);
-            digest(&world).map(|d| format!("every ok digest={d}"))
+            let transport = if world
+                .lanes()
+                .contains(&bonfire::transport::Lane::SharedMemory)
+            {
+                "shm"
+            } else {
+                "quic"
+            };
+            digest(&world).map(|d| format!("every ok digest={d} transport={transport}"))
         }
         Some("digest") => digest(&world).map(|d| format!("digest={d}")),
         Some("die") => {

@@ -45,7 +45,7 @@ mod rendezvous;
 mod shared;
 mod streams;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

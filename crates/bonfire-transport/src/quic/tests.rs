@@ -14,11 +14,11 @@ use super::frame::FrameHeader;
 use super::{QuicConfig, QuicTransport, Secret};
 use crate::{Tag, Transport};
 
-fn secret(s: &str) -> Secret {
+pub(crate) fn secret(s: &str) -> Secret {
     Secret::new(format!("test-secret-{s}-0123456789").as_bytes()).unwrap()
 }
 
-fn master() -> String {
+pub(crate) fn master() -> String {
     let port = std::net::UdpSocket::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -27,7 +27,7 @@ fn master() -> String {
     format!("127.0.0.1:{port}")
 }
 
-fn config(rank: u32, world: usize, master: &str, secret: Secret) -> QuicConfig {
+pub(crate) fn config(rank: u32, world: usize, master: &str, secret: Secret) -> QuicConfig {
     let mut c = QuicConfig::new(Some(Rank(rank)), world, master, secret);
     c.bind = "127.0.0.1:0".parse().unwrap();
     c.node = rank / 2;

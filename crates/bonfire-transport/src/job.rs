@@ -1,0 +1,203 @@
+//! [`JobTransport`]: the transport of a launched job, with two lanes. Ranks of one host move
+//! frames through shared memory; every other pair (and any pair of one host that could not set
+//! shared memory up) through QUIC.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use bonfire_topology::{NodeLayout, Rank};
+use bytes::Bytes;
+
+use crate::quic::{QuicConfig, QuicError, QuicTransport};
+use crate::shm::{self, OutLink, ShmConfig, ShmSetupError};
+use crate::{Mailbox, SendFuture, Tag, Transport};
+
+/// How frames to one rank travel.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// This rank itself: straight into its own mailbox.
+    Local,
+    /// A ring in shared memory (a rank of this host).
+    SharedMemory,
+    /// An authenticated QUIC connection.
+    Quic,
+}
+
+impl Lane {
+    /// A short name: `self`, `shm`, `quic`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Lane::Local => "self",
+            Lane::SharedMemory => "shm",
+            Lane::Quic => "quic",
+        }
+    }
+
+    /// A one-byte code, for gathering lanes across ranks.
+    pub const fn code(self) -> u8 {
+        match self {
+            Lane::Local => 0,
+            Lane::SharedMemory => 1,
+            Lane::Quic => 2,
+        }
+    }
+
+    /// The lane of a code.
+    pub fn from_code(code: u8) -> Option<Lane> {
+        [Lane::Local, Lane::SharedMemory, Lane::Quic]
+            .get(usize::from(code))
+            .copied()
+    }
+}
+
+/// Why a rank could not join its job.
+#[derive(Debug, thiserror::Error)]
+pub enum JobTransportError {
+    /// The QUIC transport (rendezvous, links) failed.
+    #[error(transparent)]
+    Quic(#[from] QuicError),
+    /// Shared memory was required and could not be set up, or its setup exchange failed.
+    #[error(transparent)]
+    Shm(#[from] ShmSetupError),
+}
+
+/// The transport of one rank of a job: QUIC to every rank, and shared memory to the ranks of
+/// its own host. Made by [`JobTransport::connect`]; call [`JobTransport::shutdown`] before the
+/// process exits.
+pub struct JobTransport {
+    quic: QuicTransport,
+    out: Vec<Option<Arc<OutLink>>>,
+    readers: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    stop: Arc<AtomicBool>,
+    fallback: Option<String>,
+}
+
+impl JobTransport {
+    /// Joins the job over QUIC, then sets up shared memory with the ranks of this rank's node
+    /// (as `shm` says). Must run inside a Tokio runtime with I/O and time enabled.
+    pub async fn connect(
+        quic: QuicConfig,
+        shm: &ShmConfig,
+    ) -> Result<JobTransport, JobTransportError> {
+        let max_frame = quic.max_frame;
+        let quic = QuicTransport::connect(quic).await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let nodes = quic.nodes().clone();
+        let lanes = match shm::setup(&quic, &nodes, shm, max_frame, &stop).await {
+            Ok(lanes) => lanes,
+            Err(e) => {
+                stop.store(true, Ordering::Release);
+                quic.shutdown().await;
+                return Err(e.into());
+            }
+        };
+        let me = quic.rank();
+        if let Some(why) = &lanes.fallback {
+            // Said once per node, by its first rank.
+            let first = (0..quic.world_size())
+                .map(Rank::from)
+                .find(|&r| nodes.node_of(r) == nodes.node_of(me));
+            if first == Some(me) {
+                eprintln!(
+                    "bonfire[{me}]: shared memory is unavailable between some ranks of this host, which talk over QUIC instead ({why})"
+                );
+            }
+        }
+        Ok(JobTransport {
+            quic,
+            out: lanes.out.into_iter().map(|l| l.map(Arc::new)).collect(),
+            readers: std::sync::Mutex::new(lanes.readers),
+            stop,
+            fallback: lanes.fallback,
+        })
+    }
+
+    /// The lane frames to each rank take, in rank order.
+    pub fn lanes(&self) -> Vec<Lane> {
+        let me = self.quic.rank();
+        (0..self.quic.world_size())
+            .map(|r| {
+                if Rank::from(r) == me {
+                    Lane::Local
+                } else if self.out[r].is_some() {
+                    Lane::SharedMemory
+                } else {
+                    Lane::Quic
+                }
+            })
+            .collect()
+    }
+
+    /// Why some ranks of this host talk QUIC although shared memory was allowed, if they do.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
+    /// Which node each rank runs on, as the rendezvous established it.
+    pub fn nodes(&self) -> &NodeLayout {
+        self.quic.nodes()
+    }
+
+    /// The QUIC transport underneath.
+    pub fn quic(&self) -> &QuicTransport {
+        &self.quic
+    }
+
+    /// Ends the job for this rank cleanly: each shared-memory lane says goodbye and waits until
+    /// its peer has filed every frame, then the QUIC links do the same. Idempotent.
+    pub async fn shutdown(&self) {
+        // Finishing blocks (the writers drain their rings): run it off the runtime's workers.
+        let finishing: Vec<_> = self
+            .out
+            .iter()
+            .flatten()
+            .map(|link| {
+                let link = link.clone();
+                tokio::task::spawn_blocking(move || link.finish())
+            })
+            .collect();
+        for f in finishing {
+            let _ = f.await;
+        }
+        self.quic.shutdown().await;
+        self.stop.store(true, Ordering::Release);
+        let readers = std::mem::take(&mut *shm::lock(&self.readers));
+        drop(readers);
+    }
+}
+
+impl Drop for JobTransport {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+impl Transport for JobTransport {
+    fn rank(&self) -> Rank {
+        self.quic.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.quic.world_size()
+    }
+
+    fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> SendFuture<'_> {
+        match self.out.get(to.index()).and_then(Option::as_ref) {
+            Some(link) => Box::pin(std::future::ready(link.send(tag, payload))),
+            None => self.quic.send(to, tag, payload),
+        }
+    }
+
+    fn mailbox(&self) -> &Arc<Mailbox> {
+        self.quic.mailbox()
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.out.iter().any(Option::is_some) {
+            "quic+shm"
+        } else {
+            "quic"
+        }
+    }
+}

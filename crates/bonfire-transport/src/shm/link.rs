@@ -1,0 +1,224 @@
+//! The two ends of a shared-memory lane: [`OutLink`], whose writer thread copies queued frames
+//! into the peer's ring, and the reader thread, which copies them out and files them.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+use bonfire_topology::Rank;
+use bytes::{Bytes, BytesMut};
+
+use super::ring::{Ring, RingStop};
+use super::sys::Process;
+use crate::{Mailbox, Tag, TransportError};
+
+/// Bytes of a frame's record header in the ring: kind, step, context, seq, length.
+const RECORD: usize = 32;
+const KIND_DATA: u32 = 1;
+const KIND_GOODBYE: u32 = 2;
+
+fn record(kind: u32, tag: Tag, len: u64) -> [u8; RECORD] {
+    let mut r = [0u8; RECORD];
+    r[0..4].copy_from_slice(&kind.to_le_bytes());
+    r[4..8].copy_from_slice(&tag.step.to_le_bytes());
+    r[8..16].copy_from_slice(&tag.context.to_le_bytes());
+    r[16..24].copy_from_slice(&tag.seq.to_le_bytes());
+    r[24..32].copy_from_slice(&len.to_le_bytes());
+    r
+}
+
+fn why(stop: &RingStop, peer: &Process) -> String {
+    match stop {
+        RingStop::PeerExited => format!(
+            "its process (pid {}) exited (seen on the shared-memory lane)",
+            peer.pid()
+        ),
+        RingStop::Closed => "closed its shared-memory lane (it is shutting down)".into(),
+        RingStop::Stopping => "this rank is shutting down".into(),
+    }
+}
+
+/// The sending end of a lane to one peer on this host.
+pub(crate) struct OutLink {
+    queue: Mutex<Option<Sender<(Tag, Bytes)>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    lost: Arc<OnceLock<Arc<str>>>,
+    peer: Rank,
+}
+
+impl OutLink {
+    /// Starts the writer thread of the lane to `peer`, writing into `ring`.
+    pub(crate) fn start(
+        me: Rank,
+        peer: Rank,
+        ring: Ring,
+        process: Process,
+        mailbox: Arc<Mailbox>,
+        stop: Arc<AtomicBool>,
+    ) -> std::io::Result<OutLink> {
+        let (tx, rx) = channel();
+        let lost: Arc<OnceLock<Arc<str>>> = Arc::default();
+        let lost2 = lost.clone();
+        let writer = std::thread::Builder::new()
+            .name(format!("bonfire-shm-{}to{}", me.0, peer.0))
+            .spawn(move || write_loop(peer, &ring, &process, &mailbox, &stop, &rx, &lost2))?;
+        Ok(OutLink {
+            queue: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+            lost,
+            peer,
+        })
+    }
+
+    /// Queues a frame; the writer thread copies it into the ring.
+    pub(crate) fn send(&self, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
+        let lost = |reason: Arc<str>| TransportError::PeerLost {
+            peer: self.peer,
+            reason,
+        };
+        if let Some(reason) = self.lost.get() {
+            return Err(lost(reason.clone()));
+        }
+        let queue = super::lock(&self.queue);
+        match queue.as_ref().map(|q| q.send((tag, payload))) {
+            Some(Ok(())) => Ok(()),
+            _ => Err(lost(
+                self.lost
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "this rank is shutting down".into()),
+            )),
+        }
+    }
+
+    /// Ends the lane: the writer says goodbye after the queued frames and waits until the peer
+    /// has filed them all. Blocks until then (bounded by the peer's liveness and `stop`).
+    pub(crate) fn finish(&self) {
+        drop(super::lock(&self.queue).take());
+        if let Some(w) = super::lock(&self.writer).take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn write_loop(
+    peer: Rank,
+    ring: &Ring,
+    process: &Process,
+    mailbox: &Mailbox,
+    stop: &AtomicBool,
+    rx: &Receiver<(Tag, Bytes)>,
+    lost: &OnceLock<Arc<str>>,
+) {
+    let fail = |s: &RingStop| {
+        if *s != RingStop::Stopping {
+            let reason: Arc<str> = why(s, process).into();
+            let _ = lost.set(reason.clone());
+            mailbox.peer_lost(peer, reason);
+        }
+    };
+    for (tag, payload) in rx {
+        let head = record(KIND_DATA, tag, payload.len() as u64);
+        if let Err(s) = ring.write(&[&head, &payload], process, stop) {
+            fail(&s);
+            return;
+        }
+    }
+    // The queue closed: this rank is shutting down. Say goodbye and wait until the peer has
+    // filed everything, so that it never sees this rank gone with frames still in the ring.
+    let bye = record(
+        KIND_GOODBYE,
+        Tag {
+            context: 0,
+            seq: 0,
+            step: 0,
+        },
+        0,
+    );
+    if let Err(s) = ring
+        .write(&[&bye], process, stop)
+        .and_then(|()| ring.drain(process, stop))
+        && s == RingStop::PeerExited
+    {
+        fail(&s);
+    }
+}
+
+/// Starts the reader thread of the lane from `peer`: it files every frame in `mailbox` and
+/// reports the peer lost if its process exits without saying goodbye.
+pub(crate) fn start_reader(
+    me: Rank,
+    peer: Rank,
+    ring: Ring,
+    process: Process,
+    mailbox: Arc<Mailbox>,
+    stop: Arc<AtomicBool>,
+    max_frame: u64,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("bonfire-shm-{}from{}", me.0, peer.0))
+        .spawn(move || {
+            if let Err(reason) = read_loop(peer, &ring, &process, &mailbox, &stop, max_frame) {
+                mailbox.peer_lost(peer, reason);
+            }
+            ring.close();
+        })
+}
+
+fn read_loop(
+    peer: Rank,
+    ring: &Ring,
+    process: &Process,
+    mailbox: &Mailbox,
+    stop: &AtomicBool,
+    max_frame: u64,
+) -> Result<(), String> {
+    let err = |s: RingStop| match s {
+        RingStop::Stopping => Ok(()),
+        s => Err(why(&s, process)),
+    };
+    // Payloads are copied into one arena and split off it; once the consumer dropped them,
+    // `reserve` takes the memory back, so steady traffic does not fault in fresh pages.
+    let mut arena = BytesMut::new();
+    loop {
+        let mut head = [0u8; RECORD];
+        let mut got = 0;
+        if let Err(s) = ring.read(RECORD, process, stop, |p| {
+            head[got..got + p.len()].copy_from_slice(p);
+            got += p.len();
+        }) {
+            return err(s);
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut b = [0u8; 8];
+            b[..r.len()].copy_from_slice(&head[r]);
+            u64::from_le_bytes(b)
+        };
+        let kind = word(0..4) as u32;
+        let len = word(24..32);
+        match kind {
+            KIND_GOODBYE => return Ok(()),
+            KIND_DATA if len <= max_frame => {}
+            _ => {
+                return Err(format!(
+                    "sent a malformed frame on the shared-memory lane (kind {kind}, {len} bytes)"
+                ));
+            }
+        }
+        let tag = Tag {
+            context: word(8..16),
+            seq: word(16..24),
+            step: word(4..8) as u32,
+        };
+        let len = len as usize;
+        arena.reserve(len);
+        if let Err(s) = ring.read(len, process, stop, |p| arena.extend_from_slice(p)) {
+            return err(s);
+        }
+        mailbox.deliver(peer, tag, arena.split().freeze());
+        if stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+    }
+}

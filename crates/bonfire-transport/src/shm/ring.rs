@@ -1,0 +1,291 @@
+//! A single-producer, single-consumer byte ring in a shared segment: the producer copies bytes
+//! in at `head`, the consumer copies them out at `tail`, and each wakes the other through a futex
+//! word only when the other is asleep. Waits spin briefly, then sleep in short ticks, checking
+//! between ticks that the other process is alive and that nobody closed the ring, so a peer that
+//! dies mid-write (or holding nothing: there are no locks) never hangs this one.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
+use std::time::Duration;
+
+use super::segment::Segment;
+use super::sys::{Process, futex_wait, futex_wake};
+
+/// Marks a segment as a bonfire ring ("bfshmrg1").
+const MAGIC: u64 = 0x6266_7368_6d72_6731;
+/// Where the data starts; the control block lives in the first page.
+pub(crate) const DATA_OFFSET: usize = 4096;
+/// How long one sleep lasts before the other process's liveness is checked again.
+const TICK: Duration = Duration::from_millis(20);
+/// Busy-wait iterations before yielding, and yields before sleeping.
+const SPINS: u32 = 64;
+const YIELDS: u32 = 64;
+
+/// The control block at the start of the segment: the creator's settings, then each counter on
+/// its own cache line.
+#[repr(C)]
+struct Control {
+    magic: AtomicU64,
+    capacity: AtomicU64,
+    nonce: [AtomicU64; 2],
+    _settings: [u8; 32],
+    /// Bytes ever written (producer).
+    head: AtomicU64,
+    _h: [u8; 56],
+    /// Bytes ever consumed (consumer).
+    tail: AtomicU64,
+    _t: [u8; 56],
+    /// Bumped by the producer after each publish; the consumer sleeps on it.
+    data_seq: AtomicU32,
+    consumer_sleeps: AtomicU32,
+    _d: [u8; 56],
+    /// Bumped by the consumer after each release; the producer sleeps on it.
+    space_seq: AtomicU32,
+    producer_sleeps: AtomicU32,
+    _s: [u8; 56],
+    /// Set by the consumer when it stops reading for good.
+    consumer_closed: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Control>() <= DATA_OFFSET);
+
+/// Why a ring operation stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RingStop {
+    /// The other process exited.
+    PeerExited,
+    /// The consumer closed the ring (the peer is shutting down).
+    Closed,
+    /// This rank is shutting down.
+    Stopping,
+}
+
+/// One side's view of a ring.
+pub(crate) struct Ring {
+    seg: Arc<Segment>,
+    capacity: usize,
+}
+
+impl Ring {
+    /// The segment length that holds a ring of `capacity` bytes.
+    pub(crate) fn segment_len(capacity: usize) -> usize {
+        DATA_OFFSET + capacity
+    }
+
+    /// Writes the control block of a fresh segment (before anyone else maps it).
+    pub(crate) fn init(seg: Arc<Segment>, nonce: [u64; 2]) -> Ring {
+        let capacity = seg.len() - DATA_OFFSET;
+        let ring = Ring { seg, capacity };
+        let c = ring.control();
+        c.capacity.store(capacity as u64, Ordering::Relaxed);
+        c.nonce[0].store(nonce[0], Ordering::Relaxed);
+        c.nonce[1].store(nonce[1], Ordering::Relaxed);
+        c.magic.store(MAGIC, Ordering::Release);
+        ring
+    }
+
+    /// The ring of a segment another rank made, if its control block says what the offer said.
+    pub(crate) fn attach(seg: Arc<Segment>, nonce: [u64; 2]) -> Result<Ring, String> {
+        if seg.len() <= DATA_OFFSET {
+            return Err("the segment is too small".into());
+        }
+        let capacity = seg.len() - DATA_OFFSET;
+        let ring = Ring { seg, capacity };
+        let c = ring.control();
+        if c.magic.load(Ordering::Acquire) != MAGIC {
+            return Err("the segment is not a bonfire ring".into());
+        }
+        if c.capacity.load(Ordering::Relaxed) != capacity as u64
+            || c.nonce[0].load(Ordering::Relaxed) != nonce[0]
+            || c.nonce[1].load(Ordering::Relaxed) != nonce[1]
+        {
+            return Err("the segment's control block does not match the offer".into());
+        }
+        Ok(ring)
+    }
+
+    fn control(&self) -> &Control {
+        // SAFETY: the mapping is page-aligned and at least DATA_OFFSET long; Control is made of
+        // atomics and padding, valid for any bit pattern.
+        unsafe { &*(self.seg.ptr() as *const Control) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: DATA_OFFSET is inside the mapping.
+        unsafe { self.seg.ptr().add(DATA_OFFSET) }
+    }
+
+    /// Producer: copies every byte of `parts`, in order, waiting for room as needed. Publishes
+    /// at most a quarter of the ring at a time, so the consumer copies out while this copies in.
+    pub(crate) fn write(
+        &self,
+        parts: &[&[u8]],
+        peer: &Process,
+        stop: &AtomicBool,
+    ) -> Result<(), RingStop> {
+        let c = self.control();
+        let cap = self.capacity;
+        let step = (cap / 4).max(1);
+        let mut head = c.head.load(Ordering::Relaxed);
+        for part in parts {
+            let mut off = 0;
+            while off < part.len() {
+                let mut tail = c.tail.load(Ordering::Acquire);
+                if head - tail == cap as u64 {
+                    self.wait(
+                        &c.space_seq,
+                        &c.producer_sleeps,
+                        || head - c.tail.load(Ordering::Acquire) < cap as u64,
+                        peer,
+                        stop,
+                        true,
+                    )?;
+                    tail = c.tail.load(Ordering::Acquire);
+                }
+                let free = cap - (head - tail) as usize;
+                let n = free.min(part.len() - off).min(step);
+                let at = (head % cap as u64) as usize;
+                let first = n.min(cap - at);
+                // SAFETY: [at, at + first) and [0, n - first) lie in the data area, and the
+                // consumer does not read them until `head` is published below.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(part.as_ptr().add(off), self.data().add(at), first);
+                    std::ptr::copy_nonoverlapping(
+                        part.as_ptr().add(off + first),
+                        self.data(),
+                        n - first,
+                    );
+                }
+                head += n as u64;
+                off += n;
+                c.head.store(head, Ordering::Release);
+                signal(&c.data_seq, &c.consumer_sleeps);
+            }
+        }
+        Ok(())
+    }
+
+    /// Producer: waits until the consumer has taken everything written.
+    pub(crate) fn drain(&self, peer: &Process, stop: &AtomicBool) -> Result<(), RingStop> {
+        let c = self.control();
+        let head = c.head.load(Ordering::Relaxed);
+        self.wait(
+            &c.space_seq,
+            &c.producer_sleeps,
+            || c.tail.load(Ordering::Acquire) == head,
+            peer,
+            stop,
+            true,
+        )
+    }
+
+    /// Consumer: takes exactly `n` bytes, handing them to `sink` in contiguous pieces and
+    /// releasing each piece's room as soon as `sink` returns.
+    pub(crate) fn read(
+        &self,
+        n: usize,
+        peer: &Process,
+        stop: &AtomicBool,
+        mut sink: impl FnMut(&[u8]),
+    ) -> Result<(), RingStop> {
+        let c = self.control();
+        let cap = self.capacity;
+        let mut tail = c.tail.load(Ordering::Relaxed);
+        let mut left = n;
+        while left > 0 {
+            let mut head = c.head.load(Ordering::Acquire);
+            if head == tail {
+                self.wait(
+                    &c.data_seq,
+                    &c.consumer_sleeps,
+                    || c.head.load(Ordering::Acquire) != tail,
+                    peer,
+                    stop,
+                    false,
+                )?;
+                head = c.head.load(Ordering::Acquire);
+            }
+            let at = (tail % cap as u64) as usize;
+            let k = ((head - tail) as usize).min(left).min(cap - at);
+            // SAFETY: the producer published [tail, head) and writes there again only after
+            // `tail` moves past it below.
+            let piece = unsafe { std::slice::from_raw_parts(self.data().add(at), k) };
+            sink(piece);
+            tail += k as u64;
+            left -= k;
+            c.tail.store(tail, Ordering::Release);
+            signal(&c.space_seq, &c.producer_sleeps);
+        }
+        Ok(())
+    }
+
+    /// Consumer: stops reading for good; a producer waiting for room gives up.
+    pub(crate) fn close(&self) {
+        let c = self.control();
+        c.consumer_closed.store(1, Ordering::Release);
+        c.space_seq.fetch_add(1, Ordering::Release);
+        futex_wake(&c.space_seq);
+    }
+
+    /// Waits until `ready`, spinning, then yielding, then sleeping on `word` in ticks.
+    fn wait(
+        &self,
+        word: &AtomicU32,
+        sleeps: &AtomicU32,
+        ready: impl Fn() -> bool,
+        peer: &Process,
+        stop: &AtomicBool,
+        producer: bool,
+    ) -> Result<(), RingStop> {
+        let c = self.control();
+        for _ in 0..SPINS {
+            if ready() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        for _ in 0..YIELDS {
+            if ready() {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        loop {
+            let seen = word.load(Ordering::Acquire);
+            sleeps.store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            if ready() {
+                sleeps.store(0, Ordering::Relaxed);
+                return Ok(());
+            }
+            futex_wait(word, seen, TICK);
+            sleeps.store(0, Ordering::Relaxed);
+            if ready() {
+                return Ok(());
+            }
+            if producer && c.consumer_closed.load(Ordering::Acquire) != 0 {
+                return Err(RingStop::Closed);
+            }
+            if stop.load(Ordering::Acquire) {
+                return Err(RingStop::Stopping);
+            }
+            if !peer.alive() {
+                // A last look: it may have published just before it exited.
+                return if ready() {
+                    Ok(())
+                } else {
+                    Err(RingStop::PeerExited)
+                };
+            }
+        }
+    }
+}
+
+/// Publishes a change of `word` and wakes the other side if it sleeps on it.
+fn signal(word: &AtomicU32, sleeps: &AtomicU32) {
+    word.fetch_add(1, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if sleeps.load(Ordering::SeqCst) != 0 {
+        futex_wake(word);
+    }
+}

@@ -1,0 +1,243 @@
+//! The shared-memory lane: rings move every byte of frames of any size in order, a dead peer
+//! ends every wait within a tick, and a job of ranks of one host sets the lanes up, unlinks its
+//! segments, falls back or fails as configured, and delivers everything on shutdown.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use bonfire_topology::Rank;
+use bytes::Bytes;
+use rand::{Rng, SeedableRng};
+
+use super::link::{OutLink, start_reader};
+use super::ring::{Ring, RingStop};
+use super::segment::Segment;
+use super::sys::Process;
+use super::{ShmConfig, TransportMode};
+use crate::quic::tests::{config, master, secret};
+use crate::{JobTransport, Lane, Mailbox, Tag, Transport};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bonfire-shm-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn ring_pair(dir: &std::path::Path, capacity: usize) -> (Ring, Ring) {
+    let path = dir.join("ring");
+    let len = Ring::segment_len(capacity);
+    let a = Arc::new(Segment::create(&path, len).unwrap());
+    let producer = Ring::init(a, [1, 2]);
+    let b = Arc::new(Segment::open(&path, len).unwrap());
+    let consumer = Ring::attach(b, [1, 2]).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    (producer, consumer)
+}
+
+fn me() -> Process {
+    Process::watch(std::process::id()).unwrap()
+}
+
+fn tag(step: u32) -> Tag {
+    Tag {
+        context: 0xc0ffee,
+        seq: 3,
+        step,
+    }
+}
+
+#[test]
+fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
+    let dir = temp_dir("frames");
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = start_reader(
+        Rank(1),
+        Rank(0),
+        consumer,
+        me(),
+        mailbox.clone(),
+        stop.clone(),
+        1 << 30,
+    )
+    .unwrap();
+    let link = OutLink::start(Rank(0), Rank(1), producer, me(), mailbox.clone(), stop.clone())
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    // Sizes around the ring's capacity and its quarter, empty frames, and odd lengths.
+    let mut sizes = vec![0usize, 1, 31, 32, 1023, 1024, 1025, 4095, 4096, 4097, 100_003, 0];
+    sizes.extend((0..40).map(|_| rng.random_range(0..20_000)));
+    let frames: Vec<Bytes> = sizes
+        .iter()
+        .map(|&n| Bytes::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>()))
+        .collect();
+    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    for (i, f) in frames.iter().enumerate() {
+        link.send(tag(i as u32), f.clone()).unwrap();
+    }
+    link.finish();
+    reader.join().unwrap();
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(inbox.take(Rank(0), i as u32).as_ref(), Some(f), "frame {i}");
+    }
+    assert_eq!(inbox.pending(), 0);
+    assert!(mailbox.lost_reason(Rank(0)).is_none(), "a goodbye is not a loss");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_dead_peer_ends_a_wait_within_a_tick() {
+    let dir = temp_dir("dead");
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let stop = AtomicBool::new(false);
+    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let peer = Process::watch(child.id()).unwrap();
+    // Fill the ring; nobody reads it.
+    producer.write(&[&[7u8; 4096]], &peer, &stop).unwrap();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    });
+    let t = Instant::now();
+    assert_eq!(
+        producer.write(&[&[1u8]], &peer, &stop),
+        Err(RingStop::PeerExited)
+    );
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    killer.join().unwrap();
+    // The reader side: its producer is gone, after the bytes it wrote were read.
+    let mut n = 0;
+    consumer.read(4096, &peer, &stop, |p| n += p.len()).unwrap();
+    assert_eq!(n, 4096);
+    assert_eq!(
+        consumer.read(1, &peer, &stop, |_| ()),
+        Err(RingStop::PeerExited)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn shm_config(dir: &std::path::Path, mode: TransportMode) -> ShmConfig {
+    ShmConfig {
+        mode,
+        dir: dir.to_path_buf(),
+        tag: "test".into(),
+        ring_bytes: 64 << 10,
+        setup_timeout: Duration::from_secs(20),
+    }
+}
+
+/// `world` ranks of this process, with `per_node` on each node.
+async fn job(
+    world: usize,
+    per_node: u32,
+    shm: &ShmConfig,
+) -> Vec<Result<JobTransport, crate::JobTransportError>> {
+    let m = master();
+    let s = secret("shm");
+    let handles: Vec<_> = (0..world as u32)
+        .map(|r| {
+            let mut c = config(r, world, &m, s.clone());
+            c.node = r / per_node;
+            let shm = shm.clone();
+            tokio::spawn(async move { JobTransport::connect(c, &shm).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
+
+async fn take(t: &JobTransport, from: u32, tag: Tag) -> Bytes {
+    let inbox = t.mailbox().open(tag.context, tag.seq).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let changed = inbox.changed();
+        if let Some(b) = inbox.take(Rank(from), tag.step) {
+            return b;
+        }
+        if let Some(why) = inbox.lost(Rank(from)) {
+            panic!("rank {from} lost: {why}");
+        }
+        tokio::time::timeout_at(deadline, changed)
+            .await
+            .expect("a frame within 20 s");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_of_one_node_talk_through_shared_memory_and_others_over_quic() {
+    let dir = temp_dir("job");
+    let ranks: Vec<JobTransport> = job(4, 2, &shm_config(&dir, TransportMode::Auto))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    use Lane::{Local, Quic, SharedMemory as Shm};
+    assert_eq!(ranks[0].lanes(), [Local, Shm, Quic, Quic]);
+    assert_eq!(ranks[3].lanes(), [Quic, Quic, Shm, Local]);
+    assert_eq!(ranks[1].kind(), "quic+shm");
+    assert!(ranks.iter().all(|r| r.fallback().is_none()));
+    // Every segment was unlinked once both sides had mapped it.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // Every pair exchanges a frame; the last ones are sent just before shutting down.
+    for (i, a) in ranks.iter().enumerate() {
+        for j in 0..4 {
+            let payload = Bytes::from(vec![i as u8; 100_000 + j]);
+            let t = Tag { seq: i as u64, ..tag(0) };
+            a.send(Rank(j as u32), t, payload).await.unwrap();
+        }
+    }
+    for (j, b) in ranks.iter().enumerate() {
+        for i in 0..4u32 {
+            let got = take(b, i, Tag { seq: u64::from(i), ..tag(0) }).await;
+            assert_eq!(got.len(), 100_000 + j);
+            assert!(got.iter().all(|&x| x == i as u8));
+        }
+    }
+    for r in &ranks {
+        r.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_usable_directory_auto_falls_back_and_shm_fails() {
+    let missing = std::env::temp_dir().join(format!("bonfire-shm-none-{}", std::process::id()));
+    let ranks: Vec<JobTransport> = job(2, 2, &shm_config(&missing, TransportMode::Auto))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(ranks[0].lanes(), [Lane::Local, Lane::Quic]);
+    let why = ranks[0].fallback().expect("says why");
+    assert!(why.contains("creating") && why.contains("bonfire-shm-none"), "{why}");
+    for r in &ranks {
+        r.shutdown().await;
+    }
+    let errs: Vec<String> = job(2, 2, &shm_config(&missing, TransportMode::Shm))
+        .await
+        .into_iter()
+        .map(|r| r.err().expect("shm was required").to_string())
+        .collect();
+    for e in &errs {
+        assert!(e.contains("BONFIRE_TRANSPORT=shm"), "{e}");
+    }
+    let quic: Vec<JobTransport> = job(2, 2, &shm_config(&missing, TransportMode::Quic))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(quic[1].lanes(), [Lane::Quic, Lane::Local]);
+    assert!(quic[1].fallback().is_none(), "quic was asked for");
+    for r in &quic {
+        r.shutdown().await;
+    }
+}

@@ -21,8 +21,10 @@ pub enum Algorithm {
     HalvingDoubling,
     /// Binomial tree: `ceil(log2 n)` rounds. Broadcast and reduce.
     Tree,
-    /// Reduce within each node, all-reduce among node leaders, broadcast within each node.
-    /// All-reduce.
+    /// Two levels, for jobs on several nodes. With as many ranks on every node: reduce-scatter
+    /// within each node, all-reduce of each segment across nodes (every rank crosses the network
+    /// with `1/ranks-per-node` of the buffer), all-gather within each node. Otherwise: reduce to
+    /// one leader per node, all-reduce among the leaders, broadcast within each node. All-reduce.
     Hierarchical,
 }
 

@@ -259,8 +259,13 @@ impl Collective {
                 schedule::all_reduce_halving_doubling(&mut b, &team, count, 0, mean)
             }
             (Collective::AllReduce(_), Algorithm::Hierarchical) => {
-                let inner = flat_all_reduce(count * elem_size, config);
-                schedule::all_reduce_hierarchical(&mut b, &team, nodes, count, inner, mean)
+                // The two-level schedule needs as many ranks on every node; otherwise leaders.
+                let per_node = (n / count_nodes(nodes)).max(1);
+                let inner = flat_all_reduce(count / per_node * elem_size, config);
+                if !schedule::all_reduce_two_level(&mut b, &team, nodes, count, inner, mean) {
+                    let inner = flat_all_reduce(count * elem_size, config);
+                    schedule::all_reduce_hierarchical(&mut b, &team, nodes, count, inner, mean)
+                }
             }
             (Collective::ReduceScatter { .. }, Algorithm::Ring) => {
                 schedule::reduce_scatter_ring(&mut b, &team, parts(), 0);

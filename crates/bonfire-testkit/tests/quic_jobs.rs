@@ -73,6 +73,39 @@ fn every_collective_over_shared_memory_under_the_launcher() {
     every_collective_over("shm");
 }
 
+/// Two "nodes" of two ranks on this host (two launchers with different node ranks): shared
+/// memory inside each, QUIC between them, every collective (the hierarchical all-reduce among
+/// them) against the oracle.
+#[test]
+fn every_collective_on_two_nodes_of_two_ranks_mixing_both_lanes() {
+    let dir = out_dir("mixed");
+    let shm_dir = out_dir("mixed-shm");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "mixed-layout-secret-0123456789abcdef").unwrap();
+    let port = free_local_port().unwrap();
+    let launchers: Vec<_> = (0..2)
+        .map(|node| {
+            let mut c = over(launched(2, &["every"], &dir), "shm", &shm_dir);
+            c.nnodes = 2;
+            c.node_rank = node;
+            c.master = Some(format!("127.0.0.1:{port}"));
+            c.secret_file = Some(secret.clone());
+            c.extra_env
+                .push(("BONFIRE_BIND_ADDR".into(), "127.0.0.1:0".into()));
+            std::thread::spawn(move || launch(&c))
+        })
+        .collect();
+    for l in launchers {
+        l.join().unwrap().unwrap();
+    }
+    let digests: Vec<String> = (0..4).map(|r| result(&dir, r)).collect();
+    for (r, d) in digests.iter().enumerate() {
+        assert!(d.starts_with("every ok digest="), "rank {r}: {d}");
+        assert!(d.contains("transport=shm"), "rank {r}: {d}");
+    }
+    assert_eq!(std::fs::read_dir(&shm_dir).unwrap().count(), 0);
+}
+
 #[test]
 fn the_launcher_removes_the_segments_a_killed_rank_left() {
     let dir = out_dir("leftover");

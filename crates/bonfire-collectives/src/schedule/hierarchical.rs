@@ -1,9 +1,70 @@
-//! Hierarchical all-reduce: reduce within each node, all-reduce across nodes among one leader per
-//! node, broadcast within each node. Only one rank per node crosses the network.
+//! Hierarchical all-reduce. Where every node holds the same number of ranks (as `bonfire launch`
+//! places them), two levels: reduce-scatter within each node, all-reduce of each segment across
+//! nodes among the ranks holding it (one per node), all-gather within each node; every rank
+//! crosses the network with `1/local` of the buffer, and every one of a node's ranks does. Other
+//! layouts reduce to one leader per node, all-reduce among the leaders, and broadcast within each
+//! node.
 
-use bonfire_topology::NodeId;
+use bonfire_topology::{NodeId, Partition};
 
-use super::{Builder, Team, broadcast_binomial, reduce_binomial};
+use super::{
+    Builder, Team, all_gather_ring, broadcast_binomial, reduce_binomial, reduce_scatter_ring,
+};
+
+/// Each node's team positions, nodes in order of their first position.
+fn by_node(nodes: &[NodeId]) -> Vec<Vec<usize>> {
+    let mut order: Vec<NodeId> = Vec::new();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (p, node) in nodes.iter().enumerate() {
+        match order.iter().position(|n| n == node) {
+            Some(k) => groups[k].push(p),
+            None => {
+                order.push(*node);
+                groups.push(vec![p]);
+            }
+        }
+    }
+    groups
+}
+
+/// Two-level all-reduce over `team` (see the module): phase 0 reduce-scatters within the node,
+/// `inner` runs on this rank's segment among the ranks holding it on every node (phases
+/// `1..=4`), phase 5 all-gathers within the node. Returns `false`, adding nothing, if the nodes
+/// do not all hold the same number of ranks.
+pub(crate) fn all_reduce_two_level(
+    b: &mut Builder,
+    team: &Team,
+    nodes: &[NodeId],
+    count: usize,
+    inner: FlatAllReduce,
+    finalize: bool,
+) -> bool {
+    assert_eq!(nodes.len(), team.size());
+    let groups = by_node(nodes);
+    let local = groups[0].len();
+    if groups.iter().any(|g| g.len() != local) {
+        return false;
+    }
+    let me = team.me();
+    let k = groups
+        .iter()
+        .position(|g| g.contains(&me))
+        .expect("a rank is on its own node");
+    let i = groups[k]
+        .iter()
+        .position(|&p| p == me)
+        .expect("a rank is on its own node");
+    let local_team = Team::new(groups[k].iter().map(|&p| team.peer(p)).collect(), i);
+    let rail = Team::new(groups.iter().map(|g| team.peer(g[i])).collect(), k);
+    let parts = Partition::balanced(count, local);
+    reduce_scatter_ring(b, &local_team, &parts, 0);
+    let segment = parts.segment(i);
+    let mut sub = b.sub();
+    inner(&mut sub, &rail, segment.len(), 1, finalize);
+    b.append_shifted(sub, segment.start);
+    all_gather_ring(b, &local_team, &parts, 5);
+    true
+}
 
 /// A flat all-reduce builder: `(builder, team, count, first phase, finalize)`.
 pub(crate) type FlatAllReduce = fn(&mut Builder, &Team, usize, u8, bool);

@@ -30,7 +30,7 @@ use crate::reducer::Order;
 pub(crate) use halving::{
     all_gather_doubling, all_reduce_doubling, all_reduce_halving_doubling, reduce_scatter_halving,
 };
-pub(crate) use hierarchical::{FlatAllReduce, all_reduce_hierarchical};
+pub(crate) use hierarchical::{FlatAllReduce, all_reduce_hierarchical, all_reduce_two_level};
 pub(crate) use ring::{
     all_gather_ring, all_reduce_ring, broadcast_chain, reduce_ring, reduce_scatter_ring,
 };
@@ -163,6 +163,41 @@ impl Builder {
     pub(crate) fn finish(self) -> Program {
         Program {
             instrs: self.instrs,
+        }
+    }
+
+    /// An empty builder with the same piece size, for a sub-schedule to be shifted in.
+    pub(crate) fn sub(&self) -> Builder {
+        Builder::new(self.piece_elems)
+    }
+
+    /// Appends `sub`'s instructions with every range moved `offset` elements on: runs a
+    /// schedule written for a buffer of its own on one segment of this one.
+    pub(crate) fn append_shifted(&mut self, sub: Builder, offset: usize) {
+        let shift = |r: Range<usize>| r.start + offset..r.end + offset;
+        for i in sub.instrs {
+            self.instrs.push(match i {
+                Instr::Send { range, to } => Instr::Send {
+                    range: shift(range),
+                    to,
+                },
+                Instr::Recv {
+                    from,
+                    step,
+                    range,
+                    apply,
+                    forward,
+                } => Instr::Recv {
+                    from,
+                    step,
+                    range: shift(range),
+                    apply,
+                    forward,
+                },
+                Instr::Finalize { range } => Instr::Finalize {
+                    range: shift(range),
+                },
+            });
         }
     }
 

@@ -1,7 +1,7 @@
 //! The two ends of a shared-memory lane: [`OutLink`], whose writer thread copies queued frames
 //! into the peer's ring, and the reader thread, which copies them out and files them.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -39,10 +39,28 @@ fn why(stop: &RingStop, peer: &Process) -> String {
     }
 }
 
+/// Frames up to this size are written by the sending task itself when the ring has room and
+/// nothing is queued: a small message then costs no hand-over to the writer thread.
+const INLINE_MAX: usize = 64 << 10;
+
+/// What the sending task and the writer thread share.
+struct Producer {
+    ring: Ring,
+    process: Process,
+    stop: Arc<AtomicBool>,
+    /// Held while writing a frame, so frames do not interleave.
+    writing: Mutex<()>,
+    /// Frames queued for the writer thread and not yet written.
+    queued: AtomicUsize,
+    /// Set once the lane said goodbye (or failed): nothing more may be written.
+    done: AtomicBool,
+}
+
 /// The sending end of a lane to one peer on this host.
 pub(crate) struct OutLink {
     queue: Mutex<Option<Sender<(Tag, Bytes)>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    producer: Arc<Producer>,
     lost: Arc<OnceLock<Arc<str>>>,
     peer: Rank,
 }
@@ -59,16 +77,47 @@ impl OutLink {
     ) -> std::io::Result<OutLink> {
         let (tx, rx) = channel();
         let lost: Arc<OnceLock<Arc<str>>> = Arc::default();
-        let lost2 = lost.clone();
+        let producer = Arc::new(Producer {
+            ring,
+            process,
+            stop,
+            writing: Mutex::new(()),
+            queued: AtomicUsize::new(0),
+            done: AtomicBool::new(false),
+        });
+        let (lost2, producer2) = (lost.clone(), producer.clone());
         let writer = std::thread::Builder::new()
             .name(format!("bonfire-shm-{}to{}", me.0, peer.0))
-            .spawn(move || write_loop(peer, &ring, &process, &mailbox, &stop, &rx, &lost2))?;
+            .spawn(move || write_loop(peer, &producer2, &mailbox, &rx, &lost2))?;
         Ok(OutLink {
             queue: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
+            producer,
             lost,
             peer,
         })
+    }
+
+    /// Writes a small frame right away if the ring has room for it and nothing is queued
+    /// before it; returns it otherwise.
+    fn try_inline(&self, tag: Tag, payload: Bytes) -> Option<(Tag, Bytes)> {
+        let p = &self.producer;
+        if payload.len() > INLINE_MAX || p.queued.load(Ordering::Acquire) != 0 {
+            return Some((tag, payload));
+        }
+        let Ok(_writing) = p.writing.try_lock() else {
+            return Some((tag, payload));
+        };
+        if p.done.load(Ordering::Acquire)
+            || p.queued.load(Ordering::Acquire) != 0
+            || p.ring.room() < RECORD + payload.len()
+        {
+            return Some((tag, payload));
+        }
+        let head = record(KIND_DATA, tag, payload.len() as u64);
+        // There is room, and only the consumer changes it (by making more): this cannot wait.
+        let _ = p.ring.write(&[&head, &payload], &p.process, &p.stop);
+        None
     }
 
     /// Queues a frame; the writer thread copies it into the ring.
@@ -80,7 +129,11 @@ impl OutLink {
         if let Some(reason) = self.lost.get() {
             return Err(lost(reason.clone()));
         }
+        let Some((tag, payload)) = self.try_inline(tag, payload) else {
+            return Ok(());
+        };
         let queue = super::lock(&self.queue);
+        self.producer.queued.fetch_add(1, Ordering::AcqRel);
         match queue.as_ref().map(|q| q.send((tag, payload))) {
             Some(Ok(())) => Ok(()),
             _ => Err(lost(
@@ -104,14 +157,14 @@ impl OutLink {
 
 fn write_loop(
     peer: Rank,
-    ring: &Ring,
-    process: &Process,
+    p: &Producer,
     mailbox: &Mailbox,
-    stop: &AtomicBool,
     rx: &Receiver<(Tag, Bytes)>,
     lost: &OnceLock<Arc<str>>,
 ) {
+    let (ring, process, stop) = (&p.ring, &p.process, &*p.stop);
     let fail = |s: &RingStop| {
+        p.done.store(true, Ordering::Release);
         if *s != RingStop::Stopping {
             let reason: Arc<str> = why(s, process).into();
             let _ = lost.set(reason.clone());
@@ -120,11 +173,18 @@ fn write_loop(
     };
     for (tag, payload) in rx {
         let head = record(KIND_DATA, tag, payload.len() as u64);
-        if let Err(s) = ring.write(&[&head, &payload], process, stop) {
+        let written = {
+            let _writing = super::lock(&p.writing);
+            ring.write(&[&head, &payload], process, stop)
+        };
+        p.queued.fetch_sub(1, Ordering::AcqRel);
+        if let Err(s) = written {
             fail(&s);
             return;
         }
     }
+    let _writing = super::lock(&p.writing);
+    p.done.store(true, Ordering::Release);
     // The queue closed: this rank is shutting down. Say goodbye and wait until the peer has
     // filed everything, so that it never sees this rank gone with frames still in the ring.
     let bye = record(

@@ -56,8 +56,9 @@ pub mod vars {
     pub const SHM_DIR: &str = "BONFIRE_SHM_DIR";
     /// The job's tag in segment names; `bonfire launch` sets it and removes what is left.
     pub const SHM_TAG: &str = "BONFIRE_SHM_TAG";
-    /// The ring between two ranks, in MiB (default 4).
-    pub const SHM_RING_MB: &str = "BONFIRE_SHM_RING_MB";
+    /// The ring from one rank to another, in bytes with an optional binary unit (`512K`, `1M`;
+    /// default 1M).
+    pub const SHM_RING: &str = "BONFIRE_SHM_RING";
 }
 
 /// Where frames between ranks of one host travel.
@@ -107,7 +108,7 @@ impl Default for ShmConfig {
             mode: TransportMode::Auto,
             dir: PathBuf::from("/dev/shm"),
             tag: "job".into(),
-            ring_bytes: 4 << 20,
+            ring_bytes: 1 << 20,
             setup_timeout: Duration::from_secs(30),
         }
     }
@@ -127,7 +128,7 @@ pub struct ShmConfigError {
 
 impl ShmConfig {
     /// The settings from `BONFIRE_TRANSPORT`, `BONFIRE_SHM_DIR`, `BONFIRE_SHM_TAG` and
-    /// `BONFIRE_SHM_RING_MB`, with defaults for those unset.
+    /// `BONFIRE_SHM_RING`, with defaults for those unset.
     pub fn from_env() -> Result<ShmConfig, ShmConfigError> {
         let mut c = ShmConfig::default();
         let get = |var: &str| std::env::var(var).ok().filter(|v| !v.trim().is_empty());
@@ -151,20 +152,32 @@ impl ShmConfig {
             }
             c.tag = v;
         }
-        if let Some(v) = get(vars::SHM_RING_MB) {
-            match v.trim().parse::<usize>() {
-                Ok(mb) if (1..=1024).contains(&mb) => c.ring_bytes = mb << 20,
+        if let Some(v) = get(vars::SHM_RING) {
+            match parse_size(&v) {
+                Some(n) if (64 << 10..=1 << 30).contains(&n) => c.ring_bytes = n,
                 _ => {
                     return Err(ShmConfigError {
-                        var: vars::SHM_RING_MB,
+                        var: vars::SHM_RING,
                         value: v,
-                        why: "use a whole number of MiB from 1 to 1024".into(),
+                        why: "use a size from 64K to 1G (binary units: 512K, 4M)".into(),
                     });
                 }
             }
         }
         Ok(c)
     }
+}
+
+/// `512K`, `4M`, `1G` (binary units) or a plain number of bytes.
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, shift) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 10),
+        (i, 'm' | 'M') => (&s[..i], 20),
+        (i, 'g' | 'G') => (&s[..i], 30),
+        _ => (s, 0),
+    };
+    digits.trim().parse::<usize>().ok()?.checked_mul(1 << shift)
 }
 
 fn valid_tag(t: &str) -> bool {
@@ -502,7 +515,7 @@ fn map_offer(
         return Err(format!(
             "its segment {name:?} of {len} bytes is not one this job makes (do both ranks have the same {} and {}?)",
             vars::SHM_TAG,
-            vars::SHM_RING_MB
+            vars::SHM_RING
         ));
     }
     let process = Process::watch(pid)

@@ -115,6 +115,13 @@ impl Ring {
         unsafe { self.seg.ptr().add(DATA_OFFSET) }
     }
 
+    /// Producer: the bytes that can be written without waiting.
+    pub(crate) fn room(&self) -> usize {
+        let c = self.control();
+        let used = c.head.load(Ordering::Relaxed) - c.tail.load(Ordering::Acquire);
+        self.capacity - used as usize
+    }
+
     /// Producer: copies every byte of `parts`, in order, waiting for room as needed. Publishes
     /// at most a quarter of the ring at a time, so the consumer copies out while this copies in.
     pub(crate) fn write(

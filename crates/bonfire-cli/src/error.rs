@@ -24,6 +24,14 @@ pub(crate) enum CliError {
     /// `bonfire launch` was given no program.
     #[error("no program to launch")]
     NoProgram,
+    /// `bench collectives --transport` asks for a lane the launcher did not give the job.
+    #[error(
+        "--transport {asked}, but this job was launched with BONFIRE_TRANSPORT={launched}: pass `bonfire launch --transport {asked}` (or --transport {launched} here)"
+    )]
+    TransportMismatch {
+        asked: &'static str,
+        launched: String,
+    },
     /// This program's own path is unknown, so it cannot start its ranks.
     #[error("cannot find this program: {0}")]
     CurrentExe(#[source] std::io::Error),
@@ -77,9 +85,10 @@ impl CliError {
     pub(crate) fn exit_code(&self) -> std::process::ExitCode {
         match self {
             CliError::Job(e) if e.is_usage() => std::process::ExitCode::from(2),
-            CliError::ResolvedByHand | CliError::NoProgram | CliError::Mesh { .. } => {
-                std::process::ExitCode::from(2)
-            }
+            CliError::ResolvedByHand
+            | CliError::NoProgram
+            | CliError::Mesh { .. }
+            | CliError::TransportMismatch { .. } => std::process::ExitCode::from(2),
             _ => std::process::ExitCode::FAILURE,
         }
     }

@@ -42,6 +42,11 @@ pub(crate) struct Args {
     /// Seconds of silence after which a peer is declared lost.
     #[arg(long, value_parser = positive_seconds)]
     peer_timeout: Option<Duration>,
+    /// How ranks of this node talk to each other: auto (shared memory, or QUIC where it cannot
+    /// be set up, said once), shm (shared memory or fail) or quic. Ranks of different nodes
+    /// always talk QUIC [default: BONFIRE_TRANSPORT, else auto].
+    #[arg(long, value_parser = ["auto", "shm", "quic"])]
+    transport: Option<String>,
     /// Times to restart this node's ranks after a failure.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
@@ -73,7 +78,11 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         max_restarts: args.max_restarts,
         program,
         args: command.collect(),
-        extra_env: Vec::new(),
+        extra_env: args
+            .transport
+            .iter()
+            .map(|t| ("BONFIRE_TRANSPORT".into(), t.into()))
+            .collect(),
         prefix_output: true,
     };
     Ok(launch(&config)?)

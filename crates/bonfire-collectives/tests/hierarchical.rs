@@ -73,15 +73,24 @@ fn run(algorithm: Algorithm, op: ReduceOp, count: usize, seed: u64) -> (Vec<Vec<
     let inputs = Arc::new(oracle::exact_inputs::<f32>(op, 4, count, &mut rng));
     let want = oracle::reduce_all(&inputs, op);
     let results = run_ranks(comms, Duration::from_secs(60), move |comm| {
-        comm.all_reduce(inputs[comm.rank()].clone(), op).wait().unwrap()
+        comm.all_reduce(inputs[comm.rank()].clone(), op)
+            .wait()
+            .unwrap()
     });
     for (r, got) in results.iter().enumerate() {
         assert_eq!(got.len(), want.len());
         for (a, b) in got.iter().zip(&want) {
-            assert_eq!(a.to_bits(), b.to_bits(), "rank {r}, {algorithm}, {op}, {count}");
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "rank {r}, {algorithm}, {op}, {count}"
+            );
         }
     }
-    (results, counters.iter().map(|c| c.load(Ordering::Relaxed)).collect())
+    (
+        results,
+        counters.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+    )
 }
 
 #[test]
@@ -101,5 +110,8 @@ fn two_nodes_of_two_match_the_oracle_and_cross_with_half_the_buffer_per_rank() {
     // ring moves half of that half each way, twice): half a buffer per rank.
     assert_eq!(two_level, [bytes / 2; 4]);
     let total = |v: &[usize]| v.iter().sum::<usize>();
-    assert!(total(&two_level) * 3 == total(&flat) * 2, "{two_level:?} {flat:?}");
+    assert!(
+        total(&two_level) * 3 == total(&flat) * 2,
+        "{two_level:?} {flat:?}"
+    );
 }

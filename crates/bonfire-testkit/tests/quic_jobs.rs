@@ -39,7 +39,8 @@ fn launched(nproc: usize, args: &[&str], dir: &Path) -> LaunchConfig {
 
 /// A launcher config whose ranks talk `transport` (`quic`, `shm`), making segments in `shm_dir`.
 fn over(mut c: LaunchConfig, transport: &str, shm_dir: &Path) -> LaunchConfig {
-    c.extra_env.push(("BONFIRE_TRANSPORT".into(), transport.into()));
+    c.extra_env
+        .push(("BONFIRE_TRANSPORT".into(), transport.into()));
     c.extra_env.push(("BONFIRE_SHM_DIR".into(), shm_dir.into()));
     c
 }
@@ -53,7 +54,10 @@ fn every_collective_over(transport: &str) {
     let digests: Vec<String> = (0..3).map(|r| result(&dir, r)).collect();
     for (r, d) in digests.iter().enumerate() {
         assert!(d.starts_with("every ok digest="), "rank {r}: {d}");
-        assert!(d.contains(&format!("transport={transport}")), "rank {r}: {d}");
+        assert!(
+            d.contains(&format!("transport={transport}")),
+            "rank {r}: {d}"
+        );
     }
     let digest = |d: &String| d.split(' ').nth(2).map(str::to_string);
     assert!(

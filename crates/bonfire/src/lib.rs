@@ -141,6 +141,8 @@ pub mod book {
     pub struct Collectives;
     #[doc = include_str!("../../../book/src/launching.md")]
     pub struct Launching;
+    #[doc = include_str!("../../../book/src/transport.md")]
+    pub struct Transport;
     #[doc = include_str!("../../../book/src/kernels.md")]
     pub struct Kernels;
     #[doc = include_str!("../../../book/src/first-run.md")]

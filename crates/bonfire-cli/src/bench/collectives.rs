@@ -165,6 +165,15 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
             if std::env::var_os("RANK").is_none() && std::env::var_os("WORLD_SIZE").is_none() {
                 return launch_self(args);
             }
+            // Launched from outside: the launcher chose the lanes; say so if they differ.
+            let asked = args.transport.env_value().unwrap_or("auto");
+            let launched = std::env::var(bonfire::transport::shm::vars::TRANSPORT)
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .unwrap_or_else(|| "auto".into());
+            if launched.trim() != asked {
+                return Err(CliError::TransportMismatch { asked, launched });
+            }
             let w = bonfire::init_with(config.clone())?;
             let comm = w.comm().clone();
             let n = w.world_size();
@@ -269,10 +278,9 @@ fn launch_self(args: &Args) -> Result<(), CliError> {
     let mut config = bonfire::launch::LaunchConfig::local(usize::from(args.nproc), exe);
     config.args = std::env::args_os().skip(1).collect();
     if let Some(mode) = args.transport.env_value() {
-        config.extra_env.push((
-            bonfire::transport::shm::vars::TRANSPORT.into(),
-            mode.into(),
-        ));
+        config
+            .extra_env
+            .push((bonfire::transport::shm::vars::TRANSPORT.into(), mode.into()));
     }
     // The table comes from rank 0 alone, so it reads as the in-process one does.
     config.prefix_output = false;

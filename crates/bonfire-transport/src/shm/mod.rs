@@ -82,7 +82,9 @@ impl std::str::FromStr for TransportMode {
             "auto" | "" => Ok(TransportMode::Auto),
             "quic" => Ok(TransportMode::Quic),
             "shm" => Ok(TransportMode::Shm),
-            other => Err(format!("{other:?} is not a transport: use auto, quic or shm")),
+            other => Err(format!(
+                "{other:?} is not a transport: use auto, quic or shm"
+            )),
         }
     }
 }
@@ -398,21 +400,18 @@ pub(crate) async fn setup<T: Transport>(
     // 2. Map each peer's offer, and answer it.
     for &peer in &peers {
         let frame = receive(peer, STEP_OFFER).await?;
-        let decided: Result<(Ring, Process), String> =
-            match postcard::from_bytes::<Offer>(&frame) {
-                Err(e) => Err(format!("its offer is malformed: {e}")),
-                Ok(Offer::Declined { reason }) => Err(reason),
-                Ok(_) if config.mode == TransportMode::Quic => {
-                    Err(format!("{}=quic", vars::TRANSPORT))
-                }
-                Ok(Offer::Ring {
-                    name,
-                    len,
-                    nonce,
-                    pid,
-                    boot: theirs,
-                }) => map_offer(config, &name, len, nonce, pid, &theirs, &boot),
-            };
+        let decided: Result<(Ring, Process), String> = match postcard::from_bytes::<Offer>(&frame) {
+            Err(e) => Err(format!("its offer is malformed: {e}")),
+            Ok(Offer::Declined { reason }) => Err(reason),
+            Ok(_) if config.mode == TransportMode::Quic => Err(format!("{}=quic", vars::TRANSPORT)),
+            Ok(Offer::Ring {
+                name,
+                len,
+                nonce,
+                pid,
+                boot: theirs,
+            }) => map_offer(config, &name, len, nonce, pid, &theirs, &boot),
+        };
         let answer = match decided {
             Ok((ring, process)) => {
                 let link = OutLink::start(
@@ -455,13 +454,14 @@ pub(crate) async fn setup<T: Transport>(
         match (answer, seg) {
             (Ok(Answer::Mapped { pid }), Some(seg)) => {
                 let Some(process) = Process::watch(pid) else {
-                    refuse(peer, format!("its process (pid {pid}) is not visible from here"))?;
+                    refuse(
+                        peer,
+                        format!("its process (pid {pid}) is not visible from here"),
+                    )?;
                     continue;
                 };
-                let ring = Ring::attach(seg, nonce).map_err(|reason| ShmSetupError::Exchange {
-                    peer,
-                    reason,
-                })?;
+                let ring = Ring::attach(seg, nonce)
+                    .map_err(|reason| ShmSetupError::Exchange { peer, reason })?;
                 let reader = start_reader(
                     me,
                     peer,
@@ -488,7 +488,6 @@ pub(crate) async fn setup<T: Transport>(
             }
         }
     }
-    drop(refuse);
     if !fallback.is_empty() && config.mode != TransportMode::Quic {
         lanes.fallback = Some(fallback.join("; "));
     }

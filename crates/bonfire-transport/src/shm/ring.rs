@@ -156,7 +156,11 @@ impl Ring {
                 // SAFETY: [at, at + first) and [0, n - first) lie in the data area, and the
                 // consumer does not read them until `head` is published below.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(part.as_ptr().add(off), self.data().add(at), first);
+                    std::ptr::copy_nonoverlapping(
+                        part.as_ptr().add(off),
+                        self.data().add(at),
+                        first,
+                    );
                     std::ptr::copy_nonoverlapping(
                         part.as_ptr().add(off + first),
                         self.data(),

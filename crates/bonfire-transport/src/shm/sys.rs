@@ -103,13 +103,18 @@ mod tests {
 
     #[test]
     fn a_process_is_seen_to_exit() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
         let p = Process::watch(child.id()).expect("a child is visible");
         assert!(p.alive());
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(!p.alive(), "a reaped child is gone");
-        assert!(Process::watch(child.id()).is_none() || !Process::watch(child.id()).unwrap().alive());
+        assert!(
+            Process::watch(child.id()).is_none() || !Process::watch(child.id()).unwrap().alive()
+        );
         assert!(Process::watch(std::process::id()).unwrap().alive());
     }
 
@@ -121,7 +126,10 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(15));
         let t = std::time::Instant::now();
         futex_wait(&w, 2, Duration::from_secs(5));
-        assert!(t.elapsed() < Duration::from_secs(1), "a changed word does not sleep");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "a changed word does not sleep"
+        );
         futex_wake(&w);
     }
 }

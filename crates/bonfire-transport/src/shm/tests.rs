@@ -65,11 +65,20 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         1 << 30,
     )
     .unwrap();
-    let link = OutLink::start(Rank(0), Rank(1), producer, me(), mailbox.clone(), stop.clone())
-        .unwrap();
+    let link = OutLink::start(
+        Rank(0),
+        Rank(1),
+        producer,
+        me(),
+        mailbox.clone(),
+        stop.clone(),
+    )
+    .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Sizes around the ring's capacity and its quarter, empty frames, and odd lengths.
-    let mut sizes = vec![0usize, 1, 31, 32, 1023, 1024, 1025, 4095, 4096, 4097, 100_003, 0];
+    let mut sizes = vec![
+        0usize, 1, 31, 32, 1023, 1024, 1025, 4095, 4096, 4097, 100_003, 0,
+    ];
     sizes.extend((0..40).map(|_| rng.random_range(0..20_000)));
     let frames: Vec<Bytes> = sizes
         .iter()
@@ -85,7 +94,10 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         assert_eq!(inbox.take(Rank(0), i as u32).as_ref(), Some(f), "frame {i}");
     }
     assert_eq!(inbox.pending(), 0);
-    assert!(mailbox.lost_reason(Rank(0)).is_none(), "a goodbye is not a loss");
+    assert!(
+        mailbox.lost_reason(Rank(0)).is_none(),
+        "a goodbye is not a loss"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -94,7 +106,10 @@ fn a_dead_peer_ends_a_wait_within_a_tick() {
     let dir = temp_dir("dead");
     let (producer, consumer) = ring_pair(&dir, 4096);
     let stop = AtomicBool::new(false);
-    let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
     let peer = Process::watch(child.id()).unwrap();
     // Fill the ring; nobody reads it.
     producer.write(&[&[7u8; 4096]], &peer, &stop).unwrap();
@@ -191,13 +206,24 @@ async fn ranks_of_one_node_talk_through_shared_memory_and_others_over_quic() {
     for (i, a) in ranks.iter().enumerate() {
         for j in 0..4 {
             let payload = Bytes::from(vec![i as u8; 100_000 + j]);
-            let t = Tag { seq: i as u64, ..tag(0) };
+            let t = Tag {
+                seq: i as u64,
+                ..tag(0)
+            };
             a.send(Rank(j as u32), t, payload).await.unwrap();
         }
     }
     for (j, b) in ranks.iter().enumerate() {
         for i in 0..4u32 {
-            let got = take(b, i, Tag { seq: u64::from(i), ..tag(0) }).await;
+            let got = take(
+                b,
+                i,
+                Tag {
+                    seq: u64::from(i),
+                    ..tag(0)
+                },
+            )
+            .await;
             assert_eq!(got.len(), 100_000 + j);
             assert!(got.iter().all(|&x| x == i as u8));
         }
@@ -218,7 +244,10 @@ async fn without_a_usable_directory_auto_falls_back_and_shm_fails() {
         .collect();
     assert_eq!(ranks[0].lanes(), [Lane::Local, Lane::Quic]);
     let why = ranks[0].fallback().expect("says why");
-    assert!(why.contains("creating") && why.contains("bonfire-shm-none"), "{why}");
+    assert!(
+        why.contains("creating") && why.contains("bonfire-shm-none"),
+        "{why}"
+    );
     for r in &ranks {
         r.shutdown().await;
     }

@@ -24,7 +24,7 @@ pub(crate) enum CliError {
     /// `bonfire launch` was given no program.
     #[error("no program to launch")]
     NoProgram,
-    /// `bench collectives --transport` asks for a lane the launcher did not give the job.
+    /// `bench collectives --transport` asks for other lanes than `bonfire launch --transport`.
     #[error(
         "--transport {asked}, but this job was launched with BONFIRE_TRANSPORT={launched}: pass `bonfire launch --transport {asked}` (or --transport {launched} here)"
     )]

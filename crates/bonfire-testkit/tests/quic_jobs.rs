@@ -158,8 +158,10 @@ fn a_rank_killed_mid_collective_is_named_by_the_others_within_ten_seconds() {
 }
 
 #[test]
-fn a_rank_killed_mid_collective_on_shared_memory_is_named_within_a_second() {
-    a_killed_rank_is_named("shm", 1.0);
+fn a_rank_killed_mid_collective_on_shared_memory_is_named_before_the_peer_timeout() {
+    // The peer timeout is 3 s; the lane watches the process, so it takes a tick or two (0.25 s
+    // after the kill when measured; the bound leaves room for a loaded machine).
+    a_killed_rank_is_named("shm", 2.0);
 }
 
 fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, dir: &Path, mode: &str) -> Child {

@@ -49,7 +49,7 @@
 
 mod world;
 
-pub use world::{InitError, World, init, init_from, init_with};
+pub use world::{InitError, World, init, init_from, init_with, init_with_transport};
 
 pub use bonfire_backend::{
     DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, NoSyncGuard,

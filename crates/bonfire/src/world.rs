@@ -196,8 +196,18 @@ pub fn init_with(config: CommConfig) -> Result<World, InitError> {
     init_from(JobEnv::from_env()?, config)
 }
 
+/// [`init_with`] with the shared-memory lane's settings given instead of read from
+/// `BONFIRE_TRANSPORT` and `BONFIRE_SHM_*` (see [`ShmConfig::from_env`] for them).
+pub fn init_with_transport(config: CommConfig, shm: ShmConfig) -> Result<World, InitError> {
+    init_parts(JobEnv::from_env()?, config, shm)
+}
+
 /// [`init_with`] from a job description read elsewhere.
-pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError> {
+pub fn init_from(env: JobEnv, config: CommConfig) -> Result<World, InitError> {
+    init_parts(env, config, ShmConfig::from_env()?)
+}
+
+fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<World, InitError> {
     if let Some(t) = env.timeout {
         config.timeout = t;
     }
@@ -250,7 +260,6 @@ pub fn init_from(env: JobEnv, mut config: CommConfig) -> Result<World, InitError
         quic.peer_timeout = t;
     }
     quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
-    let shm = ShmConfig::from_env()?;
     let transport = Arc::new(runtime().block_on(JobTransport::connect(quic, &shm))?);
     let nodes = transport.nodes().clone();
     let rank = bonfire_transport::Transport::rank(transport.as_ref());

@@ -165,16 +165,21 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
             if std::env::var_os("RANK").is_none() && std::env::var_os("WORLD_SIZE").is_none() {
                 return launch_self(args);
             }
-            // Launched from outside: the launcher chose the lanes; say so if they differ.
+            // Launched from outside: `--transport` chooses the lanes, unless the launcher
+            // already did (`bonfire launch --transport`); say so if the two differ.
             let asked = args.transport.env_value().unwrap_or("auto");
-            let launched = std::env::var(bonfire::transport::shm::vars::TRANSPORT)
-                .ok()
-                .filter(|v| !v.trim().is_empty())
-                .unwrap_or_else(|| "auto".into());
-            if launched.trim() != asked {
+            let mut shm =
+                bonfire::transport::shm::ShmConfig::from_env().map_err(bonfire::InitError::from)?;
+            if let Ok(launched) = std::env::var(bonfire::transport::shm::vars::TRANSPORT)
+                && !launched.trim().is_empty()
+                && launched.trim() != asked
+            {
                 return Err(CliError::TransportMismatch { asked, launched });
             }
-            let w = bonfire::init_with(config.clone())?;
+            shm.mode = asked
+                .parse()
+                .expect("the bench's transports are valid modes");
+            let w = bonfire::init_with_transport(config.clone(), shm)?;
             let comm = w.comm().clone();
             let n = w.world_size();
             world = Some(w);

@@ -48,13 +48,17 @@ async fn job(world: usize) -> Vec<QuicTransport> {
     out
 }
 
-async fn take(t: &QuicTransport, from: u32, tag: Tag) -> Bytes {
+/// The frame `tag` from rank `from`, within 20 s; panics with the reason if `from` was lost.
+pub(crate) async fn take(t: &impl Transport, from: u32, tag: Tag) -> Bytes {
     let inbox = t.mailbox().open(tag.context, tag.seq).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let changed = inbox.changed();
         if let Some(b) = inbox.take(Rank(from), tag.step) {
             return b;
+        }
+        if let Some(why) = inbox.lost(Rank(from)) {
+            panic!("rank {from} lost: {why}");
         }
         tokio::time::timeout_at(deadline, changed)
             .await

@@ -16,7 +16,7 @@ use super::ring::{Ring, RingStop};
 use super::segment::Segment;
 use super::sys::Process;
 use super::{ShmConfig, TransportMode};
-use crate::quic::tests::{config, master, secret};
+use crate::quic::tests::{config, master, secret, take};
 use crate::{JobTransport, Lane, Mailbox, Tag, Transport};
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -168,23 +168,6 @@ async fn job(
         out.push(h.await.unwrap());
     }
     out
-}
-
-async fn take(t: &JobTransport, from: u32, tag: Tag) -> Bytes {
-    let inbox = t.mailbox().open(tag.context, tag.seq).unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let changed = inbox.changed();
-        if let Some(b) = inbox.take(Rank(from), tag.step) {
-            return b;
-        }
-        if let Some(why) = inbox.lost(Rank(from)) {
-            panic!("rank {from} lost: {why}");
-        }
-        tokio::time::timeout_at(deadline, changed)
-            .await
-            .expect("a frame within 20 s");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

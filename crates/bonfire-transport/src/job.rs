@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use bonfire_topology::{NodeLayout, Rank};
 use bytes::Bytes;
@@ -68,7 +67,6 @@ pub enum JobTransportError {
 pub struct JobTransport {
     quic: QuicTransport,
     out: Vec<Option<Arc<OutLink>>>,
-    readers: std::sync::Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     fallback: Option<String>,
 }
@@ -107,7 +105,6 @@ impl JobTransport {
         Ok(JobTransport {
             quic,
             out: lanes.out.into_iter().map(|l| l.map(Arc::new)).collect(),
-            readers: std::sync::Mutex::new(lanes.readers),
             stop,
             fallback: lanes.fallback,
         })
@@ -161,9 +158,8 @@ impl JobTransport {
             let _ = f.await;
         }
         self.quic.shutdown().await;
+        // The readers see this within a tick and end.
         self.stop.store(true, Ordering::Release);
-        let readers = std::mem::take(&mut *shm::lock(&self.readers));
-        drop(readers);
     }
 }
 

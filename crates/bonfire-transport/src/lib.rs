@@ -42,6 +42,12 @@ pub mod fuzzing {
     };
 }
 
+/// Locks `m`, shrugging off poisoning: every table behind these locks holds plain data that a
+/// panic cannot leave half-written (each update is a single insert, remove or store).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The future of [`Transport::send`].
 pub type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send + 'a>>;
 

@@ -1,11 +1,11 @@
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use bonfire_topology::Rank;
 use bytes::Bytes;
 use tokio::sync::Notify;
 
-use crate::Tag;
+use crate::{Tag, lock};
 
 /// How many closed exchanges a mailbox remembers, so that a late frame for one of them (an abort
 /// notice sent after this rank finished) is dropped instead of opening a new inbox that nobody
@@ -74,12 +74,6 @@ pub struct OpenError {
     pub context: u64,
     /// The exchange's sequence number.
     pub seq: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks cannot leave the maps inconsistent (every update
-    // is a single insert or remove), so a poisoned lock is still usable.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Mailbox {

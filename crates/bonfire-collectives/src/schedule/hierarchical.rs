@@ -27,6 +27,15 @@ fn by_node(nodes: &[NodeId]) -> Vec<Vec<usize>> {
     groups
 }
 
+/// Which node of `groups` holds team position `me`, and its index there.
+fn locate(groups: &[Vec<usize>], me: usize) -> (usize, usize) {
+    groups
+        .iter()
+        .enumerate()
+        .find_map(|(k, g)| g.iter().position(|&p| p == me).map(|i| (k, i)))
+        .expect("a rank is on its own node")
+}
+
 /// Two-level all-reduce over `team` (see the module): phase 0 reduce-scatters within the node,
 /// `inner` runs on this rank's segment among the ranks holding it on every node (phases
 /// `1..=4`), phase 5 all-gathers within the node. Returns `false`, adding nothing, if the nodes
@@ -45,15 +54,7 @@ pub(crate) fn all_reduce_two_level(
     if groups.iter().any(|g| g.len() != local) {
         return false;
     }
-    let me = team.me();
-    let k = groups
-        .iter()
-        .position(|g| g.contains(&me))
-        .expect("a rank is on its own node");
-    let i = groups[k]
-        .iter()
-        .position(|&p| p == me)
-        .expect("a rank is on its own node");
+    let (k, i) = locate(&groups, team.me());
     let local_team = Team::new(groups[k].iter().map(|&p| team.peer(p)).collect(), i);
     let rail = Team::new(groups.iter().map(|g| team.peer(g[i])).collect(), k);
     let parts = Partition::balanced(count, local);
@@ -80,29 +81,14 @@ pub(crate) fn all_reduce_hierarchical(
     finalize: bool,
 ) {
     assert_eq!(nodes.len(), team.size());
-    let me = team.me();
-    let my_node = nodes[me];
-    let local: Vec<usize> = (0..team.size()).filter(|&p| nodes[p] == my_node).collect();
-    let local_me = local
-        .iter()
-        .position(|&p| p == me)
-        .expect("a rank is on its own node");
-    let local_team = Team::new(local.iter().map(|&p| team.peer(p)).collect(), local_me);
-
-    let mut leaders: Vec<usize> = Vec::new();
-    for p in 0..team.size() {
-        if !leaders.iter().any(|&l| nodes[l] == nodes[p]) {
-            leaders.push(p);
-        }
-    }
+    let groups = by_node(nodes);
+    let (k, i) = locate(&groups, team.me());
+    let local_team = Team::new(groups[k].iter().map(|&p| team.peer(p)).collect(), i);
 
     reduce_binomial(b, &local_team, 0, 0..count, 0, false);
-    if local_me == 0 {
-        let leader_me = leaders
-            .iter()
-            .position(|&l| l == me)
-            .expect("a node's first rank leads it");
-        let leader_team = Team::new(leaders.iter().map(|&p| team.peer(p)).collect(), leader_me);
+    if i == 0 {
+        // The leaders, one per node in node order: this rank is leader `k`.
+        let leader_team = Team::new(groups.iter().map(|g| team.peer(g[0])).collect(), k);
         inner(b, &leader_team, count, 1, false);
         if finalize {
             b.finalize(0..count);

@@ -111,11 +111,7 @@ impl Shared {
     }
 }
 
-/// Locks `m`, shrugging off poisoning: the tables hold plain data that a panic cannot leave
-/// half-written.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use crate::lock;
 
 /// A line on stderr, for what happens off any caller's path (refused strangers, closed links).
 pub(crate) fn log(me: Rank, msg: impl std::fmt::Display) {

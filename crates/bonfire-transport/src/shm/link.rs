@@ -132,7 +132,7 @@ impl OutLink {
         let Some((tag, payload)) = self.try_inline(tag, payload) else {
             return Ok(());
         };
-        let queue = super::lock(&self.queue);
+        let queue = crate::lock(&self.queue);
         self.producer.queued.fetch_add(1, Ordering::AcqRel);
         match queue.as_ref().map(|q| q.send((tag, payload))) {
             Some(Ok(())) => Ok(()),
@@ -148,8 +148,8 @@ impl OutLink {
     /// Ends the lane: the writer says goodbye after the queued frames and waits until the peer
     /// has filed them all. Blocks until then (bounded by the peer's liveness and `stop`).
     pub(crate) fn finish(&self) {
-        drop(super::lock(&self.queue).take());
-        if let Some(w) = super::lock(&self.writer).take() {
+        drop(crate::lock(&self.queue).take());
+        if let Some(w) = crate::lock(&self.writer).take() {
             let _ = w.join();
         }
     }
@@ -174,7 +174,7 @@ fn write_loop(
     for (tag, payload) in rx {
         let head = record(KIND_DATA, tag, payload.len() as u64);
         let written = {
-            let _writing = super::lock(&p.writing);
+            let _writing = crate::lock(&p.writing);
             ring.write(&[&head, &payload], process, stop)
         };
         p.queued.fetch_sub(1, Ordering::AcqRel);
@@ -183,7 +183,7 @@ fn write_loop(
             return;
         }
     }
-    let _writing = super::lock(&p.writing);
+    let _writing = crate::lock(&p.writing);
     p.done.store(true, Ordering::Release);
     // The queue closed: this rank is shutting down. Say goodbye and wait until the peer has
     // filed everything, so that it never sees this rank gone with frames still in the ring.

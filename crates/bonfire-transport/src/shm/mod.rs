@@ -30,9 +30,8 @@ mod sys;
 mod tests;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bonfire_topology::{NodeLayout, Rank};
@@ -213,10 +212,6 @@ pub fn remove_segments(dir: &Path, tag: &str) -> usize {
         .count()
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// The exchange the ranks of a node agree on their segments in. Collectives derive their
 /// contexts from hashes, so a fixed one cannot collide with theirs in practice.
 const SETUP_CONTEXT: u64 = 0x6266_7368_6d73_6574;
@@ -247,8 +242,6 @@ enum Answer {
 pub(crate) struct Lanes {
     /// The lane to each rank, where there is one.
     pub(crate) out: Vec<Option<OutLink>>,
-    /// The reader threads, one per peer sending over shared memory.
-    pub(crate) readers: Vec<JoinHandle<()>>,
     /// Why some pairs of this node talk QUIC although they share it (auto mode), or `None`.
     pub(crate) fallback: Option<String>,
 }
@@ -290,7 +283,6 @@ pub(crate) async fn setup<T: Transport>(
     let world = quic.world_size();
     let mut lanes = Lanes {
         out: (0..world).map(|_| None).collect(),
-        readers: Vec::new(),
         fallback: None,
     };
     let peers: Vec<Rank> = (0..world)
@@ -462,7 +454,8 @@ pub(crate) async fn setup<T: Transport>(
                 };
                 let ring = Ring::attach(seg, nonce)
                     .map_err(|reason| ShmSetupError::Exchange { peer, reason })?;
-                let reader = start_reader(
+                // The reader runs until its peer says goodbye or exits, or this rank stops.
+                start_reader(
                     me,
                     peer,
                     ring,
@@ -475,7 +468,6 @@ pub(crate) async fn setup<T: Transport>(
                     peer,
                     reason: format!("starting a reader thread: {e}"),
                 })?;
-                lanes.readers.push(reader);
             }
             (Ok(Answer::Mapped { .. }), None) => {
                 return Err(ShmSetupError::Exchange {

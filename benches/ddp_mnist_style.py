@@ -13,6 +13,13 @@ the weak-scaling efficiency = images/s(N) / (N x images/s(1)).
 linear head; 19,810 parameters) with Adam, for `bonfire train vision`'s weak-scaling figure
 (use `--batch 64 --steps 100`).
 
+`--epochs N` feeds the model the way `examples/mnist-style` does, for a like-for-like weak-scaling
+figure (`benches/dp_scaling.sh` runs both): a training set of batch x steps x ranks images held in
+memory, a fresh seeded shuffle each epoch split across the ranks (DistributedSampler), each batch
+gathered from the set by index, the loss read back every step, and only the last of the N epochs
+timed (the earlier ones are the warm-up). Without it, the older loop: 10 warm-up steps, then
+`--steps` timed steps over slices of 16 pre-made batches, the loss never read.
+
 `--device cuda` runs every rank on a GPU (rank i on GPU i % count), NCCL when each rank has a
 GPU of its own and gloo when ranks share one (NCCL refuses two ranks on one GPU); the timing then
 waits for the GPU before it stops the clock. The bundled ResNet on a GPU is the peer of
@@ -67,7 +74,7 @@ def make_resnet(torch, width=8):
     )
 
 
-def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu"):
+def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", epochs=0):
     import torch
     import torch.distributed as dist
 
@@ -89,6 +96,13 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu"):
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
+    if epochs:
+        rate = run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev)
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+        queue.put(rate)
+        return
     g = torch.Generator().manual_seed(rank)
     data = torch.rand(batch * 16, 1, 28, 28, generator=g).to(dev)
     labels = torch.randint(0, 10, (batch * 16,), generator=g).to(dev)
@@ -110,7 +124,31 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu"):
     queue.put(steps * batch / elapsed)
 
 
-def measure(world, batch, steps, model_name="cnn", device="cpu"):
+def run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev):
+    """The example's loop: shuffled shard per epoch, gathered batches, loss read every step;
+    returns this rank's images/s over the last epoch."""
+    g = torch.Generator().manual_seed(7)
+    size = batch * steps * world
+    images = torch.rand(size, 1, 28, 28, generator=g)
+    labels = torch.randint(0, 10, (size,), generator=g)
+    rate = 0.0
+    for epoch in range(epochs):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(100 + epoch))
+        mine = order[rank::world]
+        start = time.perf_counter()
+        for i in range(0, len(mine) - batch + 1, batch):
+            idx = mine[i:i + batch]
+            x, y = images.index_select(0, idx).to(dev), labels.index_select(0, idx).to(dev)
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.item()
+            loss.backward()
+            opt.step()
+        rate = (len(mine) // batch) * batch / (time.perf_counter() - start)
+    return rate
+
+
+def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -118,7 +156,7 @@ def measure(world, batch, steps, model_name="cnn", device="cpu"):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device, epochs)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [queue.get(timeout=600) for _ in procs]
@@ -134,14 +172,15 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--model", choices=["cnn", "resnet"], default="cnn")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--epochs", type=int, default=0)
     a = ap.parse_args()
     try:
         import torch  # noqa: F401
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
         return 0
-    one = measure(1, a.batch, a.steps, a.model, a.device)
-    many = measure(a.nproc, a.batch, a.steps, a.model, a.device)
+    one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs)
+    many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs)
     if a.device == "cuda":
         import torch
 

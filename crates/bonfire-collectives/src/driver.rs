@@ -104,6 +104,37 @@ impl Exchange {
         })
     }
 
+    /// Sends a copy of `data`: written straight into the lane where it allows that, otherwise
+    /// as `frame`, made from `data` the first time it is needed (so that sending one range to
+    /// several peers copies it once).
+    async fn send_from(
+        &self,
+        to: u32,
+        step: u32,
+        data: &[u8],
+        frame: &mut Option<Bytes>,
+    ) -> Result<(), CollectiveError> {
+        let peer = self.world(to);
+        let deadline = std::time::Instant::now() + self.timeout;
+        match self
+            .transport
+            .send_from(peer, self.tag(step), data, deadline)
+        {
+            Some(Ok(())) => Ok(()),
+            Some(Err(source)) => Err(CollectiveError::Transport {
+                me: self.me_world(),
+                collective: self.fingerprint,
+                source,
+            }),
+            None => {
+                let payload = frame
+                    .get_or_insert_with(|| bonfire_transport::pool::frame(data))
+                    .clone();
+                self.send(to, step, payload).await
+            }
+        }
+    }
+
     /// Tells every other participant that this rank failed the exchange. Best effort.
     pub(crate) async fn abort(&self, reason: &str) {
         let mut end = reason.len().min(MAX_REASON);
@@ -180,9 +211,13 @@ async fn run_program(
     loop {
         match exec.next(program, buf, arith) {
             Action::Done => break,
-            Action::Send { payload, to } => {
+            Action::Send { bytes, to } => {
+                let mut frame = None;
                 for &(peer, step) in to {
-                    waiter.send(peer, step, payload.clone()).await?;
+                    waiter
+                        .ex
+                        .send_from(peer, step, &buf[bytes.clone()], &mut frame)
+                        .await?;
                 }
             }
             Action::Await { from, step } => {
@@ -199,8 +234,10 @@ async fn run_program(
                         step,
                         problem,
                     })?;
+                let mut frame = Some(frame);
                 for &(peer, step) in forward {
-                    waiter.send(peer, step, frame.clone()).await?;
+                    let data = frame.clone().expect("the received frame");
+                    waiter.ex.send_from(peer, step, &data, &mut frame).await?;
                 }
             }
         }

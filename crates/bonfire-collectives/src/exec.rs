@@ -4,7 +4,6 @@
 use std::ops::Range;
 
 use bonfire_topology::{DType, ReduceOp};
-use bytes::Bytes;
 
 use crate::reducer::Reducer;
 use crate::schedule::{Apply, Instr, Program};
@@ -28,9 +27,9 @@ impl Arith<'_> {
 
 /// What the program needs next.
 pub(crate) enum Action<'p> {
-    /// Send `payload` to every `(peer, step)`.
+    /// Send a copy of the working buffer's `bytes` to every `(peer, step)`.
     Send {
-        payload: Bytes,
+        bytes: Range<usize>,
         to: &'p [(u32, u32)],
     },
     /// Wait for frame `step` from group member `from`, then call [`Executor::deliver`].
@@ -65,8 +64,10 @@ impl Executor {
             match instr {
                 Instr::Send { range, to } => {
                     self.pc += 1;
-                    let payload = crate::pool::frame(&buf[arith.bytes(range)]);
-                    return Action::Send { payload, to };
+                    return Action::Send {
+                        bytes: arith.bytes(range),
+                        to,
+                    };
                 }
                 Instr::Recv { from, step, .. } => {
                     return Action::Await {

@@ -44,7 +44,6 @@ mod element;
 mod error;
 mod exec;
 mod fingerprint;
-mod pool;
 mod reducer;
 mod runtime;
 mod schedule;

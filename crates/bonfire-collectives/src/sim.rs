@@ -228,7 +228,8 @@ fn step_rank<T: Element>(
     let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut state.work);
     match state.exec.next(program, buf, arith) {
         Action::Done => state.done = true,
-        Action::Send { payload, to } => {
+        Action::Send { bytes, to } => {
+            let payload = bonfire_transport::pool::frame(&buf[bytes]);
             in_flight.extend(
                 to.iter()
                     .map(|&(p, s)| (p as usize, r as u32, s, payload.clone())),

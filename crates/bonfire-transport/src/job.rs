@@ -185,6 +185,19 @@ impl Transport for JobTransport {
         }
     }
 
+    fn send_from(
+        &self,
+        to: Rank,
+        tag: Tag,
+        payload: &[u8],
+        deadline: std::time::Instant,
+    ) -> Option<Result<(), crate::TransportError>> {
+        self.out
+            .get(to.index())
+            .and_then(Option::as_ref)?
+            .send_from(tag, payload, deadline)
+    }
+
     fn mailbox(&self) -> &Arc<Mailbox> {
         self.quic.mailbox()
     }

@@ -14,6 +14,7 @@ mod error;
 mod inproc;
 mod job;
 mod mailbox;
+pub mod pool;
 pub mod quic;
 pub mod shm;
 mod tag;
@@ -70,6 +71,23 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Sends `payload` to `to` under `tag`.
     fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> SendFuture<'_>;
+
+    /// Sends a copy of `payload` to `to` under `tag`, written straight from the caller's memory
+    /// where the lane to `to` allows it (shared memory): no frame is allocated and no other
+    /// thread copies it. The calling thread does the copy, and may wait for the peer to make
+    /// room, as long as the peer is alive and at most until `deadline`. Returns `None`, having
+    /// done nothing, where the lane cannot take the bytes this way now; the caller then sends
+    /// a frame with [`Transport::send`]. The default never can.
+    fn send_from(
+        &self,
+        to: Rank,
+        tag: Tag,
+        payload: &[u8],
+        deadline: std::time::Instant,
+    ) -> Option<Result<(), TransportError>> {
+        let _ = (to, tag, payload, deadline);
+        None
+    }
 
     /// Where this endpoint's incoming frames are filed.
     fn mailbox(&self) -> &Arc<Mailbox>;

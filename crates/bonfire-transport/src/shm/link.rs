@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use bonfire_topology::Rank;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use super::ring::{Ring, RingStop};
 use super::sys::Process;
@@ -36,6 +37,11 @@ fn why(stop: &RingStop, peer: &Process) -> String {
         ),
         RingStop::Closed => "closed its shared-memory lane (it is shutting down)".into(),
         RingStop::Stopping => "this rank is shutting down".into(),
+        RingStop::TimedOut => format!(
+            "stopped taking frames on the shared-memory lane (pid {} is alive, but its ring \
+             stayed full until the deadline; the lane is unusable after a partial write)",
+            peer.pid()
+        ),
     }
 }
 
@@ -54,6 +60,22 @@ struct Producer {
     queued: AtomicUsize,
     /// Set once the lane said goodbye (or failed): nothing more may be written.
     done: AtomicBool,
+    mailbox: Arc<Mailbox>,
+    lost: Arc<OnceLock<Arc<str>>>,
+    peer: Rank,
+}
+
+impl Producer {
+    /// Ends the lane after a write stopped for `s`: nothing more is written, and unless this
+    /// rank is the one stopping, the peer is reported lost with the reason.
+    fn fail(&self, s: &RingStop) {
+        self.done.store(true, Ordering::Release);
+        if *s != RingStop::Stopping {
+            let reason: Arc<str> = why(s, &self.process).into();
+            let _ = self.lost.set(reason.clone());
+            self.mailbox.peer_lost(self.peer, reason);
+        }
+    }
 }
 
 /// The sending end of a lane to one peer on this host.
@@ -84,11 +106,14 @@ impl OutLink {
             writing: Mutex::new(()),
             queued: AtomicUsize::new(0),
             done: AtomicBool::new(false),
+            mailbox,
+            lost: lost.clone(),
+            peer,
         });
-        let (lost2, producer2) = (lost.clone(), producer.clone());
+        let producer2 = producer.clone();
         let writer = std::thread::Builder::new()
             .name(format!("bonfire-shm-{}to{}", me.0, peer.0))
-            .spawn(move || write_loop(peer, &producer2, &mailbox, &rx, &lost2))?;
+            .spawn(move || write_loop(&producer2, &rx))?;
         Ok(OutLink {
             queue: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
@@ -118,6 +143,49 @@ impl OutLink {
         // There is room, and only the consumer changes it (by making more): this cannot wait.
         let _ = p.ring.write(&[&head, &payload], &p.process, &p.stop);
         None
+    }
+
+    /// Writes a frame into the ring from `payload` itself, in the calling thread: no frame is
+    /// allocated and no thread hands it over. Waits for room as long as the peer is alive, at
+    /// most until `deadline`; a timeout leaves part of the frame in the ring, so it ends the
+    /// lane and reports the peer lost. Returns `None`, having written nothing, while frames
+    /// queued for the writer thread must go first (the caller then queues this one with
+    /// [`OutLink::send`]).
+    pub(crate) fn send_from(
+        &self,
+        tag: Tag,
+        payload: &[u8],
+        deadline: Instant,
+    ) -> Option<Result<(), TransportError>> {
+        let p = &self.producer;
+        if let Some(reason) = self.lost.get() {
+            return Some(Err(TransportError::PeerLost {
+                peer: self.peer,
+                reason: reason.clone(),
+            }));
+        }
+        if p.queued.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let _writing = p.writing.try_lock().ok()?;
+        if p.done.load(Ordering::Acquire) || p.queued.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let head = record(KIND_DATA, tag, payload.len() as u64);
+        let written = p
+            .ring
+            .write_until(&[&head, payload], &p.process, &p.stop, Some(deadline));
+        Some(written.map_err(|s| {
+            p.fail(&s);
+            TransportError::PeerLost {
+                peer: self.peer,
+                reason: self
+                    .lost
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| why(&s, &p.process).into()),
+            }
+        }))
     }
 
     /// Queues a frame; the writer thread copies it into the ring.
@@ -155,36 +223,29 @@ impl OutLink {
     }
 }
 
-fn write_loop(
-    peer: Rank,
-    p: &Producer,
-    mailbox: &Mailbox,
-    rx: &Receiver<(Tag, Bytes)>,
-    lost: &OnceLock<Arc<str>>,
-) {
+fn write_loop(p: &Producer, rx: &Receiver<(Tag, Bytes)>) {
     let (ring, process, stop) = (&p.ring, &p.process, &*p.stop);
-    let fail = |s: &RingStop| {
-        p.done.store(true, Ordering::Release);
-        if *s != RingStop::Stopping {
-            let reason: Arc<str> = why(s, process).into();
-            let _ = lost.set(reason.clone());
-            mailbox.peer_lost(peer, reason);
-        }
-    };
     for (tag, payload) in rx {
         let head = record(KIND_DATA, tag, payload.len() as u64);
         let written = {
             let _writing = crate::lock(&p.writing);
-            ring.write(&[&head, &payload], process, stop)
+            if p.done.load(Ordering::Acquire) {
+                // A direct write failed part-way: the lane is over, and already reported.
+                Err(RingStop::Stopping)
+            } else {
+                ring.write(&[&head, &payload], process, stop)
+            }
         };
         p.queued.fetch_sub(1, Ordering::AcqRel);
         if let Err(s) = written {
-            fail(&s);
+            p.fail(&s);
             return;
         }
     }
     let _writing = crate::lock(&p.writing);
-    p.done.store(true, Ordering::Release);
+    if p.done.swap(true, Ordering::AcqRel) {
+        return;
+    }
     // The queue closed: this rank is shutting down. Say goodbye and wait until the peer has
     // filed everything, so that it never sees this rank gone with frames still in the ring.
     let bye = record(
@@ -201,7 +262,7 @@ fn write_loop(
         .and_then(|()| ring.drain(process, stop))
         && s == RingStop::PeerExited
     {
-        fail(&s);
+        p.fail(&s);
     }
 }
 
@@ -238,9 +299,6 @@ fn read_loop(
         RingStop::Stopping => Ok(()),
         s => Err(why(&s, process)),
     };
-    // Payloads are copied into one arena and split off it; once the consumer dropped them,
-    // `reserve` takes the memory back, so steady traffic does not fault in fresh pages.
-    let mut arena = BytesMut::new();
     loop {
         let mut head = [0u8; RECORD];
         let mut got = 0;
@@ -272,11 +330,16 @@ fn read_loop(
             step: word(4..8) as u32,
         };
         let len = len as usize;
-        arena.reserve(len);
-        if let Err(s) = ring.read(len, process, stop, |p| arena.extend_from_slice(p)) {
+        // Payloads are copied into recycled buffers, so steady traffic does not fault in fresh
+        // pages (the frames usually outlive the next one's arrival, in the mailbox).
+        let mut read = Ok(());
+        let frame = crate::pool::filled(len, |buf| {
+            read = ring.read(len, process, stop, |p| buf.extend_from_slice(p));
+        });
+        if let Err(s) = read {
             return err(s);
         }
-        mailbox.deliver(peer, tag, arena.split().freeze());
+        mailbox.deliver(peer, tag, frame);
         if stop.load(Ordering::Relaxed) {
             return Ok(());
         }

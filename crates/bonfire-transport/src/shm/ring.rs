@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::segment::Segment;
 use super::sys::{Process, futex_wait, futex_wake};
@@ -58,6 +58,15 @@ pub(crate) enum RingStop {
     Closed,
     /// This rank is shutting down.
     Stopping,
+    /// The deadline passed while waiting for room (the consumer is alive but not reading).
+    TimedOut,
+}
+
+/// Who waits: the consumer (for data), or the producer (for room, until an optional deadline).
+#[derive(Copy, Clone)]
+enum Side {
+    Consumer,
+    Producer(Option<Instant>),
 }
 
 /// One side's view of a ring.
@@ -130,6 +139,19 @@ impl Ring {
         peer: &Process,
         stop: &AtomicBool,
     ) -> Result<(), RingStop> {
+        self.write_until(parts, peer, stop, None)
+    }
+
+    /// As [`Ring::write`], giving up with [`RingStop::TimedOut`] once `deadline` passes while
+    /// waiting for room. What was written before then stays written: after a timeout the ring
+    /// holds part of a record, so the producer must not write to it again.
+    pub(crate) fn write_until(
+        &self,
+        parts: &[&[u8]],
+        peer: &Process,
+        stop: &AtomicBool,
+        deadline: Option<Instant>,
+    ) -> Result<(), RingStop> {
         let c = self.control();
         let cap = self.capacity;
         let step = (cap / 4).max(1);
@@ -145,7 +167,7 @@ impl Ring {
                         || head - c.tail.load(Ordering::Acquire) < cap as u64,
                         peer,
                         stop,
-                        true,
+                        Side::Producer(deadline),
                     )?;
                     tail = c.tail.load(Ordering::Acquire);
                 }
@@ -186,7 +208,7 @@ impl Ring {
             || c.tail.load(Ordering::Acquire) == head,
             peer,
             stop,
-            true,
+            Side::Producer(None),
         )
     }
 
@@ -212,7 +234,7 @@ impl Ring {
                     || c.head.load(Ordering::Acquire) != tail,
                     peer,
                     stop,
-                    false,
+                    Side::Consumer,
                 )?;
                 head = c.head.load(Ordering::Acquire);
             }
@@ -238,7 +260,8 @@ impl Ring {
         futex_wake(&c.space_seq);
     }
 
-    /// Waits until `ready`, spinning, then yielding, then sleeping on `word` in ticks.
+    /// Waits until `ready`, spinning, then yielding, then sleeping on `word` in ticks (cut short
+    /// by a producer's deadline).
     fn wait(
         &self,
         word: &AtomicU32,
@@ -246,8 +269,12 @@ impl Ring {
         ready: impl Fn() -> bool,
         peer: &Process,
         stop: &AtomicBool,
-        producer: bool,
+        side: Side,
     ) -> Result<(), RingStop> {
+        let (producer, deadline) = match side {
+            Side::Producer(deadline) => (true, deadline),
+            Side::Consumer => (false, None),
+        };
         let c = self.control();
         for _ in 0..SPINS {
             if ready() {
@@ -269,7 +296,22 @@ impl Ring {
                 sleeps.store(0, Ordering::Relaxed);
                 return Ok(());
             }
-            futex_wait(word, seen, TICK);
+            let tick = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        sleeps.store(0, Ordering::Relaxed);
+                        return if ready() {
+                            Ok(())
+                        } else {
+                            Err(RingStop::TimedOut)
+                        };
+                    }
+                    left.min(TICK)
+                }
+                None => TICK,
+            };
+            futex_wait(word, seen, tick);
             sleeps.store(0, Ordering::Relaxed);
             if ready() {
                 return Ok(());

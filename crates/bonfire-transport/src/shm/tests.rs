@@ -41,6 +41,19 @@ fn me() -> Process {
     Process::watch(std::process::id()).unwrap()
 }
 
+/// Rank 0's lane to rank 1 (this process plays both), writing into `producer`.
+fn link_to_1(producer: Ring, mailbox: &Arc<Mailbox>, stop: &Arc<AtomicBool>) -> OutLink {
+    OutLink::start(
+        Rank(0),
+        Rank(1),
+        producer,
+        me(),
+        mailbox.clone(),
+        stop.clone(),
+    )
+    .unwrap()
+}
+
 fn tag(step: u32) -> Tag {
     Tag {
         context: 0xc0ffee,
@@ -65,15 +78,7 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         1 << 30,
     )
     .unwrap();
-    let link = OutLink::start(
-        Rank(0),
-        Rank(1),
-        producer,
-        me(),
-        mailbox.clone(),
-        stop.clone(),
-    )
-    .unwrap();
+    let link = link_to_1(producer, &mailbox, &stop);
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Sizes around the ring's capacity and its quarter, empty frames, and odd lengths.
     let mut sizes = vec![
@@ -85,7 +90,16 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         .map(|&n| Bytes::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>()))
         .collect();
     let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    // Half the frames are queued for the writer thread, half written by this thread straight
+    // from its own memory (or queued behind the others when the writer is still busy).
+    let deadline = Instant::now() + Duration::from_secs(30);
     for (i, f) in frames.iter().enumerate() {
+        if i % 2 == 1
+            && let Some(written) = link.send_from(tag(i as u32), f, deadline)
+        {
+            written.unwrap();
+            continue;
+        }
         link.send(tag(i as u32), f.clone()).unwrap();
     }
     link.finish();
@@ -98,6 +112,41 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         mailbox.lost_reason(Rank(0)).is_none(),
         "a goodbye is not a loss"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_direct_write_nobody_reads_gives_up_at_its_deadline_and_ends_the_lane() {
+    let dir = temp_dir("deadline");
+    let (producer, _consumer) = ring_pair(&dir, 4096);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    // The peer process is alive (this one) but never reads: only the deadline ends the wait.
+    let link = link_to_1(producer, &mailbox, &stop);
+    let started = Instant::now();
+    let written = link.send_from(tag(0), &[5u8; 10_000], started + Duration::from_millis(150));
+    let waited = started.elapsed();
+    let Some(Err(crate::TransportError::PeerLost { peer, reason })) = written else {
+        panic!("expected the write to give up, got {written:?}");
+    };
+    assert_eq!(peer, Rank(1));
+    assert!(reason.contains("stayed full"), "{reason}");
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+    assert!(
+        mailbox.lost_reason(Rank(1)).is_some(),
+        "the peer is reported lost"
+    );
+    // The ring holds part of a frame now: nothing more goes down this lane.
+    assert!(matches!(
+        link.send_from(tag(1), &[1u8], Instant::now() + Duration::from_secs(5)),
+        Some(Err(_))
+    ));
+    assert!(link.send(tag(2), Bytes::from_static(b"x")).is_err());
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    link.finish();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

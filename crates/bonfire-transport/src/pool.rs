@@ -1,11 +1,12 @@
 //! Recycled frame buffers.
 //!
-//! Every frame a rank sends is a fresh copy of part of its working buffer. Allocating those
-//! copies afresh costs more than the copies: allocations of a megabyte come straight from the
-//! kernel, zeroed page by page, and go back to it on free, so a 64 MiB all-reduce spent most of
-//! its time in page faults. Frames of 4 KiB and more are therefore cut from buffers kept in
-//! power-of-two size classes and returned to their class when the last reference to the frame
-//! drops. Each class keeps at most [`CLASS_BYTES`] bytes of idle buffers.
+//! Every frame a rank sends is a fresh copy of part of its working buffer, and every frame the
+//! shared-memory lane receives a fresh copy out of its ring. Allocating those copies afresh costs
+//! more than the copies: allocations of a megabyte come straight from the kernel, zeroed page by
+//! page, and go back to it on free, so a 64 MiB all-reduce spent most of its time in page
+//! faults. Frames of 4 KiB and more are therefore cut from buffers kept in power-of-two size
+//! classes and returned to their class when the last reference to the frame drops. Each class
+//! keeps at most [`CLASS_BYTES`] bytes of idle buffers.
 
 use std::sync::Mutex;
 
@@ -26,14 +27,22 @@ fn class(len: usize) -> Option<usize> {
 }
 
 /// A frame holding a copy of `src`.
-pub(crate) fn frame(src: &[u8]) -> Bytes {
-    let Some(class) = class(src.len()) else {
-        return Bytes::copy_from_slice(src);
+pub fn frame(src: &[u8]) -> Bytes {
+    filled(src.len(), |buf| buf.extend_from_slice(src))
+}
+
+/// A frame of about `len` bytes written by `fill`, which appends them to an empty buffer with
+/// room for at least `len`.
+pub fn filled(len: usize, fill: impl FnOnce(&mut Vec<u8>)) -> Bytes {
+    let Some(class) = class(len) else {
+        let mut buf = Vec::with_capacity(len);
+        fill(&mut buf);
+        return Bytes::from(buf);
     };
-    let recycled = POOL[class].lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let recycled = crate::lock(&POOL[class]).pop();
     let mut buf = recycled.unwrap_or_else(|| Vec::with_capacity(1 << class));
     buf.clear();
-    buf.extend_from_slice(src);
+    fill(&mut buf);
     Bytes::from_owner(Pooled { buf, class })
 }
 
@@ -51,7 +60,7 @@ impl AsRef<[u8]> for Pooled {
 impl Drop for Pooled {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
-        let mut idle = POOL[self.class].lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = crate::lock(&POOL[self.class]);
         if (idle.len() + 1) * buf.capacity() <= CLASS_BYTES.max(buf.capacity()) {
             idle.push(buf);
         }

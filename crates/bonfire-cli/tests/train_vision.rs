@@ -129,6 +129,41 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         assert_eq!(ra["train_loss"], rb["train_loss"], "epoch {}", e + 1);
     }
     assert!(!log.contains("panicked"), "{log}");
+
+    // A newest checkpoint changed on disk (one bit of the weights) fails its checksum and is
+    // passed over: the run goes back to epoch 2, trains epoch 3 again to the same weights bit for
+    // bit, and then keeps only the newest two checkpoints.
+    let model = straight.join("epoch-3/model.bin");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&model, bytes).unwrap();
+    let out = bonfire(
+        &dir,
+        &[
+            "train",
+            "vision",
+            "--resume",
+            "--keep-checkpoints",
+            "2",
+            "--checkpoint-dir",
+        ],
+    )
+    .arg(&straight)
+    .output()
+    .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("passed over checkpoint epoch-3: model.bin does not match its checksum"),
+        "{log}"
+    );
+    let again = state(&straight, 3);
+    assert_eq!(
+        again["history"][2]["param_digest"],
+        a["history"][2]["param_digest"]
+    );
+    assert!(!straight.join("epoch-1").exists() && straight.join("epoch-2").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

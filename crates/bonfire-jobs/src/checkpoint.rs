@@ -1,7 +1,13 @@
-//! Atomic checkpoints: one directory per epoch (`epoch-N/` with the model, the optimizer state
-//! and `state.json`), written under a temporary name and renamed into place, then `latest` (the
-//! name of the newest one) replaced the same way. A job killed at any moment leaves the previous
-//! checkpoint whole and `latest` naming a complete one.
+//! Atomic, checked checkpoints: one directory per epoch (`epoch-N/` with the model, the optimizer
+//! state, `state.json` and `SHA256SUMS`, the SHA-256 of each of the three), written under a
+//! temporary name and renamed into place, then `latest` (the name of the newest one) replaced the
+//! same way. A job killed at any moment leaves the previous checkpoint whole and `latest` naming
+//! a complete one.
+//!
+//! Loading checks every file against `SHA256SUMS`. A checkpoint that fails (a file missing,
+//! truncated or changed on disk) is skipped, with the reason kept for the caller to report, and
+//! the next older one is tried; only when none is usable does loading fail, naming each
+//! problem. Checkpoints written before checksums existed (no `SHA256SUMS`) load unchecked.
 
 use std::fs;
 use std::io::Write;
@@ -49,10 +55,25 @@ pub struct Checkpoint<C, R> {
     pub model: Vec<u8>,
     /// The optimizer's record, as the job wrote it.
     pub optimizer: Vec<u8>,
+    /// The newer checkpoints that failed their check and were passed over, newest first, each
+    /// as `epoch-N: what is wrong`; empty when the newest one was used.
+    pub skipped: Vec<String>,
 }
 
 const LATEST: &str = "latest";
 const STATE: &str = "state.json";
+const MODEL: &str = "model.bin";
+const OPTIMIZER: &str = "optimizer.bin";
+const SUMS: &str = "SHA256SUMS";
+
+/// The SHA-256 of `bytes`, in lower-case hex.
+fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), JobError> {
     let mut f = fs::File::create(path).map_err(JobError::io(path))?;
@@ -72,10 +93,13 @@ pub fn save<C: Serialize, R: Serialize>(
     let tmp = root.join(format!(".{name}.tmp"));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp).map_err(JobError::io(&tmp))?;
-    write_synced(&tmp.join("model.bin"), model)?;
-    write_synced(&tmp.join("optimizer.bin"), optimizer)?;
     let json = serde_json::to_vec_pretty(state).map_err(JobError::EncodeState)?;
-    write_synced(&tmp.join(STATE), &json)?;
+    let mut sums = String::new();
+    for (name, bytes) in [(MODEL, model), (OPTIMIZER, optimizer), (STATE, &json[..])] {
+        write_synced(&tmp.join(name), bytes)?;
+        sums.push_str(&format!("{}  {name}\n", sha256(bytes)));
+    }
+    write_synced(&tmp.join(SUMS), sums.as_bytes())?;
     let dir = root.join(&name);
     if dir.exists() {
         // Left by a run that died between this rename and updating `latest`; never the one
@@ -99,50 +123,118 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, JobError> {
     }
 }
 
-fn latest_dir(root: &Path) -> Result<PathBuf, JobError> {
-    latest(root)?.ok_or_else(|| JobError::NoCheckpoint {
+/// Where to look for a checkpoint, in order: the one `latest` names, then every other
+/// `epoch-N` directory, newest first. Fails when there is no `latest`.
+fn candidates(root: &Path) -> Result<Vec<PathBuf>, JobError> {
+    let newest = latest(root)?.ok_or_else(|| JobError::NoCheckpoint {
         dir: root.to_path_buf(),
-    })
+    })?;
+    let mut older: Vec<(usize, PathBuf)> = fs::read_dir(root)
+        .map_err(JobError::io(root))?
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let n = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("epoch-")?
+                .parse()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .filter(|(_, p)| *p != newest)
+        .collect();
+    older.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+    Ok(std::iter::once(newest)
+        .chain(older.into_iter().map(|(_, p)| p))
+        .collect())
 }
 
-fn read(dir: &Path, name: &str) -> Result<Vec<u8>, JobError> {
-    let p = dir.join(name);
-    fs::read(&p).map_err(JobError::io(p))
+/// Deletes every `epoch-N` checkpoint under `root` but the newest `keep` (at least one: the one
+/// `latest` names is never deleted).
+pub fn prune(root: &Path, keep: usize) -> Result<(), JobError> {
+    let all = candidates(root)?;
+    for dir in all.into_iter().skip(keep.max(1)) {
+        fs::remove_dir_all(&dir).map_err(JobError::io(&dir))?;
+    }
+    Ok(())
 }
 
-fn read_state<C: DeserializeOwned, R: DeserializeOwned>(
+/// Reads and checks the checkpoint in `dir`; the error says what is wrong with it.
+fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
     dir: &Path,
-) -> Result<State<C, R>, JobError> {
-    let bytes = read(dir, STATE)?;
-    serde_json::from_slice(&bytes).map_err(|source| JobError::BadState {
-        path: dir.join(STATE),
-        source,
+) -> Result<Checkpoint<C, R>, String> {
+    let read = |name: &str| fs::read(dir.join(name)).map_err(|e| format!("{name}: {e}"));
+    let (model, optimizer, state) = (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?);
+    match fs::read_to_string(dir.join(SUMS)) {
+        Ok(sums) => {
+            for (name, bytes) in [(MODEL, &model), (OPTIMIZER, &optimizer), (STATE, &state)] {
+                let recorded = sums
+                    .lines()
+                    .find_map(|l| l.strip_suffix(name)?.strip_suffix("  "))
+                    .ok_or_else(|| format!("{SUMS} has no line for {name}"))?;
+                let found = sha256(bytes);
+                if found != recorded {
+                    return Err(format!(
+                        "{name} does not match its checksum ({} bytes, SHA-256 {}..., \
+                         recorded {}...)",
+                        bytes.len(),
+                        &found[..12],
+                        recorded.get(..12).unwrap_or(recorded)
+                    ));
+                }
+            }
+        }
+        // Written before checkpoints carried checksums: nothing to check against.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{SUMS}: {e}")),
+    }
+    let state = serde_json::from_slice(&state)
+        .map_err(|e| format!("{STATE}: not a bonfire checkpoint state ({e})"))?;
+    Ok(Checkpoint {
+        dir: dir.to_path_buf(),
+        state,
+        model,
+        optimizer,
+        skipped: Vec::new(),
     })
 }
 
-/// Reads the checkpoint `latest` names under `root`.
+/// Reads the newest usable checkpoint under `root`: the one `latest` names if it passes its
+/// check, else the newest older one that does (the ones passed over are in
+/// [`Checkpoint::skipped`]).
 pub fn load<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
 ) -> Result<Checkpoint<C, R>, JobError> {
-    let dir = latest_dir(root)?;
-    let state = read_state(&dir)?;
-    Ok(Checkpoint {
-        model: read(&dir, "model.bin")?,
-        optimizer: read(&dir, "optimizer.bin")?,
-        state,
-        dir,
+    let mut skipped = Vec::new();
+    for dir in candidates(root)? {
+        match read_checked(&dir) {
+            Ok(checkpoint) => {
+                return Ok(Checkpoint {
+                    skipped,
+                    ..checkpoint
+                });
+            }
+            Err(why) => {
+                let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+                skipped.push(format!("{}: {why}", name.unwrap_or_default()));
+            }
+        }
+    }
+    Err(JobError::NoUsableCheckpoint {
+        dir: root.to_path_buf(),
+        problems: skipped,
     })
 }
 
-/// Reads only the state of the checkpoint `latest` names under `root`, or `None` when there is
-/// no checkpoint.
+/// Reads only the state of the checkpoint [`load`] would use, or `None` when there is no
+/// checkpoint.
 pub fn load_state<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
 ) -> Result<Option<State<C, R>>, JobError> {
-    match latest(root)? {
-        Some(dir) => read_state(&dir).map(Some),
-        None => Ok(None),
+    if latest(root)?.is_none() {
+        return Ok(None);
     }
+    load(root).map(|c| Some(c.state))
 }
 
 #[cfg(test)]
@@ -183,9 +275,98 @@ mod tests {
         assert_eq!((l.state.epochs_done, l.model), (2, b"m2".to_vec()));
         assert_eq!(load_state(&root).unwrap(), Some(state(2)));
         assert!(root.join("epoch-1/model.bin").exists() && !root.join(".epoch-2.tmp").exists());
-        fs::write(root.join("epoch-2/state.json"), b"{").unwrap();
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn fresh_root(name: &str) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("bonfire-ckpt-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        fs::create_dir_all(&root).unwrap();
+        root
+    }
+
+    #[test]
+    fn a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one() {
+        let root = fresh_root("damaged");
+        for e in 1..=3 {
+            let m = format!("model {e}");
+            save(&root, &state(e), m.as_bytes(), b"optimizer").unwrap();
+        }
+        assert!(root.join("epoch-3/SHA256SUMS").exists());
+        // Epoch 3's model changes on disk (one byte), epoch 2's state is torn.
+        let model = root.join("epoch-3/model.bin");
+        let mut bytes = fs::read(&model).unwrap();
+        bytes[0] ^= 1;
+        fs::write(&model, &bytes).unwrap();
+        let json = root.join("epoch-2/state.json");
+        let len = fs::metadata(&json).unwrap().len();
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&json)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let l = load::<String, u32>(&root).unwrap();
+        assert_eq!((l.state.epochs_done, l.model), (1, b"model 1".to_vec()));
+        assert_eq!(l.dir, root.join("epoch-1"));
+        assert_eq!(l.skipped.len(), 2, "{:?}", l.skipped);
+        assert!(
+            l.skipped[0].starts_with("epoch-3: model.bin does not match its checksum (7 bytes"),
+            "{}",
+            l.skipped[0]
+        );
+        assert!(
+            l.skipped[1].starts_with("epoch-2: state.json does not match its checksum"),
+            "{}",
+            l.skipped[1]
+        );
+        assert_eq!(load_state(&root).unwrap(), Some(state(1)));
+        // With every checkpoint damaged, loading fails and names each problem.
+        fs::remove_file(root.join("epoch-1/optimizer.bin")).unwrap();
+        let e = load::<String, u32>(&root).err().unwrap();
+        assert!(
+            matches!(e, JobError::NoUsableCheckpoint { ref problems, .. } if problems.len() == 3)
+        );
+        let e = e.to_string();
+        assert!(
+            e.contains("holds no usable checkpoint") && e.contains("epoch-1: optimizer.bin"),
+            "{e}"
+        );
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn pruning_keeps_the_newest_checkpoints() {
+        let root = fresh_root("prune");
+        for e in 1..=4 {
+            save(&root, &state(e), b"m", b"o").unwrap();
+        }
+        prune(&root, 2).unwrap();
+        let mut left: Vec<String> = fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["epoch-3", "epoch-4", "latest"]);
+        prune(&root, 0).unwrap();
+        assert!(root.join("epoch-4").exists() && !root.join("epoch-3").exists());
+        assert_eq!(load::<String, u32>(&root).unwrap().state.epochs_done, 4);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn checkpoints_without_checksums_still_load_and_garbage_state_is_refused() {
+        let root = fresh_root("legacy");
+        save(&root, &state(1), b"m1", b"o1").unwrap();
+        // As written before checkpoints carried checksums.
+        fs::remove_file(root.join("epoch-1/SHA256SUMS")).unwrap();
+        assert_eq!(load::<String, u32>(&root).unwrap().model, b"m1".to_vec());
+        fs::write(root.join("epoch-1/state.json"), b"{").unwrap();
         let e = load::<String, u32>(&root).err().unwrap().to_string();
-        assert!(e.contains("not a bonfire checkpoint state"), "{e}");
+        assert!(
+            e.contains("epoch-1: state.json: not a bonfire checkpoint state"),
+            "{e}"
+        );
         fs::remove_dir_all(&root).unwrap();
     }
 }

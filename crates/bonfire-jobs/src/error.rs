@@ -154,13 +154,18 @@ pub enum JobError {
         /// The directory.
         dir: PathBuf,
     },
-    /// A checkpoint's `state.json` cannot be read.
-    #[error("{}: not a bonfire checkpoint state ({source})", .path.display())]
-    BadState {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        source: serde_json::Error,
+    /// Every checkpoint in the directory failed its check (a file missing or unreadable, a
+    /// checksum that does not match, a state that does not parse).
+    #[error(
+        "{} holds no usable checkpoint: {}",
+        .dir.display(),
+        .problems.join("; ")
+    )]
+    NoUsableCheckpoint {
+        /// The directory.
+        dir: PathBuf,
+        /// What is wrong with each checkpoint, newest first (`epoch-N: ...`).
+        problems: Vec<String>,
     },
     /// The state could not be written as JSON.
     #[error("cannot encode the checkpoint state: {0}")]

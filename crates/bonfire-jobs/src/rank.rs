@@ -121,7 +121,10 @@ impl<'a, J: Job> RankContext<'a, J> {
     /// On a resumed run, the checkpoint to continue from, read on every rank; the ranks check
     /// that they all found the same one (every rank must see the checkpoint directory). `None`
     /// on a fresh run.
-    pub fn resume_checkpoint(&self) -> Result<Option<JobCheckpoint<J>>, JobError> {
+    ///
+    /// A newest checkpoint that fails its check is passed over for the newest one that passes;
+    /// rank 0 says which and why.
+    pub fn resume_checkpoint(&mut self) -> Result<Option<JobCheckpoint<J>>, JobError> {
         if !self.settings.resume {
             return Ok(None);
         }
@@ -144,11 +147,19 @@ impl<'a, J: Job> RankContext<'a, J> {
                 mine: loaded.state.epochs_done,
             });
         }
+        for why in &loaded.skipped {
+            let text = format!(
+                "passed over checkpoint {why}; resuming from {}",
+                loaded.dir.display()
+            );
+            self.say(Say::Notice, &text);
+        }
         Ok(Some(loaded))
     }
 
-    /// Rank 0 writes the checkpoint of `state` with the model's and optimizer's records and
-    /// returns its directory; `None` on the other ranks, which write nothing.
+    /// Rank 0 writes the checkpoint of `state` with the model's and optimizer's records (then
+    /// deletes all but the newest `keep_checkpoints`) and returns its directory; `None` on the
+    /// other ranks, which write nothing.
     pub fn save_checkpoint<R: Serialize>(
         &self,
         state: &State<J::Config, R>,
@@ -159,7 +170,12 @@ impl<'a, J: Job> RankContext<'a, J> {
             return Ok(None);
         }
         let (model, optimizer) = (model()?, optimizer()?);
-        checkpoint::save(&self.settings.checkpoint_dir, state, &model, &optimizer).map(Some)
+        let root = &self.settings.checkpoint_dir;
+        let dir = checkpoint::save(root, state, &model, &optimizer)?;
+        if let Some(keep) = self.settings.keep_checkpoints {
+            checkpoint::prune(root, keep)?;
+        }
+        Ok(Some(dir))
     }
 
     /// Rank 0's `bytes` on every rank (the others pass anything, e.g. nothing); `during` says

@@ -33,6 +33,9 @@ pub struct RunOptions {
     pub backend: Option<BackendKind>,
     /// The data set cache (default: [`cache_root`]).
     pub data_dir: Option<PathBuf>,
+    /// Keep only the newest this many checkpoints, deleting older ones as new ones are written
+    /// (default: keep all; at least 1).
+    pub keep_checkpoints: Option<usize>,
 }
 
 /// A settled run: what every rank trains with.
@@ -50,6 +53,9 @@ pub struct Settings<C> {
     pub backend: BackendKind,
     /// The data set cache.
     pub data_dir: PathBuf,
+    /// How many checkpoints to keep (`None`: all).
+    #[serde(default)]
+    pub keep_checkpoints: Option<usize>,
 }
 
 /// The runs of job `job` under `base` (`<base>/<job>-N`): the newest (highest N), if any, and
@@ -142,6 +148,7 @@ fn settle_resumed<J: Job>(
         resume: true,
         backend: backend(options),
         data_dir,
+        keep_checkpoints: options.keep_checkpoints,
     })
 }
 
@@ -181,6 +188,7 @@ fn settle_fresh<J: Job>(
         resume: false,
         backend: backend(options),
         data_dir,
+        keep_checkpoints: options.keep_checkpoints,
     })
 }
 

@@ -85,6 +85,10 @@ pub(crate) struct GptArgs {
     /// Where checkpoints, the plot and the report go [default: a new ./runs/gpt-N]
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest N checkpoints, deleting older ones as new ones are written
+    /// [default: keep all]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    keep_checkpoints: Option<u64>,
     /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/gpt-N)
     #[arg(long)]
     resume: bool,
@@ -132,6 +136,7 @@ impl GptArgs {
         Ok(RunOptions {
             epochs: None,
             checkpoint_dir: self.checkpoint_dir.clone(),
+            keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -168,6 +173,10 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--backend", s.backend.to_string());
     v.push("--checkpoint-dir".into());
     v.push(s.checkpoint_dir.clone().into_os_string());
+    if let Some(k) = s.keep_checkpoints {
+        v.push("--keep-checkpoints".into());
+        v.push(k.to_string().into());
+    }
     v.push("--data-dir".into());
     v.push(s.data_dir.clone().into_os_string());
     if c.bf16 {

@@ -75,6 +75,10 @@ pub(crate) struct VisionArgs {
     /// Where checkpoints, plots and the report go [default: a new ./runs/vision-N]
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest N checkpoints, deleting older ones as new ones are written
+    /// [default: keep all]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    keep_checkpoints: Option<u64>,
     /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/vision-N)
     #[arg(long)]
     resume: bool,
@@ -125,6 +129,7 @@ impl VisionArgs {
         Ok(RunOptions {
             epochs: self.epochs.map(|e| e as usize),
             checkpoint_dir: self.checkpoint_dir.clone(),
+            keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -157,6 +162,10 @@ fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
     }
     v.push("--checkpoint-dir".into());
     v.push(s.checkpoint_dir.clone().into_os_string());
+    if let Some(k) = s.keep_checkpoints {
+        v.push("--keep-checkpoints".into());
+        v.push(k.to_string().into());
+    }
     v.push("--data-dir".into());
     v.push(s.data_dir.clone().into_os_string());
     if c.bf16 {

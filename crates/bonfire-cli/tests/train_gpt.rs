@@ -170,13 +170,15 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         assert_eq!(x["sample"], y["sample"]);
     }
 
-    // A checkpoint whose vocabulary is not the text's: refused before any rank starts.
+    // A checkpoint whose vocabulary is not the text's: refused before any rank starts. (Edited
+    // by hand, so its checksums go too: a checkpoint without them loads unchecked.)
     let latest = killed.join("epoch-6/state.json");
     let mut st: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&latest).unwrap()).unwrap();
     st["config"]["vocab"] = "abc".into();
     st["epochs"] = 7.into();
     std::fs::write(&latest, serde_json::to_vec(&st).unwrap()).unwrap();
+    std::fs::remove_file(killed.join("epoch-6/SHA256SUMS")).unwrap();
     assert_clean_failure(
         &bonfire(&dir, &resume).output().unwrap(),
         "is not the vocabulary of the embedded text here",

@@ -234,10 +234,9 @@ async fn run_program(
                         step,
                         problem,
                     })?;
-                let mut frame = Some(frame);
+                let mut owned = Some(frame.clone());
                 for &(peer, step) in forward {
-                    let data = frame.clone().expect("the received frame");
-                    waiter.ex.send_from(peer, step, &data, &mut frame).await?;
+                    waiter.ex.send_from(peer, step, &frame, &mut owned).await?;
                 }
             }
         }

@@ -170,20 +170,9 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--temperature", c.temperature.to_string());
     flag("--top-k", c.top_k.to_string());
     flag("--sample-chars", c.sample_chars.to_string());
-    flag("--backend", s.backend.to_string());
-    v.push("--checkpoint-dir".into());
-    v.push(s.checkpoint_dir.clone().into_os_string());
-    if let Some(k) = s.keep_checkpoints {
-        v.push("--keep-checkpoints".into());
-        v.push(k.to_string().into());
-    }
-    v.push("--data-dir".into());
-    v.push(s.data_dir.clone().into_os_string());
+    super::run_flags(&mut v, s);
     if c.bf16 {
         v.push("--bf16-comm".into());
-    }
-    if s.resume {
-        v.push("--resume".into());
     }
     v
 }

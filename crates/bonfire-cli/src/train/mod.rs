@@ -137,6 +137,24 @@ impl VisionArgs {
     }
 }
 
+/// The flags every job's ranks take from the settled run: the backend, where its checkpoints go
+/// and how many stay, the data cache, and whether it resumes.
+pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
+    v.push("--backend".into());
+    v.push(s.backend.to_string().into());
+    v.push("--checkpoint-dir".into());
+    v.push(s.checkpoint_dir.clone().into_os_string());
+    if let Some(k) = s.keep_checkpoints {
+        v.push("--keep-checkpoints".into());
+        v.push(k.to_string().into());
+    }
+    v.push("--data-dir".into());
+    v.push(s.data_dir.clone().into_os_string());
+    if s.resume {
+        v.push("--resume".into());
+    }
+}
+
 /// The flags that make a rank run exactly `s`.
 fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
     let c = &s.config;
@@ -153,26 +171,15 @@ fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
     flag("--lr-decay", c.lr_decay.to_string());
     flag("--width", c.width.to_string());
     flag("--seed", c.seed.to_string());
-    flag("--backend", s.backend.to_string());
     if let Some(n) = c.train_limit {
         flag("--train-limit", n.to_string());
     }
     if let Some(n) = c.test_limit {
         flag("--test-limit", n.to_string());
     }
-    v.push("--checkpoint-dir".into());
-    v.push(s.checkpoint_dir.clone().into_os_string());
-    if let Some(k) = s.keep_checkpoints {
-        v.push("--keep-checkpoints".into());
-        v.push(k.to_string().into());
-    }
-    v.push("--data-dir".into());
-    v.push(s.data_dir.clone().into_os_string());
+    run_flags(&mut v, s);
     if c.bf16 {
         v.push("--bf16".into());
-    }
-    if s.resume {
-        v.push("--resume".into());
     }
     v
 }

@@ -36,6 +36,11 @@ fn locate(groups: &[Vec<usize>], me: usize) -> (usize, usize) {
         .expect("a rank is on its own node")
 }
 
+/// The ranks of one node (`group`, team positions), as a team in which this rank is position `i`.
+fn node_team(team: &Team, group: &[usize], i: usize) -> Team {
+    Team::new(group.iter().map(|&p| team.peer(p)).collect(), i)
+}
+
 /// Two-level all-reduce over `team` (see the module): phase 0 reduce-scatters within the node,
 /// `inner` runs on this rank's segment among the ranks holding it on every node (phases
 /// `1..=4`), phase 5 all-gathers within the node. Returns `false`, adding nothing, if the nodes
@@ -55,7 +60,7 @@ pub(crate) fn all_reduce_two_level(
         return false;
     }
     let (k, i) = locate(&groups, team.me());
-    let local_team = Team::new(groups[k].iter().map(|&p| team.peer(p)).collect(), i);
+    let local_team = node_team(team, &groups[k], i);
     let rail = Team::new(groups.iter().map(|g| team.peer(g[i])).collect(), k);
     let parts = Partition::balanced(count, local);
     reduce_scatter_ring(b, &local_team, &parts, 0);
@@ -83,7 +88,7 @@ pub(crate) fn all_reduce_hierarchical(
     assert_eq!(nodes.len(), team.size());
     let groups = by_node(nodes);
     let (k, i) = locate(&groups, team.me());
-    let local_team = Team::new(groups[k].iter().map(|&p| team.peer(p)).collect(), i);
+    let local_team = node_team(team, &groups[k], i);
 
     reduce_binomial(b, &local_team, 0, 0..count, 0, false);
     if i == 0 {

@@ -12,8 +12,11 @@ use crate::error::{ArgError, CliError};
 ///
 /// Every rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 /// `MASTER_PORT` (the torchrun names), `GROUP_RANK` and bonfire's own variables; its output is
-/// prefixed with `[rank N]`. When a rank fails the others get time to report it, then the job is
-/// stopped and this command exits non-zero, naming the rank.
+/// prefixed with `[rank N]`. When a rank fails the job is restarted on every node while
+/// `--max-restarts` allow; after that the others get time to report it, the job is stopped on
+/// every node and this command exits non-zero, naming the rank. On several nodes the launchers
+/// also talk to each other: node 0's listens on TCP at --master-addr (the ranks' rendezvous uses
+/// UDP at the same port).
 #[derive(clap::Args)]
 #[command(
     after_help = "Examples:\n  bonfire launch --nproc-per-node 2 -- ./target/release/examples/mnist\n  bonfire launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1:29500 --secret-file job.secret -- ./train"
@@ -47,9 +50,15 @@ pub(crate) struct Args {
     /// always talk QUIC [default: BONFIRE_TRANSPORT, else auto].
     #[arg(long, value_parser = ["auto", "shm", "quic"])]
     transport: Option<String>,
-    /// Times to restart this node's ranks after a failure.
+    /// Times to restart the job after a failure: a failed rank, or on several nodes a lost
+    /// node's launcher, stops every node's ranks and starts them again in a new round
+    /// (BONFIRE_RESTART_ROUND), which must resume from its newest checkpoint.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
+    /// On several nodes: seconds to wait for every node's launcher to join, at the start and
+    /// after each restart, before the job ends naming the nodes missing.
+    #[arg(long, value_parser = positive_seconds, default_value = "300")]
+    join_timeout: Duration,
     /// The program every rank runs, and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]...")]
     command: Vec<OsString>,
@@ -76,6 +85,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         timeout: args.timeout,
         peer_timeout: args.peer_timeout,
         max_restarts: args.max_restarts,
+        join_timeout: args.join_timeout,
         program,
         args: command.collect(),
         extra_env: args
@@ -85,5 +95,9 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .collect(),
         prefix_output: true,
     };
-    Ok(launch(&config)?)
+    let launched = launch(&config)?;
+    if let Some(summary) = launched.summary() {
+        eprintln!("bonfire launch: the job finished {summary}");
+    }
+    Ok(())
 }

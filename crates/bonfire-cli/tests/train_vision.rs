@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::{bonfire, f, kill_after_first_checkpoint, scratch, state, text};
+use common::{
+    bonfire, f, kill_a_rank_after_first_checkpoint, kill_after_first_checkpoint, scratch, state,
+    text,
+};
 
 /// The default data set cannot be fetched (no npm on PATH), so the job says so and trains on the
 /// embedded slice; across two processes the loss falls and test accuracy ends far above chance.
@@ -129,6 +132,37 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         assert_eq!(ra["train_loss"], rb["train_loss"], "epoch {}", e + 1);
     }
     assert!(!log.contains("panicked"), "{log}");
+
+    // A rank killed after the first checkpoint, under --max-restarts: the run starts its ranks
+    // again, they resume from the newest checkpoint, and it ends as the uninterrupted run did.
+    let restarted = dir.join("restarted");
+    let out = kill_a_rank_after_first_checkpoint(
+        bonfire(&dir, &args)
+            .arg(&restarted)
+            .args(["--max-restarts", "1"]),
+        &restarted,
+        1,
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("was killed by signal 9 (SIGKILL); restarting the job (restart 1 of 1)"),
+        "{log}"
+    );
+    assert!(log.contains("restart 1: resuming from"), "{log}");
+    assert!(
+        log.contains("the run finished after 1 restart (rank 1"),
+        "{log}"
+    );
+    // Every rank's times are recorded per epoch (the straggler report's input).
+    let ranks = a["history"][0]["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    assert!(ranks.iter().all(|r| f(&r["compute"]) > 0.0 && f(&r["input"]) >= 0.0));
+    let c = state(&restarted, 3);
+    for e in 0..3 {
+        let (ra, rc) = (&a["history"][e], &c["history"][e]);
+        assert_eq!(ra["param_digest"], rc["param_digest"], "epoch {}", e + 1);
+    }
 
     // A newest checkpoint changed on disk (one bit of the weights) fails its checksum and is
     // passed over: the run goes back to epoch 2, trains epoch 3 again to the same weights bit for

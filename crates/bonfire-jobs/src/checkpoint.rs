@@ -205,9 +205,19 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
 pub fn load<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
 ) -> Result<Checkpoint<C, R>, JobError> {
+    load_at_most(root, usize::MAX)
+}
+
+/// As [`load`], among the checkpoints of at most `epochs_done` epochs: the newest usable one
+/// that every rank of a job can read, when another rank's newest is older than this one's.
+pub fn load_at_most<C: DeserializeOwned, R: DeserializeOwned>(
+    root: &Path,
+    epochs_done: usize,
+) -> Result<Checkpoint<C, R>, JobError> {
     let mut skipped = Vec::new();
     for dir in candidates(root)? {
-        match read_checked(&dir) {
+        match read_checked::<C, R>(&dir) {
+            Ok(checkpoint) if checkpoint.state.epochs_done > epochs_done => {}
             Ok(checkpoint) => {
                 return Ok(Checkpoint {
                     skipped,

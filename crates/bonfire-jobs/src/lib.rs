@@ -54,6 +54,7 @@ pub mod rank;
 pub mod report;
 mod runner;
 pub mod settings;
+pub mod stragglers;
 pub mod vision;
 
 pub use backend::{BackendKind, CUDA_HINT, WGPU_HINT, open_gpu};

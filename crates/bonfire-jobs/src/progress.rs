@@ -28,6 +28,8 @@ pub struct StepProgress {
     pub unit: &'static str,
     /// Time since the epoch began.
     pub elapsed: Duration,
+    /// The straggler named after the last epoch, shortly (`rank 1 +38% (compute)`), if any.
+    pub straggler: Option<String>,
 }
 
 impl StepProgress {
@@ -43,8 +45,12 @@ impl StepProgress {
             Some(a) => format!("  accuracy {:.1}%", 100.0 * a),
             None => String::new(),
         };
+        let straggler = match &self.straggler {
+            Some(s) => format!("  straggler {s}"),
+            None => String::new(),
+        };
         format!(
-            "{} {}/{} [{}{}] {:>3}% step {done}/{steps}  loss {:.4}{accuracy}  {:.0} {}/s  eta {}",
+            "{} {}/{} [{}{}] {:>3}% step {done}/{steps}  loss {:.4}{accuracy}  {:.0} {}/s  eta {}{straggler}",
             self.round,
             self.epoch,
             self.epochs,
@@ -137,6 +143,7 @@ mod tests {
             rate: 1234.4,
             unit: "images",
             elapsed: Duration::from_secs(4),
+            straggler: None,
         };
         assert_eq!(
             p.line(),

@@ -15,6 +15,63 @@ use crate::job::{Job, JobCheckpoint};
 use crate::progress::StepProgress;
 use crate::report::{Reporter, Say};
 use crate::settings::Settings;
+use crate::stragglers::{RankTimes, THRESHOLD, stragglers};
+
+/// The launcher's restart round: 0 on a first start, above 0 after a restart
+/// (`BONFIRE_RESTART_ROUND`).
+pub fn restart_round() -> u32 {
+    std::env::var(bonfire::launch::env::vars::RESTART_ROUND)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The file in the run directory where rank 0 notes how far it got.
+pub const PROGRESS_FILE: &str = "progress.json";
+
+/// How far rank 0 got: epoch (from 1) and step (from 1) of `steps`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// The epoch, from 1.
+    pub epoch: usize,
+    /// Steps done in it.
+    pub step: usize,
+    /// Steps in an epoch.
+    pub steps: usize,
+}
+
+impl Progress {
+    /// Steps done after the first `epochs_done` epochs.
+    pub fn steps_since(&self, epochs_done: usize) -> usize {
+        let whole = self.epoch.saturating_sub(1).saturating_sub(epochs_done);
+        if self.epoch <= epochs_done {
+            0
+        } else {
+            whole * self.steps + self.step
+        }
+    }
+}
+
+fn note_progress(dir: &std::path::Path, p: &StepProgress) {
+    let note = Progress {
+        epoch: p.epoch,
+        step: p.step,
+        steps: p.steps,
+    };
+    // Written whole and renamed, so that a reader never sees half of it; a failure to note
+    // progress costs only the count of steps trained again.
+    let tmp = dir.join(".progress.tmp");
+    if let Ok(json) = serde_json::to_vec(&note)
+        && std::fs::write(&tmp, json).is_ok()
+    {
+        let _ = std::fs::rename(&tmp, dir.join(PROGRESS_FILE));
+    }
+}
+
+/// The progress rank 0 noted last in run directory `dir`, if any.
+pub fn read_progress(dir: &std::path::Path) -> Option<Progress> {
+    serde_json::from_slice(&std::fs::read(dir.join(PROGRESS_FILE)).ok()?).ok()
+}
 
 /// How long the other ranks wait for rank 0 to settle a run (it may be fetching a data set).
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -62,6 +119,8 @@ pub struct RankContext<'a, J: Job> {
     world: &'a World,
     settings: &'a Settings<J::Config>,
     reporter: &'a mut dyn Reporter,
+    straggler: Option<String>,
+    to_say: Vec<String>,
 }
 
 impl<'a, J: Job> RankContext<'a, J> {
@@ -76,6 +135,8 @@ impl<'a, J: Job> RankContext<'a, J> {
             world,
             settings,
             reporter,
+            straggler: None,
+            to_say: Vec::new(),
         }
     }
 
@@ -111,24 +172,76 @@ impl<'a, J: Job> RankContext<'a, J> {
         }
     }
 
-    /// Rank 0 reports its progress through an epoch.
-    pub fn step(&mut self, progress: &StepProgress) {
-        if self.is_main() {
-            self.reporter.step(progress);
+    /// Every rank's times in the epoch just trained (this rank's are `mine`), gathered on every
+    /// rank, and the stragglers among them (see [`crate::stragglers`]): rank 0 names them at
+    /// [`say_stragglers`](Self::say_stragglers), and the progress lines of the next epoch carry
+    /// the slowest.
+    pub fn epoch_times(&mut self, mine: RankTimes) -> Result<Vec<RankTimes>, JobError> {
+        let all = self
+            .world
+            .comm()
+            .all_gather(vec![mine.input, mine.compute, mine.wait])
+            .wait()
+            .map_err(JobError::collective("gathering every rank's epoch times"))?;
+        let times: Vec<RankTimes> = all
+            .chunks(3)
+            .map(|c| RankTimes {
+                input: c[0],
+                compute: c[1],
+                wait: c[2],
+            })
+            .collect();
+        let found = stragglers(&times, THRESHOLD);
+        self.straggler = found.first().map(|s| s.short());
+        self.to_say = found
+            .iter()
+            .map(|s| format!("straggler: {}", s.describe()))
+            .collect();
+        Ok(times)
+    }
+
+    /// Rank 0 names the stragglers [`epoch_times`](Self::epoch_times) found (after the epoch's
+    /// line).
+    pub fn say_stragglers(&mut self) {
+        for text in std::mem::take(&mut self.to_say) {
+            self.say(Say::Notice, &text);
         }
     }
 
-    /// On a resumed run, the checkpoint to continue from, read on every rank; the ranks check
-    /// that they all found the same one (every rank must see the checkpoint directory). `None`
-    /// on a fresh run.
+    /// The straggler named after the last epoch, shortly, for the progress line.
+    pub fn straggler(&self) -> Option<String> {
+        self.straggler.clone()
+    }
+
+    /// Rank 0 reports its progress through an epoch, and notes it in the run directory (so
+    /// that a restart can say how many steps it trains again).
+    pub fn step(&mut self, progress: &StepProgress) {
+        if self.is_main() {
+            self.reporter.step(progress);
+            note_progress(&self.settings.checkpoint_dir, progress);
+        }
+    }
+
+    /// On a resumed or restarted run, the checkpoint to continue from, read on every rank:
+    /// the newest that every rank can read (every rank must see the checkpoint directory).
+    /// `None` on a fresh run, and on a restarted one that had written no checkpoint yet.
     ///
     /// A newest checkpoint that fails its check is passed over for the newest one that passes;
-    /// rank 0 says which and why.
+    /// rank 0 says which and why. Under a restart (`BONFIRE_RESTART_ROUND` above 0, set by the
+    /// launcher) rank 0 also says how many steps done since the checkpoint are trained again.
     pub fn resume_checkpoint(&mut self) -> Result<Option<JobCheckpoint<J>>, JobError> {
-        if !self.settings.resume {
+        let restart = restart_round();
+        if !self.settings.resume && restart == 0 {
             return Ok(None);
         }
-        let loaded = checkpoint::load::<J::Config, J::Record>(&self.settings.checkpoint_dir);
+        let dir = self.settings.checkpoint_dir.clone();
+        // A restarted fresh run may fail before its first checkpoint: then it starts afresh.
+        let none_yet = !self.settings.resume && checkpoint::latest(&dir)?.is_none();
+        let loaded = if none_yet {
+            Err(JobError::NoCheckpoint { dir: dir.clone() })
+        } else {
+            checkpoint::load::<J::Config, J::Record>(&dir)
+        };
         let mine = loaded.as_ref().map_or(-1, |l| l.state.epochs_done as i64);
         let all = self
             .world
@@ -138,12 +251,43 @@ impl<'a, J: Job> RankContext<'a, J> {
             .map_err(JobError::collective(
                 "agreeing on the checkpoint to resume from",
             ))?;
-        let loaded = loaded?;
-        if let Some(rank) = all.iter().position(|&e| e != mine) {
+        let (lowest, target) = all
+            .iter()
+            .copied()
+            .enumerate()
+            .min_by_key(|&(_, e)| e)
+            .expect("a job has a rank");
+        if target < 0 {
+            if !self.settings.resume {
+                if mine >= 0 || all.iter().any(|&e| e >= 0) {
+                    let text = format!(
+                        "restart {restart}: rank {lowest} finds no usable checkpoint in {}; the run starts afresh",
+                        dir.display()
+                    );
+                    self.say(Say::Notice, &text);
+                }
+                self.say_restart(restart, 0, None);
+                return Ok(None);
+            }
+            let loaded = loaded?;
             return Err(JobError::CheckpointMismatch {
-                rank,
-                found: usize::try_from(all[rank]).ok(),
-                dir: self.settings.checkpoint_dir.clone(),
+                rank: lowest,
+                found: None,
+                dir,
+                mine: loaded.state.epochs_done,
+            });
+        }
+        let target = target as usize;
+        let loaded = if mine == target as i64 {
+            loaded?
+        } else {
+            checkpoint::load_at_most::<J::Config, J::Record>(&dir, target)?
+        };
+        if loaded.state.epochs_done != target {
+            return Err(JobError::CheckpointMismatch {
+                rank: lowest,
+                found: Some(target),
+                dir,
                 mine: loaded.state.epochs_done,
             });
         }
@@ -154,7 +298,36 @@ impl<'a, J: Job> RankContext<'a, J> {
             );
             self.say(Say::Notice, &text);
         }
+        if (mine as usize) > target || all.iter().any(|&e| e != target as i64) {
+            let text = format!(
+                "rank {lowest} can read no checkpoint newer than {}; every rank resumes from it",
+                loaded.dir.display()
+            );
+            self.say(Say::Notice, &text);
+        }
+        self.say_restart(restart, target, Some(&loaded.dir));
         Ok(Some(loaded))
+    }
+
+    /// Under a restart, rank 0 says where the run continues and how many steps are trained
+    /// again (from the progress rank 0 noted before the failure).
+    fn say_restart(&mut self, restart: u32, epochs_done: usize, from: Option<&std::path::Path>) {
+        if restart == 0 || !self.is_main() {
+            return;
+        }
+        let redone = read_progress(&self.settings.checkpoint_dir)
+            .map(|p| p.steps_since(epochs_done))
+            .unwrap_or(0);
+        let from = match from {
+            Some(dir) => format!("resuming from {}", dir.display()),
+            None => "starting afresh (no checkpoint yet)".to_string(),
+        };
+        let text = format!(
+            "restart {restart}: {from}; {redone} step{} done before the failure {} trained again",
+            if redone == 1 { "" } else { "s" },
+            if redone == 1 { "is" } else { "are" },
+        );
+        self.say(Say::Notice, &text);
     }
 
     /// Rank 0 writes the checkpoint of `state` with the model's and optimizer's records (then

@@ -167,7 +167,10 @@ impl<'a, J: Job> Runner<'a, J> {
                 return Ok(self.parent_finished(settings, Some(state)));
             }
         }
-        launch(&self.launch_config(&settings)?)?;
+        let launched = launch(&self.launch_config(&settings)?)?;
+        if let Some(summary) = launched.summary() {
+            reporter.say(Say::Notice, &format!("the run finished {summary}"));
+        }
         let state = checkpoint::load_state(&settings.checkpoint_dir)?;
         Ok(self.parent_finished(settings, state))
     }
@@ -196,6 +199,7 @@ impl<'a, J: Job> Runner<'a, J> {
             None => std::env::args_os().skip(1).collect(),
         };
         config.prefix_output = false;
+        config.max_restarts = self.options.max_restarts;
         config.timeout = None;
         config.peer_timeout = Some(Duration::from_secs(60));
         let handoff = Handoff {

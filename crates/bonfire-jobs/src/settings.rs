@@ -36,6 +36,9 @@ pub struct RunOptions {
     /// Keep only the newest this many checkpoints, deleting older ones as new ones are written
     /// (default: keep all; at least 1).
     pub keep_checkpoints: Option<usize>,
+    /// Times the parent starts the ranks again after one fails (default: 0); each time they
+    /// resume from the newest checkpoint every rank can read.
+    pub max_restarts: u32,
 }
 
 /// A settled run: what every rank trains with.
@@ -98,8 +101,39 @@ pub fn settle<J: Job>(
     }
     if options.resume {
         settle_resumed(job, request, options)
+    } else if crate::rank::restart_round() > 0 {
+        settle_restarted(job, request, options, world_size, reporter)
     } else {
         settle_fresh(job, request, options, world_size, reporter)
+    }
+}
+
+/// A fresh run started again by the launcher after a failure (`BONFIRE_RESTART_ROUND` above
+/// 0): the run directory the first round settled (the one named, or the newest
+/// `runs/<job>-N`), resumed if it holds a checkpoint, else started afresh in it.
+fn settle_restarted<J: Job>(
+    job: &J,
+    request: &J::Request,
+    options: &RunOptions,
+    world_size: Option<usize>,
+    reporter: &mut dyn Reporter,
+) -> Result<Settings<J::Config>, JobError> {
+    let dir = match &options.checkpoint_dir {
+        Some(d) => d.clone(),
+        None => {
+            let (newest, next) = runs(Path::new(RUNS_DIR), J::NAME);
+            newest.unwrap_or(next)
+        }
+    };
+    let options = RunOptions {
+        checkpoint_dir: Some(dir.clone()),
+        resume: checkpoint::latest(&dir)?.is_some(),
+        ..options.clone()
+    };
+    if options.resume {
+        settle_resumed(job, request, &options)
+    } else {
+        settle_fresh(job, request, &options, world_size, reporter)
     }
 }
 

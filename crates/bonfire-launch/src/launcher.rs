@@ -12,6 +12,9 @@ use bonfire_transport::{Secret, SecretError};
 
 use crate::env::vars;
 
+/// How long the launchers of a job on several nodes wait for every node by default.
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// What `bonfire launch` was asked to do.
 #[derive(Clone, Debug)]
 pub struct LaunchConfig {
@@ -29,8 +32,12 @@ pub struct LaunchConfig {
     pub timeout: Option<Duration>,
     /// Peer timeout handed to the ranks.
     pub peer_timeout: Option<Duration>,
-    /// How many times to restart the local ranks after a failure.
+    /// How many times to restart the job after a failure: every node's ranks are stopped and
+    /// started again in a new round (`BONFIRE_RESTART_ROUND`).
     pub max_restarts: u32,
+    /// On several nodes: how long the launchers wait for every node to join (at the start and
+    /// after each restart) before the job ends, naming the nodes missing.
+    pub join_timeout: Duration,
     /// The program each rank runs.
     pub program: OsString,
     /// Its arguments.
@@ -53,10 +60,33 @@ impl LaunchConfig {
             timeout: None,
             peer_timeout: None,
             max_restarts: 0,
+            join_timeout: DEFAULT_JOIN_TIMEOUT,
             program: program.into(),
             args: Vec::new(),
             extra_env: Vec::new(),
             prefix_output: true,
+        }
+    }
+}
+
+/// How a launch that succeeded went.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Launched {
+    /// The job's restarts, in order: why each happened.
+    pub restarts: Vec<String>,
+}
+
+impl Launched {
+    /// `"after 2 restarts (rank 1 (pid 7) was killed by signal 9 (SIGKILL); ...)"`, or `None`
+    /// when the job ran once.
+    pub fn summary(&self) -> Option<String> {
+        match self.restarts.len() {
+            0 => None,
+            n => Some(format!(
+                "after {n} restart{} ({})",
+                if n == 1 { "" } else { "s" },
+                self.restarts.join("; ")
+            )),
         }
     }
 }
@@ -120,6 +150,60 @@ pub enum LaunchError {
         /// Restarts used, in words (empty when none were allowed).
         restarts: String,
     },
+    /// Another node's launcher was lost (killed, or its host unreachable) and no restart was
+    /// left, or it did not come back.
+    #[error("node {node}'s launcher was lost ({why}){restarts}")]
+    NodeLost {
+        /// The node.
+        node: usize,
+        /// How it was lost.
+        why: String,
+        /// Restarts used, in words.
+        restarts: String,
+    },
+    /// Not every node joined within the join timeout.
+    #[error(
+        "{} did not join within {waited:.0?} (--join-timeout); is `bonfire launch` running there, with the same --master-addr and secret?",
+        name_nodes(missing)
+    )]
+    NodesMissing {
+        /// The nodes that did not join.
+        missing: Vec<usize>,
+        /// How long the launcher waited.
+        waited: Duration,
+    },
+    /// This node could not join node 0's launcher.
+    #[error("cannot join the launcher of node 0 at {master}: {why}")]
+    CannotJoin {
+        /// Where node 0's launcher was dialled.
+        master: String,
+        /// Why not.
+        why: String,
+    },
+    /// Node 0's launcher ended the job because of a failure elsewhere.
+    #[error("the job ended: {why}")]
+    JobEnded {
+        /// The failed rank, when a rank failed.
+        rank: Option<usize>,
+        /// What node 0's launcher said.
+        why: String,
+    },
+    /// Node 0's launcher cannot listen for the others.
+    #[error("cannot listen for the other nodes' launchers on TCP {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn name_nodes(nodes: &[usize]) -> String {
+    let list: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+    match nodes.len() {
+        1 => format!("node {}", list[0]),
+        _ => format!("nodes {}", list.join(", ")),
+    }
 }
 
 /// Why a `HOST:PORT` rendezvous address (`--master-addr`) cannot be read.
@@ -152,24 +236,40 @@ impl LaunchError {
     pub fn failed_rank(&self) -> Option<usize> {
         match self {
             LaunchError::RankFailed { rank, .. } => Some(*rank),
+            LaunchError::JobEnded { rank, .. } => *rank,
             _ => None,
         }
     }
 
     /// Whether the request itself was refused, before any rank was started.
     pub fn is_bad_request(&self) -> bool {
-        !matches!(
+        matches!(
             self,
-            LaunchError::Spawn { .. } | LaunchError::RankFailed { .. }
+            LaunchError::NoRanks
+                | LaunchError::NoNodes
+                | LaunchError::NodeRankOutOfRange { .. }
+                | LaunchError::MasterAddr(_)
+                | LaunchError::NeedsMasterAddr
+                | LaunchError::NoFreePort(_)
+                | LaunchError::Secret(_)
+                | LaunchError::NeedsSecret
         )
     }
 }
 
-/// A free UDP port on the loopback interface, for single-node jobs.
+/// A port on the loopback interface free for both UDP (the ranks' rendezvous) and TCP (the
+/// launchers of a job on several nodes).
 pub fn free_local_port() -> std::io::Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    let mut last = None;
+    for _ in 0..32 {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0")?;
+        let port = udp.local_addr()?.port();
+        match std::net::TcpListener::bind(("127.0.0.1", port)) {
+            Ok(_) => return Ok(port),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("tried at least once"))
 }
 
 /// Splits `HOST:PORT` (IPv6 hosts in brackets).
@@ -249,9 +349,228 @@ struct Running {
     status: Option<ExitStatus>,
 }
 
+/// A local rank that failed: the first of its round.
+#[derive(Clone, Debug)]
+pub(crate) struct Failure {
+    pub(crate) rank: usize,
+    pub(crate) pid: u32,
+    pub(crate) status: String,
+}
+
+/// The ranks of this node in one round: started together, watched, stopped together.
+pub(crate) struct LocalRanks {
+    running: Vec<Running>,
+    pumps: Vec<JoinHandle<()>>,
+    failure: Option<Failure>,
+}
+
+impl LocalRanks {
+    /// Starts this node's ranks for restart round `round`.
+    pub(crate) fn start(
+        c: &LaunchConfig,
+        env: &[(OsString, OsString)],
+        round: u32,
+    ) -> Result<LocalRanks, LaunchError> {
+        let world = c.nproc_per_node * c.nnodes;
+        let width = (world.max(1) - 1).to_string().len();
+        let mut ranks = LocalRanks {
+            running: Vec::new(),
+            pumps: Vec::new(),
+            failure: None,
+        };
+        for local in 0..c.nproc_per_node {
+            let rank = c.node_rank * c.nproc_per_node + local;
+            let mut cmd = Command::new(&c.program);
+            cmd.args(&c.args)
+                .envs(env.iter().map(|(k, v)| (k, v)))
+                .env(vars::RANK, rank.to_string())
+                .env(vars::LOCAL_RANK, local.to_string())
+                .env(vars::RESTART_ROUND, round.to_string())
+                .stdin(Stdio::null());
+            if c.prefix_output {
+                cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            }
+            #[cfg(target_os = "linux")]
+            {
+                use std::os::unix::process::CommandExt;
+                // Each rank leads its own process group, so tearing it down reaches whatever it
+                // started; and the kernel kills it if this launcher dies, so no rank outlives
+                // it (a stopped rank would not act on a gentler signal).
+                // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of ours.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        libc::setpgid(0, 0);
+                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        Ok(())
+                    });
+                }
+            }
+            let mut child = match cmd.spawn() {
+                Ok(child) => child,
+                Err(source) => {
+                    ranks.stop(Duration::ZERO);
+                    return Err(LaunchError::Spawn {
+                        rank,
+                        program: c.program.to_string_lossy().into_owned(),
+                        source,
+                    });
+                }
+            };
+            let prefix = format!("[rank {rank:>width$}] ");
+            if let Some(out) = child.stdout.take() {
+                ranks.pumps.push(pump(out, prefix.clone(), false));
+            }
+            if let Some(err) = child.stderr.take() {
+                ranks.pumps.push(pump(err, prefix, true));
+            }
+            ranks.running.push(Running {
+                rank,
+                child,
+                status: None,
+            });
+        }
+        Ok(ranks)
+    }
+
+    /// Reaps the ranks that exited. Returns the round's first failure when it happens now
+    /// (once), and whether every rank has exited.
+    pub(crate) fn poll(&mut self) -> (Option<Failure>, bool) {
+        let mut new = None;
+        for r in self.running.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.status = Some(status);
+                if !status.success() && self.failure.is_none() {
+                    let failure = Failure {
+                        rank: r.rank,
+                        pid: r.child.id(),
+                        status: describe(status),
+                    };
+                    self.failure = Some(failure.clone());
+                    new = Some(failure);
+                }
+            }
+        }
+        (new, self.running.iter().all(|r| r.status.is_some()))
+    }
+
+    /// Every rank exited with success.
+    pub(crate) fn succeeded(&self) -> bool {
+        self.running
+            .iter()
+            .all(|r| r.status.is_some_and(|s| s.success()))
+    }
+
+    /// Stops the round: the ranks still running get `grace` to end by themselves (to notice a
+    /// failure and report it), then SIGTERM (and SIGCONT, for a stopped one), then after 3 s
+    /// SIGKILL. Returns when every rank has exited and its output is copied; says how each rank
+    /// that failed after the first one ended.
+    pub(crate) fn stop(&mut self, grace: Duration) {
+        let since = Instant::now();
+        let mut terminated_at: Option<Instant> = None;
+        loop {
+            let (_, all) = self.poll();
+            if all {
+                break;
+            }
+            match terminated_at {
+                None if since.elapsed() >= grace => {
+                    for r in self.running.iter().filter(|r| r.status.is_none()) {
+                        signal(&r.child, libc::SIGTERM);
+                        signal(&r.child, libc::SIGCONT);
+                    }
+                    terminated_at = Some(Instant::now());
+                }
+                Some(t) if t.elapsed() >= Duration::from_secs(3) => {
+                    for r in self.running.iter().filter(|r| r.status.is_none()) {
+                        signal(&r.child, libc::SIGKILL);
+                    }
+                }
+                _ => {}
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for p in self.pumps.drain(..) {
+            let _ = p.join();
+        }
+        if let Some(first) = &self.failure {
+            for r in &self.running {
+                if r.rank != first.rank
+                    && let Some(s) = r.status
+                    && !s.success()
+                {
+                    eprintln!(
+                        "bonfire launch: rank {} (pid {}) {} after rank {} failed",
+                        r.rank,
+                        r.child.id(),
+                        describe(s),
+                        first.rank
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Runs the rounds of a job that is this node alone: a failed round is restarted while restarts
+/// are left.
+fn run_alone(
+    c: &LaunchConfig,
+    env: &[(OsString, OsString)],
+    grace: Duration,
+    cleanup: &dyn Fn(),
+) -> Result<Launched, LaunchError> {
+    let mut round = 0u32;
+    let mut launched = Launched::default();
+    loop {
+        let mut ranks = LocalRanks::start(c, env, round)?;
+        let failure = loop {
+            let (failure, all) = ranks.poll();
+            if let Some(f) = failure {
+                break f;
+            }
+            if all {
+                ranks.stop(Duration::ZERO);
+                cleanup();
+                return Ok(launched);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let restart = round < c.max_restarts;
+        // A restart stops the survivors at once; the last failure gives them time to report.
+        ranks.stop(if restart { Duration::ZERO } else { grace });
+        cleanup();
+        let Failure { rank, pid, status } = failure;
+        if !restart {
+            return Err(LaunchError::RankFailed {
+                rank,
+                pid,
+                status,
+                restarts: restarts_used(round, c.max_restarts),
+            });
+        }
+        round += 1;
+        launched
+            .restarts
+            .push(format!("rank {rank} (pid {pid}) {status}"));
+        eprintln!(
+            "bonfire launch: rank {rank} (pid {pid}) {status}; restarting the job (restart {round} of {}): its ranks resume from their newest checkpoint",
+            c.max_restarts
+        );
+    }
+}
+
+/// `" (after R of N restarts)"`, or nothing when none were allowed.
+pub(crate) fn restarts_used(used: u32, max: u32) -> String {
+    if max > 0 {
+        format!(" (after {used} of {max} restarts)")
+    } else {
+        String::new()
+    }
+}
+
 /// Runs the job's local ranks to completion. Returns when every local rank exited; the error
 /// names the first rank that failed.
-pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
+pub fn launch(config: &LaunchConfig) -> Result<Launched, LaunchError> {
     let c = config;
     if c.nproc_per_node == 0 {
         return Err(LaunchError::NoRanks);
@@ -290,6 +609,7 @@ pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
     set(vars::WORLD_SIZE, world.to_string());
     set(vars::LOCAL_WORLD_SIZE, c.nproc_per_node.to_string());
     set(vars::GROUP_RANK, c.node_rank.to_string());
+    let host_for_control = host.clone();
     set(vars::MASTER_ADDR, host);
     set(vars::MASTER_PORT, port.to_string());
     if c.nnodes == 1 && std::env::var_os(vars::BIND_ADDR).is_none() {
@@ -325,163 +645,17 @@ pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
     // Time the surviving ranks get to notice a failure and report it themselves.
     let grace = c.peer_timeout.unwrap_or(Duration::from_secs(6)) + Duration::from_secs(4);
 
-    let mut round = 0u32;
-    loop {
-        let outcome = run_round(c, &env, round, grace);
+    let cleanup = || {
         shm::remove_segments(&shm_dir, &shm_tag);
-        match outcome {
-            Ok(()) => return Ok(()),
-            Err(LaunchError::RankFailed {
-                rank, pid, status, ..
-            }) if round < c.max_restarts => {
-                round += 1;
-                eprintln!(
-                    "bonfire launch: rank {rank} (pid {pid}) {status}; restarting the local ranks (restart {round} of {})",
-                    c.max_restarts
-                );
-            }
-            Err(LaunchError::RankFailed {
-                rank, pid, status, ..
-            }) => {
-                let restarts = if c.max_restarts > 0 {
-                    format!(" (after {round} of {} restarts)", c.max_restarts)
-                } else {
-                    String::new()
-                };
-                return Err(LaunchError::RankFailed {
-                    rank,
-                    pid,
-                    status,
-                    restarts,
-                });
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-fn run_round(
-    c: &LaunchConfig,
-    env: &[(OsString, OsString)],
-    round: u32,
-    grace: Duration,
-) -> Result<(), LaunchError> {
-    let world = c.nproc_per_node * c.nnodes;
-    let width = (world.max(1) - 1).to_string().len();
-    let mut running: Vec<Running> = Vec::new();
-    let mut pumps = Vec::new();
-    for local in 0..c.nproc_per_node {
-        let rank = c.node_rank * c.nproc_per_node + local;
-        let mut cmd = Command::new(&c.program);
-        cmd.args(&c.args)
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env(vars::RANK, rank.to_string())
-            .env(vars::LOCAL_RANK, local.to_string())
-            .env(vars::RESTART_ROUND, round.to_string())
-            .stdin(Stdio::null());
-        if c.prefix_output {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        #[cfg(target_os = "linux")]
-        {
-            use std::os::unix::process::CommandExt;
-            // Each rank leads its own process group, so tearing it down reaches whatever it
-            // started; and the kernel signals it if this launcher dies, so no rank outlives it.
-            // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of ours.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::setpgid(0, 0);
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                    Ok(())
-                });
-            }
-        }
-        let mut child = match cmd.spawn() {
-            Ok(child) => child,
-            Err(source) => {
-                for r in &running {
-                    signal(&r.child, libc::SIGKILL);
-                }
-                return Err(LaunchError::Spawn {
-                    rank,
-                    program: c.program.to_string_lossy().into_owned(),
-                    source,
-                });
-            }
+    };
+    if c.nnodes > 1 {
+        let secret = match &c.secret_file {
+            Some(path) => Secret::from_file(path)?,
+            None => crate::control::secret_from_env()?,
         };
-        let prefix = format!("[rank {rank:>width$}] ");
-        if let Some(out) = child.stdout.take() {
-            pumps.push(pump(out, prefix.clone(), false));
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(pump(err, prefix, true));
-        }
-        running.push(Running {
-            rank,
-            child,
-            status: None,
-        });
+        return crate::control::run(c, &env, (&host_for_control, port), secret, grace, &cleanup);
     }
-
-    let mut first_failure: Option<(usize, u32, String, Instant)> = None;
-    let mut terminated_at: Option<Instant> = None;
-    loop {
-        for r in running.iter_mut().filter(|r| r.status.is_none()) {
-            if let Ok(Some(status)) = r.child.try_wait() {
-                r.status = Some(status);
-                if !status.success() && first_failure.is_none() {
-                    first_failure = Some((r.rank, r.child.id(), describe(status), Instant::now()));
-                }
-            }
-        }
-        if running.iter().all(|r| r.status.is_some()) {
-            break;
-        }
-        if let Some((_, _, _, at)) = &first_failure {
-            match terminated_at {
-                None if at.elapsed() >= grace => {
-                    for r in running.iter().filter(|r| r.status.is_none()) {
-                        signal(&r.child, libc::SIGTERM);
-                    }
-                    terminated_at = Some(Instant::now());
-                }
-                Some(t) if t.elapsed() >= Duration::from_secs(3) => {
-                    for r in running.iter().filter(|r| r.status.is_none()) {
-                        signal(&r.child, libc::SIGKILL);
-                    }
-                }
-                _ => {}
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for p in pumps {
-        let _ = p.join();
-    }
-    match first_failure {
-        None => Ok(()),
-        Some((rank, pid, status, _)) => {
-            for r in &running {
-                if r.rank != rank
-                    && let Some(s) = r.status
-                    && !s.success()
-                {
-                    eprintln!(
-                        "bonfire launch: rank {} (pid {}) {} after rank {rank} failed",
-                        r.rank,
-                        r.child.id(),
-                        describe(s)
-                    );
-                }
-            }
-            Err(LaunchError::RankFailed {
-                rank,
-                pid,
-                status,
-                restarts: String::new(),
-            })
-        }
-    }
+    run_alone(c, &env, grace, &cleanup)
 }
 
 #[cfg(test)]

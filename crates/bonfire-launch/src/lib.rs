@@ -2,10 +2,12 @@
 //! or a single rank) and the launcher that starts a node's ranks ([`launch`], behind
 //! `bonfire launch`).
 
+mod control;
 pub mod env;
 mod launcher;
 
 pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
 pub use launcher::{
-    AddrError, LaunchConfig, LaunchError, free_local_port, launch, split_host_port,
+    AddrError, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port, launch,
+    split_host_port,
 };

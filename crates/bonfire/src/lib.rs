@@ -47,7 +47,10 @@
 //!
 //! With default features off, bonfire builds without wgpu, the data sets and the models.
 
+pub mod checkpoint;
 mod world;
+
+pub use checkpoint::{CheckpointError, Resume, resume_or_start, save_checkpoint};
 
 pub use world::{InitError, World, init, init_from, init_with, init_with_transport};
 
@@ -108,7 +111,7 @@ pub mod kernels {
 /// How jobs start: the job environment and the launcher behind `bonfire launch`.
 pub mod launch {
     pub use bonfire_launch::{
-        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, SecretSource, env, launch,
+        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, SecretSource, env, launch,
     };
 }
 
@@ -155,4 +158,6 @@ pub mod book {
     pub struct TensorParallel;
     #[doc = include_str!("../../../book/src/hybrid.md")]
     pub struct Hybrid;
+    #[doc = include_str!("../../../book/src/failures.md")]
+    pub struct Failures;
 }

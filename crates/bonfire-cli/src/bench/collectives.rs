@@ -289,7 +289,8 @@ fn launch_self(args: &Args) -> Result<(), CliError> {
     }
     // The table comes from rank 0 alone, so it reads as the in-process one does.
     config.prefix_output = false;
-    Ok(bonfire::launch::launch(&config)?)
+    bonfire::launch::launch(&config)?;
+    Ok(())
 }
 
 fn transport_name(t: TransportKind) -> &'static str {

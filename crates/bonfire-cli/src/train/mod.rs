@@ -82,6 +82,10 @@ pub(crate) struct VisionArgs {
     /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/vision-N)
     #[arg(long)]
     resume: bool,
+    /// Times to restart the run after a rank fails: every rank is started again and resumes
+    /// from the newest checkpoint every rank can read [default: 0]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    max_restarts: Option<u32>,
     /// flex, ndarray, wgpu or cuda [default: flex]
     #[arg(long)]
     backend: Option<String>,
@@ -130,6 +134,7 @@ impl VisionArgs {
             epochs: self.epochs.map(|e| e as usize),
             checkpoint_dir: self.checkpoint_dir.clone(),
             keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
+            max_restarts: self.max_restarts.unwrap_or(0),
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),

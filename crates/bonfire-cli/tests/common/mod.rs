@@ -75,3 +75,49 @@ pub(crate) fn kill_after_first_checkpoint(run: &mut Command, dir: &Path) -> Stri
         .trim()
         .to_string()
 }
+
+/// The process id of rank `rank` among the children of process `parent` (the ranks the parent
+/// started under the launcher), if it is running.
+pub(crate) fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    let children =
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|&b| b == 0)
+                    .any(|kv| kv == format!("RANK={rank}").as_bytes())
+            })
+        })
+}
+
+/// Starts `run` (writing its checkpoints to `dir`), and once its first checkpoint is there
+/// kills its rank `rank` with SIGKILL (the run's parent and the other ranks live on); returns
+/// the run's output when it ends.
+pub(crate) fn kill_a_rank_after_first_checkpoint(
+    run: &mut Command,
+    dir: &Path,
+    rank: usize,
+) -> Output {
+    let child = run
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !dir.join("latest").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint after 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(child.id(), rank).expect("the rank is running");
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    child.wait_with_output().unwrap()
+}

@@ -281,6 +281,10 @@ pub struct EvalRecord {
     pub sample: String,
     /// SHA-256 of the parameters after the round.
     pub param_digest: String,
+    /// Every rank's time in the round's steps, by rank (empty in checkpoints written before
+    /// ranks were timed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<crate::stragglers::RankTimes>,
 }
 
 /// A GPT run's state, as its checkpoints hold it.

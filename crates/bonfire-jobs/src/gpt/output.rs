@@ -128,6 +128,9 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
             tp.fallback_total(),
         ));
     }
+    lines.extend(crate::stragglers::report_line(
+        state.history.iter().map(|r| (r.eval, r.ranks.as_slice())),
+    ));
     lines.push(checkpoints_line(&report.checkpoint_dir, last.eval, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));
     lines

@@ -33,6 +33,7 @@ use crate::data::{mix64, param_digest};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
+use crate::stragglers::{EpochTimer, RankTimes};
 
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT.
@@ -146,6 +147,7 @@ fn run_on<A: AutodiffBackend>(
         let trained;
         (model, trained) = train_round(ctx, model, &mut optim, &train, &shard, round, &device)?;
         let train_secs = t0.elapsed().as_secs_f64();
+        let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.tokens * replicas;
         throughput.seconds += train_secs;
         // The ranks of a tensor-parallel group count the same batches: the sums over all
@@ -173,9 +175,11 @@ fn run_on<A: AutodiffBackend>(
             curve: trained.curve,
             sample,
             param_digest: param_digest(&model),
+            ranks,
         });
         state.epochs_done = round + 1;
         record_round(ctx, &state, &model, &optim)?;
+        ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
     let report = GptReport {
@@ -241,6 +245,7 @@ struct Trained {
     tokens: usize,
     last_step: usize,
     curve: Vec<(f64, f64)>,
+    times: RankTimes,
 }
 
 /// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
@@ -295,6 +300,7 @@ fn train_round<A: AutodiffBackend>(
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
     let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
     let mut curve = Vec::new();
+    let mut timer = EpochTimer::start();
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
         for micro in 0..c.grad_accum {
@@ -303,6 +309,7 @@ fn train_round<A: AutodiffBackend>(
                 shard.position(k as usize)
             });
             let (x, y) = batch::<A>(train, rows, device);
+            timer.input_done();
             let loss = model.loss(x, y);
             let l: f64 = loss.clone().into_scalar().elem();
             let loss = loss / c.grad_accum as f32;
@@ -312,6 +319,7 @@ fn train_round<A: AutodiffBackend>(
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(lr, model, grads);
             }
+            timer.step_done();
             loss_sum += l;
             batches += 1;
             tokens += c.batch * c.context;
@@ -335,6 +343,7 @@ fn train_round<A: AutodiffBackend>(
                 rate: (tokens * replicas) as f64 / elapsed.as_secs_f64(),
                 unit: "chars",
                 elapsed,
+                straggler: ctx.straggler(),
             });
         }
     }
@@ -344,6 +353,7 @@ fn train_round<A: AutodiffBackend>(
         tokens,
         last_step: end,
         curve,
+        times: timer.times(),
     };
     Ok((model, trained))
 }

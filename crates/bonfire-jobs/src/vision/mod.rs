@@ -37,6 +37,7 @@ use crate::error::positive;
 use crate::job::{Job, JobConfig, JobState};
 use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
+use crate::stragglers::RankTimes;
 use crate::{Clash, Finished, JobError, RunOptions, Runner};
 
 /// The vision job, for [`Runner`].
@@ -188,6 +189,10 @@ pub struct EpochRecord {
     pub curve: Vec<(f64, f64)>,
     /// SHA-256 of the parameters after the epoch (see the report's `weights digest`).
     pub param_digest: String,
+    /// Every rank's time in the epoch's steps, by rank (empty in checkpoints written before
+    /// ranks were timed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankTimes>,
 }
 
 /// A vision run's state, as its checkpoints hold it.

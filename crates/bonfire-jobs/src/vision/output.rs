@@ -85,6 +85,9 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.seconds,
         report.throughput.ranks,
     ));
+    lines.extend(crate::stragglers::report_line(
+        state.history.iter().map(|r| (r.epoch, r.ranks.as_slice())),
+    ));
     lines.push(checkpoints_line(&report.checkpoint_dir, last.epoch, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));
     lines

@@ -22,6 +22,7 @@ use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::settings::Settings;
+use crate::stragglers::{EpochTimer, RankTimes};
 
 use super::VisionConfig;
 
@@ -62,6 +63,7 @@ pub(super) fn run<B: Backend>(
         let trained;
         (model, trained) = train_epoch(ctx, model, &mut optim, &train, epoch, &device)?;
         let train_secs = t0.elapsed().as_secs_f64();
+        let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.seen as usize * size;
         throughput.seconds += train_secs;
         let totals = ctx.sum(
@@ -85,9 +87,11 @@ pub(super) fn run<B: Backend>(
             seconds: t0.elapsed().as_secs_f64(),
             curve: trained.curve,
             param_digest: param_digest(&model),
+            ranks,
         });
         state.epochs_done = epoch + 1;
         record_epoch(ctx, &state, &model, &optim)?;
+        ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
     let report = VisionReport {
@@ -171,6 +175,7 @@ struct Trained {
     correct: u64,
     seen: u64,
     curve: Vec<(f64, f64)>,
+    times: RankTimes,
 }
 
 /// Trains one epoch on this rank's shard, in the epoch's order for this rank.
@@ -192,14 +197,17 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
     let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0u64, 0u64);
     let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
     let mut curve = Vec::new();
+    let mut timer = EpochTimer::start();
     for (i, idx) in order.chunks(c.batch).enumerate() {
         let (x, y) = train.batch::<A<B>>(idx, device);
+        timer.input_done();
         let logits = model.forward(x);
         let hits = hits(logits.clone().detach(), y.clone());
         let loss = loss_fn.forward(logits, y);
         let l: f64 = loss.clone().into_scalar().elem();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads);
+        timer.step_done();
         loss_sum += l * idx.len() as f64;
         correct += hits as u64;
         seen += idx.len() as u64;
@@ -225,6 +233,7 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
                 rate: (seen as usize * size) as f64 / elapsed.as_secs_f64(),
                 unit: "images",
                 elapsed,
+                straggler: ctx.straggler(),
             });
         }
     }
@@ -233,6 +242,7 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         correct,
         seen,
         curve,
+        times: timer.times(),
     };
     Ok((model, trained))
 }

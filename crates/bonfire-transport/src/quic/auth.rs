@@ -100,16 +100,18 @@ impl Secret {
         String::from_utf8_lossy(&self.0).into_owned()
     }
 
-    /// `HMAC-SHA256(secret, role || exporter)`.
-    pub(crate) fn proof(&self, role: &[u8], exporter: &[u8]) -> [u8; PROOF_LEN] {
+    /// `HMAC-SHA256(secret, role || exporter)`: proof that the sender holds the secret, bound to
+    /// `role` (who proves) and `exporter` (material unique to one session, so that a recorded
+    /// proof cannot be replayed in another).
+    pub fn proof(&self, role: &[u8], exporter: &[u8]) -> [u8; PROOF_LEN] {
         let mut mac = self.mac();
         mac.update(role);
         mac.update(exporter);
         mac.finalize().into_bytes().into()
     }
 
-    /// Checks a proof in constant time.
-    pub(crate) fn verify(&self, role: &[u8], exporter: &[u8], proof: &[u8]) -> bool {
+    /// Checks a [`proof`](Secret::proof) in constant time.
+    pub fn verify(&self, role: &[u8], exporter: &[u8], proof: &[u8]) -> bool {
         let mut mac = self.mac();
         mac.update(role);
         mac.update(exporter);

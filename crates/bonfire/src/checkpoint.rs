@@ -1,0 +1,346 @@
+//! Checkpoints for your own training loop that survive restarts: [`save_checkpoint`] on every
+//! rank after an epoch (rank 0 writes), [`resume_or_start`] on every rank at the start.
+//!
+//! A checkpoint is a directory `ROOT/epoch-N` holding whatever files your closure writes (Burn
+//! records, say) and a `SHA256SUMS` of them, in the format `sha256sum -c` reads. It is written in
+//! a temporary directory and renamed into place, and `ROOT/latest` names the newest one, so a
+//! rank killed while writing leaves the previous checkpoint as the newest. On the way back every
+//! rank checks the sums of the checkpoints it sees, and the ranks agree on the newest one that
+//! every rank can read: the one [`resume_or_start`] returns.
+//!
+//! Under `bonfire launch --max-restarts N`, a failure starts every rank again; a program that
+//! calls [`resume_or_start`] first continues from the newest checkpoint instead of from scratch.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use sha2::Digest;
+
+use bonfire_collectives::{CollectiveError, Communicator};
+
+/// The file naming the newest checkpoint under a root.
+pub const LATEST: &str = "latest";
+/// The checksum file in each checkpoint.
+pub const SUMS: &str = "SHA256SUMS";
+
+/// Why a checkpoint could not be written or agreed on.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Your closure failed to write the checkpoint's files.
+    #[error("writing checkpoint {dir}: {source}")]
+    Write {
+        /// The temporary directory it wrote into.
+        dir: PathBuf,
+        /// Your closure's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The ranks could not agree (a collective failed; the message names the ranks).
+    #[error("agreeing on the checkpoint to resume from: {0}")]
+    Agree(#[from] CollectiveError),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The checkpoint every rank resumes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resume {
+    /// The epoch it was saved after: start the loop at this epoch.
+    pub epoch: usize,
+    /// Its directory: read your files from here.
+    pub dir: PathBuf,
+    /// Newer checkpoints passed over on this rank, and why (a failed checksum, a file missing).
+    pub skipped: Vec<String>,
+}
+
+/// The SHA-256 of `bytes`, in hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The `SHA256SUMS` text of `files` (name and contents), sorted by name.
+pub fn sums_text<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
+    let mut lines: Vec<String> = files
+        .into_iter()
+        .map(|(name, bytes)| format!("{}  {name}\n", sha256_hex(bytes)))
+        .collect();
+    lines.sort_by(|a, b| a[66..].cmp(&b[66..]));
+    lines.concat()
+}
+
+/// The hash `sums` records for file `name`, if it has a line for it.
+pub fn recorded_sum<'a>(sums: &'a str, name: &str) -> Option<&'a str> {
+    sums.lines()
+        .find_map(|l| l.strip_suffix(name)?.strip_suffix("  "))
+}
+
+/// Writes `bytes` to `path` and flushes them to the disk.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut f = fs::File::create(path).map_err(io(path))?;
+    f.write_all(bytes).map_err(io(path))?;
+    f.sync_all().map_err(io(path))
+}
+
+/// On every rank of `comm` (the job's: `world.comm()`), after epoch `epoch` (from 1): rank 0 runs `write` with a fresh directory to
+/// write the checkpoint's files into, adds their checksums and moves it into place as
+/// `root/epoch-<epoch>`; the other ranks do nothing. Returns the checkpoint's directory on rank
+/// 0, `None` elsewhere.
+pub fn save_checkpoint<E>(
+    comm: &Communicator,
+    root: impl AsRef<Path>,
+    epoch: usize,
+    write: impl FnOnce(&Path) -> Result<(), E>,
+) -> Result<Option<PathBuf>, CheckpointError>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    let root = root.as_ref();
+    fs::create_dir_all(root).map_err(io(root))?;
+    let name = format!("epoch-{epoch}");
+    let tmp = root.join(format!(".{name}.tmp"));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    write(&tmp).map_err(|e| CheckpointError::Write {
+        dir: tmp.clone(),
+        source: e.into(),
+    })?;
+    let mut files = Vec::new();
+    for entry in fs::read_dir(&tmp).map_err(io(&tmp))? {
+        let path = entry.map_err(io(&tmp))?.path();
+        if path.is_file() {
+            let bytes = fs::read(&path).map_err(io(&path))?;
+            let name = path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            files.push((name, bytes));
+        }
+    }
+    let sums = sums_text(files.iter().map(|(n, b)| (n.as_str(), b.as_slice())));
+    write_synced(&tmp.join(SUMS), sums.as_bytes())?;
+    let dir = root.join(&name);
+    let _ = fs::remove_dir_all(&dir);
+    fs::rename(&tmp, &dir).map_err(io(&dir))?;
+    let latest_tmp = root.join(".latest.tmp");
+    write_synced(&latest_tmp, name.as_bytes())?;
+    fs::rename(&latest_tmp, root.join(LATEST)).map_err(io(root))?;
+    Ok(Some(dir))
+}
+
+/// Checks every file `SHA256SUMS` in `dir` lists (at least one); the error says what is wrong.
+fn check(dir: &Path) -> Result<(), String> {
+    let sums = fs::read_to_string(dir.join(SUMS)).map_err(|e| format!("{SUMS}: {e}"))?;
+    let mut checked = 0;
+    for line in sums.lines().filter(|l| !l.trim().is_empty()) {
+        let (recorded, name) = line
+            .split_once("  ")
+            .ok_or_else(|| format!("{SUMS} has a malformed line: {line:?}"))?;
+        if name.contains('/') || name.contains("..") {
+            return Err(format!(
+                "{SUMS} names a file outside the checkpoint: {name:?}"
+            ));
+        }
+        let bytes = fs::read(dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
+        let found = sha256_hex(&bytes);
+        if found != recorded {
+            return Err(format!(
+                "{name} does not match its checksum ({} bytes, SHA-256 {}..., recorded {}...)",
+                bytes.len(),
+                &found[..12],
+                recorded.get(..12).unwrap_or(recorded)
+            ));
+        }
+        checked += 1;
+    }
+    if checked == 0 {
+        return Err(format!("{SUMS} lists no file"));
+    }
+    Ok(())
+}
+
+/// The checkpoints under `root`, newest first: `(epoch, dir)`.
+fn epochs(root: &Path) -> Vec<(usize, PathBuf)> {
+    let mut found: Vec<(usize, PathBuf)> = fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let n = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("epoch-")?
+                .parse()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+    found
+}
+
+/// This rank's newest checkpoint under `root` that passes its check, of at most `at_most`
+/// epochs, with the newer ones passed over and why.
+fn newest_usable(root: &Path, at_most: usize) -> (Option<(usize, PathBuf)>, Vec<String>) {
+    let mut skipped = Vec::new();
+    for (n, dir) in epochs(root).into_iter().filter(|(n, _)| *n <= at_most) {
+        match check(&dir) {
+            Ok(()) => return (Some((n, dir)), skipped),
+            Err(why) => skipped.push(format!("epoch-{n}: {why}")),
+        }
+    }
+    (None, skipped)
+}
+
+/// On every rank of `comm` (the job's: `world.comm()`), before training: the newest checkpoint
+/// under `root` that every rank can read
+/// (its checksums pass on every rank), or `None` when some rank has none, and the run starts
+/// from scratch. Every rank gets the same answer.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let world = bonfire::init()?;
+/// let first_epoch = match bonfire::resume_or_start(world.comm(), "checkpoints")? {
+///     Some(resume) => {
+///         // model = model.load_file(resume.dir.join("model"), &recorder, &device)?; ...
+///         resume.epoch
+///     }
+///     None => 0,
+/// };
+/// for epoch in first_epoch..10 {
+///     // ...train one epoch...
+///     bonfire::save_checkpoint(world.comm(), "checkpoints", epoch + 1, |dir| {
+///         std::fs::write(dir.join("notes.txt"), format!("epoch {}", epoch + 1))
+///         // model.clone().save_file(dir.join("model"), &recorder)
+///     })?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub fn resume_or_start(
+    comm: &Communicator,
+    root: impl AsRef<Path>,
+) -> Result<Option<Resume>, CheckpointError> {
+    let root = root.as_ref();
+    let (mine, skipped) = newest_usable(root, usize::MAX);
+    let claim = mine.as_ref().map_or(-1, |(n, _)| *n as i64);
+    let all = comm.all_gather(vec![claim]).wait()?;
+    let agreed = all.iter().copied().min().unwrap_or(-1);
+    if agreed < 0 {
+        return Ok(None);
+    }
+    let (found, more) = if agreed == claim {
+        (mine, Vec::new())
+    } else {
+        newest_usable(root, agreed as usize)
+    };
+    let skipped = skipped.into_iter().chain(more).collect();
+    // Every rank saw `agreed` pass its check (it is the newest usable one of some rank, and at
+    // most every rank's newest usable one), so this rank finds it too unless it changed since.
+    match found {
+        Some((n, dir)) if n == agreed as usize => Ok(Some(Resume {
+            epoch: n,
+            dir,
+            skipped,
+        })),
+        _ => Err(CheckpointError::Io {
+            path: root.join(format!("epoch-{agreed}")),
+            source: std::io::Error::other(
+                "the checkpoint every rank agreed on no longer passes its check on this rank",
+            ),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bonfire_collectives::CommConfig;
+
+    fn worlds(n: usize) -> Vec<Communicator> {
+        Communicator::in_process(n, CommConfig::default())
+    }
+
+    #[test]
+    fn saved_checkpoints_are_found_again_and_damaged_ones_passed_over() {
+        let root = std::env::temp_dir().join(format!("bonfire-resume-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let world = worlds(1).pop().unwrap();
+        assert_eq!(resume_or_start(&world, &root).unwrap(), None);
+        for epoch in 1..=3 {
+            let dir = save_checkpoint(&world, &root, epoch, |d| {
+                fs::write(d.join("model.bin"), vec![epoch as u8; 100])
+            })
+            .unwrap()
+            .unwrap();
+            assert_eq!(dir, root.join(format!("epoch-{epoch}")));
+        }
+        let r = resume_or_start(&world, &root).unwrap().unwrap();
+        assert_eq!((r.epoch, r.dir.clone()), (3, root.join("epoch-3")));
+        assert!(r.skipped.is_empty());
+        // One byte changed in the newest: the one before is used, and the reason given.
+        fs::write(root.join("epoch-3/model.bin"), vec![9u8; 100]).unwrap();
+        let r = resume_or_start(&world, &root).unwrap().unwrap();
+        assert_eq!(r.epoch, 2);
+        assert!(
+            r.skipped[0].starts_with("epoch-3: model.bin does not match its checksum"),
+            "{:?}",
+            r.skipped
+        );
+        // A half-written one (no sums) is passed over too.
+        fs::remove_file(root.join("epoch-2").join(SUMS)).unwrap();
+        let r = resume_or_start(&world, &root).unwrap().unwrap();
+        assert_eq!(r.epoch, 1);
+        let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn ranks_agree_on_the_newest_checkpoint_every_rank_can_read() {
+        let base = std::env::temp_dir().join(format!("bonfire-agree-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        // Rank 1 sees its own copy of the directory, where epoch 3 is damaged.
+        let handles: Vec<_> = worlds(2)
+            .into_iter()
+            .enumerate()
+            .map(|(r, world)| {
+                let root = base.join(format!("rank-{r}"));
+                std::thread::spawn(move || {
+                    let single = worlds(1).pop().unwrap();
+                    for epoch in 1..=3 {
+                        save_checkpoint(&single, &root, epoch, |d| {
+                            fs::write(d.join("w"), [epoch as u8])
+                        })
+                        .unwrap();
+                    }
+                    if r == 1 {
+                        fs::write(root.join("epoch-3/w"), [0u8]).unwrap();
+                    }
+                    resume_or_start(&world, &root).unwrap().map(|x| x.epoch)
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), Some(2));
+        }
+        let _ = fs::remove_dir_all(&base);
+    }
+}

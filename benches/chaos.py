@@ -21,7 +21,8 @@ reference run's (the same job under the same launcher, with nothing injected). R
 trial and in all: restarts, recovery time (the failure to the first training step after the
 restart, from the step notes rank 0 keeps in the run directory), steps trained again.
 
-Usage: benches/chaos.py [--trials 20] [--seed 1] [--nodes 1|2] [--bonfire PATH] [--out DIR]
+Usage: benches/chaos.py [--trials 20] [--seed 1] [--nodes 1|2] [--kinds kill,...] [--bonfire PATH]
+                        [--out DIR]
 Writes DIR/summary.json and prints a table.
 """
 
@@ -50,6 +51,8 @@ def parse_args():
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--train-limit", type=int, default=1536)
     p.add_argument("--timeout", type=float, default=900, help="seconds a trial may take")
+    p.add_argument("--kinds", default=None,
+                   help="comma-separated kinds to draw from (default: all of the layout's)")
     return p.parse_args()
 
 
@@ -267,6 +270,12 @@ def main():
     print(f"reference: {duration:.1f} s, digest {reference[:16]}..., seed {args.seed}, {args.nodes} node(s)")
     rng = random.Random(args.seed)
     kinds = ["kill", "checkpoint", "stall"] + (["launcher"] if args.nodes == 2 else [])
+    if args.kinds:
+        asked = args.kinds.split(",")
+        unknown = [k for k in asked if k not in kinds]
+        if unknown:
+            sys.exit(f"--kinds: {unknown} not among {kinds}")
+        kinds = asked
     results = []
     for i in range(args.trials):
         kind = rng.choice(kinds)

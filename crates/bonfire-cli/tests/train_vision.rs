@@ -157,7 +157,11 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     // Every rank's times are recorded per epoch (the straggler report's input).
     let ranks = a["history"][0]["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2, "{ranks:?}");
-    assert!(ranks.iter().all(|r| f(&r["compute"]) > 0.0 && f(&r["input"]) >= 0.0));
+    assert!(
+        ranks
+            .iter()
+            .all(|r| f(&r["compute"]) > 0.0 && f(&r["input"]) >= 0.0)
+    );
     let c = state(&restarted, 3);
     for e in 0..3 {
         let (ra, rc) = (&a["history"][e], &c["history"][e]);

@@ -239,7 +239,15 @@ struct Session {
 }
 
 impl Session {
-    fn new(stream: TcpStream, secret: &Secret, session: Vec<u8>, leader: bool) -> Session {
+    /// The session on `stream`, read through `reader` (the handshake's: it may already hold
+    /// the first lines that followed the handshake).
+    fn new(
+        stream: TcpStream,
+        reader: BufReader<TcpStream>,
+        secret: &Secret,
+        session: Vec<u8>,
+        leader: bool,
+    ) -> Session {
         let (mine, theirs) = if leader {
             (ROLE_LEADER, ROLE_MEMBER)
         } else {
@@ -251,10 +259,8 @@ impl Session {
             role,
             seq: 0,
         };
-        let read = stream
-            .try_clone()
-            .expect("a connected socket can be cloned");
-        let _ = read.set_read_timeout(Some(SILENCE));
+        // The reader's socket is the same one: its timeout is the stream's.
+        let _ = stream.set_read_timeout(Some(SILENCE));
         let _ = stream.set_write_timeout(Some(HANDSHAKE));
         Session {
             writer: Arc::new(Mutex::new(Writer {
@@ -262,7 +268,7 @@ impl Session {
                 seal: seal(mine),
             })),
             reader: Reader {
-                reader: BufReader::new(read),
+                reader,
                 seal: seal(theirs),
             },
             alive: Arc::new(AtomicBool::new(true)),
@@ -426,7 +432,7 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
         nproc,
         last_round,
     };
-    Ok((joined, Session::new(stream, secret, session, true)))
+    Ok((joined, Session::new(stream, reader, secret, session, true)))
 }
 
 /// Why a member could not join.
@@ -488,7 +494,7 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
                     "it does not hold this job's secret (is another job using this port?)".into(),
                 ));
             }
-            Ok(Session::new(stream, secret, session, false))
+            Ok(Session::new(stream, reader, secret, session, false))
         }
         Msg::Refuse { why } => Err(JoinFailure::Refused(why)),
         other => Err(JoinFailure::Refused(format!(
@@ -693,13 +699,13 @@ impl<'a> Leader<'a> {
                 "it was started with --nproc-per-node {}, node 0 with {} (every node starts the same number of ranks)",
                 join.nproc, c.nproc_per_node
             ))
-        } else if let Some(n) = &self.nodes[join.node] {
-            Some(format!(
-                "node {} is already in the job (joined from {})",
-                join.node, n.peer
-            ))
         } else {
-            None
+            self.nodes[join.node].as_ref().map(|n| {
+                format!(
+                    "node {} is already in the job (joined from {})",
+                    join.node, n.peer
+                )
+            })
         };
         if let Some(why) = refusal {
             eprintln!("bonfire launch: refused the launcher at {peer}: {why}");
@@ -1315,6 +1321,63 @@ mod tests {
             assert!(dir.join(format!("rank-{rank}")).exists());
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A leader that sends its welcome and its first sealed line in one write: the member's
+    /// session must still read that line (the handshake's buffer is handed on, not dropped).
+    #[test]
+    fn a_line_right_behind_the_welcome_is_not_lost() {
+        let secret = Secret::new(SECRET.as_bytes()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let leader_secret = secret.clone();
+        let leader = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let nonce = [3u8; 32];
+            write_plain(
+                &mut s,
+                &Msg::Challenge {
+                    protocol: PROTOCOL,
+                    nonce: hex(&nonce),
+                },
+            )
+            .unwrap();
+            let Msg::Join { nonce: theirs, .. } = parse(&read_line(&mut r).unwrap()).unwrap()
+            else {
+                panic!("no join")
+            };
+            let session = [nonce.to_vec(), unhex(&theirs).unwrap()].concat();
+            let mut both = serde_json::to_vec(&Msg::Welcome {
+                proof: hex(&leader_secret.proof(ROLE_LEADER, &session)),
+            })
+            .unwrap();
+            both.push(b'\n');
+            let mut seal = Seal {
+                secret: leader_secret.clone(),
+                session,
+                role: ROLE_LEADER,
+                seq: 0,
+            };
+            let json = serde_json::to_vec(&Msg::Start { round: 4 }).unwrap();
+            both.extend_from_slice(seal.seal(&json).as_bytes());
+            both.push(b' ');
+            both.extend_from_slice(&json);
+            both.push(b'\n');
+            s.write_all(&both).unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let me = Joined {
+            node: 1,
+            nnodes: 2,
+            nproc: 1,
+            last_round: None,
+        };
+        let Ok(mut session) = join(addr, &secret, me) else {
+            panic!("the handshake failed")
+        };
+        assert_eq!(session.reader.recv(), Ok(Msg::Start { round: 4 }));
+        leader.join().unwrap();
     }
 
     #[test]

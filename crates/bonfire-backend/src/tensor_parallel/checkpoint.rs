@@ -85,7 +85,41 @@ struct ShardFile {
     entries: Vec<Entry>,
 }
 
-const MAGIC: &str = "bonfire tensor-parallel shards v1";
+const MAGIC: &str = "bonfire tensor-parallel shards v2";
+/// Files of this version carry no checksum; they load unchecked.
+const MAGIC_V1: &str = "bonfire tensor-parallel shards v1";
+/// Bytes of the SHA-256 that ends a file.
+const SUM_LEN: usize = 32;
+
+fn sha256(bytes: &[u8]) -> [u8; SUM_LEN] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// The shard file in `bytes`: its SHA-256 (the last 32 bytes) checked, or a file of the first
+/// version, which has none.
+fn decode(path: &Path, bytes: &[u8]) -> Result<ShardFile, CheckpointError> {
+    let format = |reason: String| CheckpointError::Format {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if let Some((body, sum)) = bytes.split_last_chunk::<SUM_LEN>()
+        && sha256(body) == *sum
+    {
+        let file: ShardFile = postcard::from_bytes(body).map_err(|e| format(e.to_string()))?;
+        return match file.magic.as_str() {
+            MAGIC => Ok(file),
+            other => Err(format(format!("it starts with {other:?}"))),
+        };
+    }
+    match postcard::from_bytes::<ShardFile>(bytes) {
+        Ok(file) if file.magic == MAGIC_V1 => Ok(file),
+        _ => Err(format(format!(
+            "it does not match its checksum ({} bytes: changed or cut short since it was written)",
+            bytes.len()
+        ))),
+    }
+}
 
 /// The file rank `rank` of `ranks` writes in `dir`.
 pub fn shard_file(dir: &Path, rank: usize, ranks: usize) -> PathBuf {
@@ -165,7 +199,13 @@ where
     };
     std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = path.with_extension("bin.tmp");
-    std::fs::write(&tmp, &bytes).map_err(io)?;
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&bytes).map_err(io)?;
+        f.write_all(&sha256(&bytes)).map_err(io)?;
+        f.sync_all().map_err(io)?;
+    }
     std::fs::rename(&tmp, &path).map_err(io)?;
     Ok(path)
 }
@@ -184,16 +224,7 @@ where
         path: path.clone(),
         source,
     })?;
-    let file: ShardFile = postcard::from_bytes(&bytes).map_err(|e| CheckpointError::Format {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    if file.magic != MAGIC {
-        return Err(CheckpointError::Format {
-            path,
-            reason: format!("it starts with {:?}", file.magic),
-        });
-    }
+    let file = decode(&path, &bytes)?;
     if (file.rank, file.ranks) != (rank, ranks) {
         return Err(CheckpointError::OtherGroup {
             path,

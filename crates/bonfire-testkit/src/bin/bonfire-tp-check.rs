@@ -60,6 +60,29 @@ where
     if d != 0.0 {
         return Err(format!("the reloaded shards differ by {d}"));
     }
+    // One byte changed on disk: the shard fails its checksum, naming the file.
+    let file = std::fs::read_dir(&shards)
+        .map_err(|e| e.to_string())?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name().is_some_and(|n| {
+                n.to_string_lossy()
+                    .starts_with(&format!("tp-rank{}-", world.tp_group().rank()))
+            })
+        })
+        .ok_or("no shard file of this rank")?;
+    let mut bytes = std::fs::read(&file).map_err(|e| e.to_string())?;
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    let damaged = shards.with_extension("damaged");
+    std::fs::create_dir_all(&damaged).map_err(|e| e.to_string())?;
+    std::fs::write(damaged.join(file.file_name().unwrap()), &bytes).map_err(|e| e.to_string())?;
+    match load_shards(make(&device), &damaged) {
+        Err(e) if e.to_string().contains("does not match its checksum") => {}
+        Err(e) => return Err(format!("a damaged shard failed otherwise: {e}")),
+        Ok(_) => return Err("a damaged shard loaded".into()),
+    }
 
     let whole = gathered(model);
     let rank = world.rank().0;

@@ -56,6 +56,24 @@ def parse_args():
     return p.parse_args()
 
 
+def ranks_of(pid):
+    """{rank: pid} of the children of process `pid` that have RANK in their environment."""
+    found = {}
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return found
+    for child in children:
+        try:
+            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                found[int(kv[5:])] = int(child)
+    return found
+
+
 class Node:
     """One `bonfire launch` process and its output, each line with the time it arrived."""
 
@@ -82,21 +100,7 @@ class Node:
 
     def ranks(self):
         """{rank: pid} of the ranks this launcher started and that still run."""
-        found = {}
-        pid = self.proc.pid
-        try:
-            children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        except OSError:
-            return found
-        for child in children:
-            try:
-                env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            for kv in env:
-                if kv.startswith(b"RANK="):
-                    found[int(kv[5:])] = int(child)
-        return found
+        return ranks_of(self.proc.pid)
 
     def wait(self, deadline):
         try:

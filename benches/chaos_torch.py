@@ -29,6 +29,9 @@ import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chaos import progress_mtime as mtime, ranks_of as children_with_rank  # noqa: E402
+
 EPOCHS, STEPS, BATCH = 4, 12, 64
 
 
@@ -36,7 +39,6 @@ def worker(ckpt):
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ddp_mnist_style import make_resnet
 
     torch.set_num_threads(1)
@@ -84,31 +86,6 @@ def worker(ckpt):
         with open(os.path.join(ckpt, "digest"), "w") as f:
             f.write(h.hexdigest())
     dist.destroy_process_group()
-
-
-def mtime(ckpt):
-    try:
-        return os.stat(os.path.join(ckpt, "progress.json")).st_mtime_ns
-    except OSError:
-        return None
-
-
-def children_with_rank(pid):
-    """{rank: pid} of torchrun's workers."""
-    found = {}
-    try:
-        kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
-    except OSError:
-        return found
-    for child in kids:
-        try:
-            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        for kv in env:
-            if kv.startswith(b"RANK="):
-                found[int(kv[5:])] = int(child)
-    return found
 
 
 def job(torchrun, ckpt, log):

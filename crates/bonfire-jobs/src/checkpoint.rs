@@ -60,20 +60,11 @@ pub struct Checkpoint<C, R> {
     pub skipped: Vec<String>,
 }
 
-const LATEST: &str = "latest";
+use bonfire::checkpoint::{LATEST, SUMS, epochs, recorded_sum, sha256_hex as sha256, sums_text};
+
 const STATE: &str = "state.json";
 const MODEL: &str = "model.bin";
 const OPTIMIZER: &str = "optimizer.bin";
-const SUMS: &str = "SHA256SUMS";
-
-/// The SHA-256 of `bytes`, in lower-case hex.
-fn sha256(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), JobError> {
     let mut f = fs::File::create(path).map_err(JobError::io(path))?;
@@ -94,11 +85,11 @@ pub fn save<C: Serialize, R: Serialize>(
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp).map_err(JobError::io(&tmp))?;
     let json = serde_json::to_vec_pretty(state).map_err(JobError::EncodeState)?;
-    let mut sums = String::new();
-    for (name, bytes) in [(MODEL, model), (OPTIMIZER, optimizer), (STATE, &json[..])] {
+    let files = [(MODEL, model), (OPTIMIZER, optimizer), (STATE, &json[..])];
+    for (name, bytes) in files {
         write_synced(&tmp.join(name), bytes)?;
-        sums.push_str(&format!("{}  {name}\n", sha256(bytes)));
     }
+    let sums = sums_text(files);
     write_synced(&tmp.join(SUMS), sums.as_bytes())?;
     let dir = root.join(&name);
     if dir.exists() {
@@ -129,23 +120,9 @@ fn candidates(root: &Path) -> Result<Vec<PathBuf>, JobError> {
     let newest = latest(root)?.ok_or_else(|| JobError::NoCheckpoint {
         dir: root.to_path_buf(),
     })?;
-    let mut older: Vec<(usize, PathBuf)> = fs::read_dir(root)
-        .map_err(JobError::io(root))?
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let n = e
-                .file_name()
-                .to_str()?
-                .strip_prefix("epoch-")?
-                .parse()
-                .ok()?;
-            Some((n, e.path()))
-        })
-        .filter(|(_, p)| *p != newest)
-        .collect();
-    older.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
-    Ok(std::iter::once(newest)
-        .chain(older.into_iter().map(|(_, p)| p))
+    let older = epochs(root).into_iter().map(|(_, p)| p);
+    Ok(std::iter::once(newest.clone())
+        .chain(older.filter(|p| *p != newest))
         .collect())
 }
 
@@ -168,9 +145,7 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
     match fs::read_to_string(dir.join(SUMS)) {
         Ok(sums) => {
             for (name, bytes) in [(MODEL, &model), (OPTIMIZER, &optimizer), (STATE, &state)] {
-                let recorded = sums
-                    .lines()
-                    .find_map(|l| l.strip_suffix(name)?.strip_suffix("  "))
+                let recorded = recorded_sum(&sums, name)
                     .ok_or_else(|| format!("{SUMS} has no line for {name}"))?;
                 let found = sha256(bytes);
                 if found != recorded {

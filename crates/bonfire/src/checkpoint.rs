@@ -178,8 +178,9 @@ fn check(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// The checkpoints under `root`, newest first: `(epoch, dir)`.
-fn epochs(root: &Path) -> Vec<(usize, PathBuf)> {
+/// The `epoch-N` directories under `root`, newest first: `(N, dir)` (none when `root` cannot be
+/// read).
+pub fn epochs(root: &Path) -> Vec<(usize, PathBuf)> {
     let mut found: Vec<(usize, PathBuf)> = fs::read_dir(root)
         .into_iter()
         .flatten()

@@ -55,18 +55,7 @@ pub(crate) fn kill_after_first_checkpoint(run: &mut Command, dir: &Path) -> Stri
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    while !dir.join("latest").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint after 300 s"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the job ended before its first checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_first_checkpoint(&mut child, dir);
     child.kill().unwrap();
     child.wait().unwrap();
     std::thread::sleep(Duration::from_millis(500));
@@ -100,19 +89,12 @@ pub(crate) fn kill_a_rank_after_first_checkpoint(
     dir: &Path,
     rank: usize,
 ) -> Output {
-    let child = run
+    let mut child = run
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    while !dir.join("latest").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint after 300 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_first_checkpoint(&mut child, dir);
     let pid = rank_pid(child.id(), rank).expect("the rank is running");
     let killed = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -120,4 +102,21 @@ pub(crate) fn kill_a_rank_after_first_checkpoint(
         .unwrap();
     assert!(killed.success());
     child.wait_with_output().unwrap()
+}
+
+/// Waits until `child`'s run has written its first checkpoint in `dir`; fails if it ends first
+/// or takes over 300 s.
+fn wait_for_first_checkpoint(child: &mut std::process::Child, dir: &Path) {
+    let start = Instant::now();
+    while !dir.join("latest").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint after 300 s"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the job ended before its first checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

@@ -8,8 +8,9 @@ use bonfire_topology::{NodeId, Rank};
 use bytes::Bytes;
 
 use super::auth::Identity;
+use super::auth::ROLE_CLIENT;
 use super::control::{self, Control, JobKey, PROTOCOL};
-use super::endpoint::endpoint;
+use super::endpoint::{endpoint, exporter};
 use super::frame::FrameHeader;
 use super::{QuicConfig, QuicTransport, Secret};
 use crate::{Tag, Transport};
@@ -202,6 +203,76 @@ async fn strangers_and_garbage_do_not_stop_the_job() {
         .await
         .unwrap();
     assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
+    worker.shutdown().await;
+    host.shutdown().await;
+}
+
+/// A hello whose proof of the secret is genuine but was made for another connection (what a
+/// replayed handshake carries) is refused, and so is a flood of connections that never say
+/// anything; the real rank still joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_proof_and_a_flood_are_refused() {
+    let m = master();
+    let s = secret("job");
+    let host = tokio::spawn(QuicTransport::connect(config(0, 2, &m, s.clone())));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let addr: SocketAddr = m.parse().unwrap();
+    let stranger = endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        &Identity::generate().unwrap(),
+        Duration::from_secs(5),
+        1,
+    )
+    .unwrap();
+    // The proof of a first connection, sent on a second one.
+    let first = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
+    let recorded = s.proof(ROLE_CLIENT, &exporter(&first).unwrap());
+    let hello = |proof| {
+        control::encode(&Control::Hello {
+            protocol: PROTOCOL,
+            job: JobKey {
+                world_size: 2,
+                round: 0,
+            },
+            rank: Some(1),
+            node: 0,
+            port: 1,
+            advertise: None,
+            proof,
+        })
+    };
+    let second = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
+    let (mut send, mut recv) = second.open_bi().await.unwrap();
+    send.write_all(&hello(recorded)).await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(5), control::read(&mut recv)).await;
+    assert!(
+        matches!(reply, Ok(Ok(Control::Reject { .. })) | Ok(Err(_))),
+        "a replayed proof must be refused: {reply:?}"
+    );
+    // Sanity: the same secret's proof for this very connection would have been a valid one.
+    assert_ne!(recorded, s.proof(ROLE_CLIENT, &exporter(&second).unwrap()));
+    // A flood: 64 connections that open and say nothing.
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        if let Ok(connecting) = stranger.connect(addr, "bonfire")
+            && let Ok(Ok(conn)) = tokio::time::timeout(Duration::from_secs(5), connecting).await
+        {
+            idle.push(conn);
+        }
+    }
+    let worker = QuicTransport::connect(config(1, 2, &m, s)).await.unwrap();
+    let host = host.await.unwrap().unwrap();
+    let tag = Tag {
+        context: 1,
+        seq: 2,
+        step: 3,
+    };
+    worker
+        .send(Rank(0), tag, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
+    drop(idle);
     worker.shutdown().await;
     host.shutdown().await;
 }

@@ -1,7 +1,8 @@
 //! Stragglers: each rank's time in an epoch's steps, split into input (making batches), compute
 //! (forward, backward, optimizer) and wait (communication backward did not hide), gathered on
 //! every rank after the epoch; a rank whose input plus compute exceeds the median of the other
-//! ranks' by more than [`THRESHOLD`] is named, with the part that made it slow.
+//! ranks' by more than [`THRESHOLD`] (and [`MIN_EXCESS_SECS`]) is named, with the part that made
+//! it slow.
 //!
 //! In a synchronous job the others wait for the slowest rank at every all-reduce, so a straggler
 //! shows up twice: as its own long compute or input, and as the others' wait.
@@ -12,6 +13,10 @@ use serde::{Deserialize, Serialize};
 
 /// How much slower than the median of the other ranks a rank must be to be named: 20%.
 pub const THRESHOLD: f64 = 0.20;
+
+/// And by how many seconds at least in the epoch: below that, an epoch is too short for its
+/// timing to say anything.
+pub const MIN_EXCESS_SECS: f64 = 0.1;
 
 /// One rank's seconds in one epoch's training steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -137,7 +142,7 @@ pub fn stragglers(times: &[RankTimes], threshold: f64) -> Vec<Straggler> {
             continue;
         }
         let slower = t.busy() / base - 1.0;
-        if slower > threshold {
+        if slower > threshold && t.busy() - base >= MIN_EXCESS_SECS {
             let cause = if t.input - others.input > t.compute - others.compute {
                 Cause::Input
             } else {
@@ -313,6 +318,8 @@ mod tests {
     fn ranks_within_the_threshold_and_lone_ranks_are_not_named() {
         assert!(stragglers(&[t(0.1, 1.0, 0.1), t(0.1, 1.15, 0.0)], THRESHOLD).is_empty());
         assert!(stragglers(&[t(0.1, 9.0, 0.0)], THRESHOLD).is_empty());
+        // 50% slower, but by 0.05 s: too short an epoch to tell.
+        assert!(stragglers(&[t(0.0, 0.1, 0.0), t(0.0, 0.15, 0.0)], THRESHOLD).is_empty());
         assert!(stragglers(&[], THRESHOLD).is_empty());
     }
 }

@@ -24,10 +24,10 @@ mod data_parallel;
 pub mod tensor_parallel;
 
 pub use data_parallel::{
-    BindGuard, ConfigError, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, LocalParts, NoSyncGuard, StepStats, SyncError, abort, accumulate, bind_thread,
-    communicator, discard_kept_gradients, install, keep_gradients, last_step_stats, no_sync,
-    register_local_parts, replicate, total_stats,
+    BindGuard, BufferSync, ConfigError, DataParallel, DataParallelConfig, DistributedSampler,
+    FailurePolicy, GradDType, LocalParts, NoSyncGuard, StepStats, SyncError, abort, accumulate,
+    bind_thread, communicator, discard_kept_gradients, install, keep_gradients, last_step_stats,
+    no_sync, register_local_parts, replicate, sync_buffers, total_stats,
 };
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 

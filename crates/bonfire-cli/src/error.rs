@@ -21,6 +21,9 @@ pub(crate) enum CliError {
     /// `--resolved` was given outside a launched job.
     #[error("--resolved is set by `bonfire train` on the ranks it starts")]
     ResolvedByHand,
+    /// `bonfire doctor` found something essential missing (its lines say what and how to fix).
+    #[error("bonfire doctor: {0} failed (see above)")]
+    Doctor(String),
     /// `bonfire launch` was given no program.
     #[error("no program to launch")]
     NoProgram,

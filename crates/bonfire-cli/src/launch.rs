@@ -19,7 +19,7 @@ use crate::error::{ArgError, CliError};
 /// UDP at the same port).
 #[derive(clap::Args)]
 #[command(
-    after_help = "Examples:\n  bonfire launch --nproc-per-node 2 -- ./target/release/examples/mnist\n  bonfire launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1:29500 --secret-file job.secret -- ./train"
+    after_help = "Examples:\n  bonfire launch --nproc-per-node 2 -- ./target/release/mnist-style\n  bonfire launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1:29500 --secret-file job.secret -- ./train"
 )]
 pub(crate) struct Args {
     /// Ranks to start on this node.

@@ -1,6 +1,7 @@
-//! The `bonfire` command: `launch`, `train` and `bench` (`doctor` when it lands).
+//! The `bonfire` command: `launch`, `train`, `bench` and `doctor`.
 
 mod bench;
+mod doctor;
 mod error;
 mod launch;
 mod size;
@@ -28,14 +29,21 @@ enum Command {
     /// Measure bonfire against the machine it runs on.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// Check what this machine has for bonfire, with a fix for each missing piece.
+    Doctor(doctor::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = bonfire::init_logging() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Launch(args) => launch::run(args),
         Command::Train(train) => train.run(),
         Command::Bench(bench) => bench.run(),
+        Command::Doctor(args) => doctor::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -445,6 +445,13 @@ impl Communicator {
             chunk_bytes: chunk_u32(g.config.chunk_bytes),
             layout: shape.layout,
         };
+        tracing::debug!(
+            "{op} #{seq} on rank {me} of {} (group {:x}): {} x {:?}, {algorithm:?}",
+            self.size(),
+            g.id.0,
+            shape.count,
+            T::DTYPE,
+        );
         let exchange = self.exchange(g.id.0, (0..self.size() as u32).collect(), fingerprint);
         let work = collective.prepare(&shape, me, buf);
         let reducer = g.reducer.clone();
@@ -457,13 +464,19 @@ impl Communicator {
                 group_size: n,
                 reducer: &*reducer,
             };
-            driver::run(
+            let started = std::time::Instant::now();
+            let ran = driver::run(
                 &exchange,
                 &program,
                 bytemuck::cast_slice_mut(&mut work),
                 &arith,
             )
-            .await?;
+            .await;
+            match &ran {
+                Ok(()) => tracing::trace!("{op} #{seq} done in {:?}", started.elapsed()),
+                Err(e) => tracing::debug!("{op} #{seq} failed after {:?}: {e}", started.elapsed()),
+            }
+            ran?;
             Ok(collective.finish(&shape, me, work))
         });
         (seq, Work::running(handle, world_me, op))

@@ -51,6 +51,7 @@ pub mod sim;
 mod work;
 
 pub use algorithm::{Algorithm, CommConfig};
+pub use bonfire_transport::fatal;
 pub use collective::Collective;
 pub use communicator::{Communicator, CommunicatorBuilder, MeshGroups};
 pub use element::Element;

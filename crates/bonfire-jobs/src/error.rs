@@ -272,7 +272,8 @@ pub enum JobError {
     /// CUDA was asked for, but this build has none.
     #[error(
         "this bonfire was built without CUDA: rebuild it with \
-         `cargo build --release -p bonfire-cli --features cuda` (needs the CUDA toolkit)"
+         `CUDARC_CUDA_VERSION=13000 cargo build --release -p bonfire-cli --features cuda` \
+         (CUDARC_CUDA_VERSION names your CUDA version; no toolkit is needed to build)"
     )]
     NoCuda,
     /// A text cannot be trained on as the settings ask (too short for a window of the context).

@@ -1,8 +1,10 @@
 //! Rank 0's progress through an epoch ([`StepProgress`]) and the line [`crate::Console`] draws
-//! from it: redrawn in place on a terminal, a line at each quarter otherwise (logs, CI).
+//! from it: an `indicatif` bar on a terminal, a line at each quarter otherwise (logs, CI).
 
 use std::io::{IsTerminal, Write};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Where rank 0 stands after a step of an epoch.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,37 +43,53 @@ impl StepProgress {
         let filled = width * done / steps.max(1);
         let eta =
             self.elapsed.as_secs_f64() / done.max(1) as f64 * steps.saturating_sub(done) as f64;
-        let accuracy = match self.accuracy {
-            Some(a) => format!("  accuracy {:.1}%", 100.0 * a),
-            None => String::new(),
-        };
-        let straggler = match &self.straggler {
-            Some(s) => format!("  straggler {s}"),
-            None => String::new(),
-        };
         format!(
-            "{} {}/{} [{}{}] {:>3}% step {done}/{steps}  loss {:.4}{accuracy}  {:.0} {}/s  eta {}{straggler}",
+            "{} {}/{} [{}{}] {:>3}% step {done}/{steps}  {}  eta {}{}",
             self.round,
             self.epoch,
             self.epochs,
             "#".repeat(filled),
             "-".repeat(width - filled),
             100 * done / steps.max(1),
-            self.loss,
-            self.rate,
-            self.unit,
+            self.measures(),
             clock(Duration::from_secs_f64(eta)),
+            self.straggler_note(),
         )
+    }
+
+    /// The figures of the line: `loss 0.5123  accuracy 84.2%  1234 images/s`, and the
+    /// straggler after them on a bar (where the eta comes last).
+    fn figures(&self) -> String {
+        format!("{}{}", self.measures(), self.straggler_note())
+    }
+
+    fn measures(&self) -> String {
+        let accuracy = match self.accuracy {
+            Some(a) => format!("  accuracy {:.1}%", 100.0 * a),
+            None => String::new(),
+        };
+        format!(
+            "loss {:.4}{accuracy}  {:.0} {}/s",
+            self.loss, self.rate, self.unit
+        )
+    }
+
+    fn straggler_note(&self) -> String {
+        match &self.straggler {
+            Some(s) => format!("  straggler {s}"),
+            None => String::new(),
+        }
     }
 }
 
-/// Draws [`StepProgress`] lines on standard output: in place on a terminal (at most five times
-/// a second, and at the end of the epoch), otherwise one line per quarter of the epoch.
+/// Draws rank 0's progress on standard output: an `indicatif` bar redrawn in place on a terminal
+/// (a new bar each epoch, left on screen when the epoch ends), otherwise one plain
+/// [`StepProgress::line`] per quarter of the epoch (logs, CI).
 #[derive(Debug)]
 pub(crate) struct ProgressLine {
     tty: bool,
     epoch: Option<usize>,
-    last_draw: Option<Instant>,
+    bar: Option<ProgressBar>,
     next_quarter: usize,
 }
 
@@ -80,7 +98,7 @@ impl ProgressLine {
         ProgressLine {
             tty: std::io::stdout().is_terminal(),
             epoch: None,
-            last_draw: None,
+            bar: None,
             next_quarter: 1,
         }
     }
@@ -88,32 +106,52 @@ impl ProgressLine {
     pub(crate) fn draw(&mut self, p: &StepProgress) {
         if self.epoch != Some(p.epoch) || p.step == 1 {
             self.epoch = Some(p.epoch);
-            self.last_draw = None;
             self.next_quarter = 1;
-        }
-        let now = Instant::now();
-        let finished = p.step == p.steps;
-        let mut out = std::io::stdout().lock();
-        if self.tty {
-            if finished
-                || self
-                    .last_draw
-                    .is_none_or(|t| now - t > Duration::from_millis(200))
-            {
-                let _ = write!(out, "\r{}\x1b[K", p.line());
-                if finished {
-                    let _ = writeln!(out);
-                }
-                let _ = out.flush();
-                self.last_draw = Some(now);
+            if let Some(old) = self.bar.take() {
+                old.abandon();
             }
-        } else if p.step * 4 >= self.next_quarter * p.steps {
+            if self.tty {
+                self.bar = Some(new_bar(p));
+            }
+        }
+        if let Some(bar) = &self.bar {
+            bar.set_length(p.steps as u64);
+            bar.set_position(p.step as u64);
+            bar.set_message(p.figures());
+            if p.step >= p.steps {
+                bar.finish();
+                self.bar = None;
+            }
+        } else if !self.tty && p.step * 4 >= self.next_quarter * p.steps {
             while p.step * 4 >= self.next_quarter * p.steps {
                 self.next_quarter += 1;
             }
+            let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "{}", p.line());
         }
     }
+
+    /// Prints `text` on its own line, above the bar if one is drawn.
+    pub(crate) fn println(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.suspend(|| println!("{text}")),
+            None => println!("{text}"),
+        }
+    }
+}
+
+fn new_bar(p: &StepProgress) -> ProgressBar {
+    let bar =
+        ProgressBar::with_draw_target(Some(p.steps as u64), ProgressDrawTarget::stdout_with_hz(5));
+    // A constant template: it parses, so the fallback is never taken.
+    let style = ProgressStyle::with_template(
+        "{prefix} [{bar:24.cyan/blue}] {percent:>3}% step {pos}/{len}  {msg}  eta {eta}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("#>-");
+    bar.set_style(style);
+    bar.set_prefix(format!("{} {}/{}", p.round, p.epoch, p.epochs));
+    bar
 }
 
 /// `m:ss`, or `h:mm:ss` from an hour.

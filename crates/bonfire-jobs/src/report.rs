@@ -36,8 +36,8 @@ pub trait Reporter {
     fn step(&mut self, progress: &StepProgress);
 }
 
-/// Prints to standard output: every line as it comes, and the progress line redrawn in place on
-/// a terminal (a line per quarter epoch otherwise). What `bonfire train` shows.
+/// Prints to standard output: every line as it comes, and the progress as an `indicatif` bar on
+/// a terminal (a plain line per quarter epoch otherwise). What `bonfire train` shows.
 #[derive(Debug)]
 pub struct Console {
     progress: ProgressLine,
@@ -60,7 +60,7 @@ impl Default for Console {
 
 impl Reporter for Console {
     fn say(&mut self, _: Say, text: &str) {
-        println!("{text}");
+        self.progress.println(text);
     }
 
     fn step(&mut self, progress: &StepProgress) {

@@ -39,6 +39,8 @@ pub struct RunOptions {
     /// Times the parent starts the ranks again after one fails (default: 0); each time they
     /// resume from the newest checkpoint every rank can read.
     pub max_restarts: u32,
+    /// Draw the loss plot on a logarithmic scale.
+    pub log_loss: bool,
 }
 
 /// A settled run: what every rank trains with.
@@ -59,6 +61,9 @@ pub struct Settings<C> {
     /// How many checkpoints to keep (`None`: all).
     #[serde(default)]
     pub keep_checkpoints: Option<usize>,
+    /// Whether the loss plot has a logarithmic scale.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub log_loss: bool,
 }
 
 /// The runs of job `job` under `base` (`<base>/<job>-N`): the newest (highest N), if any, and
@@ -183,6 +188,7 @@ fn settle_resumed<J: Job>(
         backend: backend(options),
         data_dir,
         keep_checkpoints: options.keep_checkpoints,
+        log_loss: options.log_loss,
     })
 }
 
@@ -223,6 +229,7 @@ fn settle_fresh<J: Job>(
         backend: backend(options),
         data_dir,
         keep_checkpoints: options.keep_checkpoints,
+        log_loss: options.log_loss,
     })
 }
 

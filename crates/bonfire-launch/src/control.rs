@@ -62,8 +62,14 @@ pub(crate) fn secret_from_env() -> Result<Secret, LaunchError> {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum Msg {
-    /// Leader, first line of a connection: its nonce.
-    Challenge { protocol: u32, nonce: String },
+    /// Leader, first line of a connection: its nonce, and its clock (milliseconds since the
+    /// Unix epoch; `bonfire doctor --master` reads the offset from it).
+    Challenge {
+        protocol: u32,
+        nonce: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unix_ms: Option<u64>,
+    },
     /// Member: its nonce, its proof of the secret, and its part of the job.
     Join {
         protocol: u32,
@@ -383,6 +389,7 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
         &Msg::Challenge {
             protocol: PROTOCOL,
             nonce: hex(&nonce),
+            unix_ms: Some(unix_ms()),
         },
     )
     .map_err(|e| format!("writing failed: {e}"))?;
@@ -443,6 +450,55 @@ enum JoinFailure {
     Refused(String),
 }
 
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What a launcher leader said when asked (its first line; nothing is proved).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LeaderProbe {
+    /// Its launcher protocol.
+    pub protocol: u32,
+    /// Whether this bonfire speaks it too.
+    pub compatible: bool,
+    /// The round trip of the connection and its first line.
+    pub round_trip: Duration,
+    /// Its clock minus this machine's, in seconds (to within half the round trip), when it
+    /// sends its clock.
+    pub clock_offset: Option<f64>,
+}
+
+/// Connects to the launcher leader at `addr`, reads its first line and hangs up: whether a
+/// bonfire launcher listens there, and how far its clock is from this one.
+pub fn probe_leader(addr: SocketAddr, timeout: Duration) -> Result<LeaderProbe, String> {
+    let before = unix_ms();
+    let started = std::time::Instant::now();
+    let stream = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    let _ = stream.set_read_timeout(Some(timeout));
+    let mut reader = BufReader::new(stream);
+    let line = read_line(&mut reader).map_err(|e| format!("{addr} sent no first line: {e}"))?;
+    let round_trip = started.elapsed();
+    let msg = parse(&line).map_err(|e| format!("{addr} is not a bonfire launcher: {e}"))?;
+    let Msg::Challenge {
+        protocol, unix_ms, ..
+    } = msg
+    else {
+        return Err(format!(
+            "{addr} is not a bonfire launcher (it sent {msg:?})"
+        ));
+    };
+    let middle = before as f64 + round_trip.as_secs_f64() * 500.0;
+    Ok(LeaderProbe {
+        protocol,
+        compatible: protocol == PROTOCOL,
+        round_trip,
+        clock_offset: unix_ms.map(|t| (t as f64 - middle) / 1000.0),
+    })
+}
+
 /// The member's side of a handshake.
 fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFailure> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
@@ -458,7 +514,10 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
     let not_yet = JoinFailure::NotYet;
     let challenge =
         parse(&read_line(&mut reader).map_err(not_yet)?).map_err(JoinFailure::Refused)?;
-    let Msg::Challenge { protocol, nonce } = challenge else {
+    let Msg::Challenge {
+        protocol, nonce, ..
+    } = challenge
+    else {
         return Err(JoinFailure::Refused(format!(
             "it is not a bonfire launcher (it sent {challenge:?})"
         )));
@@ -708,7 +767,7 @@ impl<'a> Leader<'a> {
             })
         };
         if let Some(why) = refusal {
-            eprintln!("bonfire launch: refused the launcher at {peer}: {why}");
+            tracing::warn!("bonfire launch: refused the launcher at {peer}: {why}");
             let mut writer = lock(&session.writer);
             let _ = writer.send(&Msg::Refuse { why });
             let _ = writer.stream.shutdown(std::net::Shutdown::Both);
@@ -716,7 +775,7 @@ impl<'a> Leader<'a> {
         }
         self.next_link += 1;
         let link = session.spawn(self.next_link, self.sender.clone());
-        eprintln!("bonfire launch: node {} joined from {peer}", join.node);
+        tracing::info!("bonfire launch: node {} joined from {peer}", join.node);
         self.nodes[join.node] = Some(Node {
             link,
             peer,
@@ -730,7 +789,7 @@ impl<'a> Leader<'a> {
     fn refused(&mut self, peer: SocketAddr, why: &str) {
         self.refused += 1;
         if self.refused <= 3 || self.refused.is_multiple_of(100) {
-            eprintln!(
+            tracing::warn!(
                 "bonfire launch: refused a connection from {peer}: {why} ({} refused so far)",
                 self.refused
             );
@@ -788,7 +847,7 @@ impl<'a> Leader<'a> {
                 });
             }
             if let Some(Happened::Lost(node, why)) = self.next(TICK) {
-                eprintln!(
+                tracing::warn!(
                     "bonfire launch: node {node}'s launcher left while the job gathered: {why}"
                 );
             }
@@ -875,7 +934,7 @@ impl<'a> Leader<'a> {
             }
             if started.elapsed() >= STOP_TIMEOUT {
                 for n in waiting {
-                    eprintln!(
+                    tracing::warn!(
                         "bonfire launch: node {n} did not stop its ranks within {STOP_TIMEOUT:?}; it must join again"
                     );
                     self.nodes[n] = None;
@@ -927,7 +986,7 @@ impl<'a> Leader<'a> {
                 }
                 RoundEnd::Failed { what, .. } if restarts < c.max_restarts => {
                     restarts += 1;
-                    eprintln!(
+                    tracing::info!(
                         "bonfire launch: {what}; restarting the job on every node (restart {restarts} of {}, round {}): its ranks resume from their newest checkpoint",
                         c.max_restarts,
                         r + 1
@@ -1074,7 +1133,7 @@ impl Member<'_> {
                             local = Some(LocalRanks::start(self.c, self.env, r)?);
                         }
                         Msg::Stop { round: r, why } => {
-                            eprintln!(
+                            tracing::info!(
                                 "bonfire launch: node 0 restarts the job after round {r}: {why}"
                             );
                             stop(&mut local, Duration::ZERO);
@@ -1103,7 +1162,7 @@ impl Member<'_> {
                 }
             };
             drop(link);
-            eprintln!(
+            tracing::warn!(
                 "bonfire launch: lost node 0's launcher at {} ({why}); stopping this node's ranks and joining again",
                 self.master
             );
@@ -1227,6 +1286,41 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    #[test]
+    fn a_probe_reads_the_leaders_protocol_and_clock() {
+        let dir = scratch("probe");
+        let mut configs = nodes(2, "true", &dir);
+        configs.truncate(1);
+        configs[0].join_timeout = Duration::from_secs(4);
+        let addr: SocketAddr = configs[0].master.clone().unwrap().parse().unwrap();
+        let leader = std::thread::spawn({
+            let c = configs.remove(0);
+            move || launch(&c)
+        });
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let probe = loop {
+            match probe_leader(addr, Duration::from_secs(1)) {
+                Ok(p) => break p,
+                Err(e) if Instant::now() > deadline => panic!("{e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        assert!(probe.compatible, "{probe:?}");
+        let offset = probe.clock_offset.expect("the leader sends its clock");
+        assert!(
+            offset.abs() < 1.0,
+            "{offset} s between two clocks of one machine"
+        );
+        // Nothing listens on a port just freed.
+        let free = free_local_port().unwrap();
+        let nobody: SocketAddr = format!("127.0.0.1:{free}").parse().unwrap();
+        let e = probe_leader(nobody, Duration::from_millis(500)).unwrap_err();
+        assert!(e.starts_with(&format!("cannot connect to {nobody}")), "{e}");
+        let e = leader.join().unwrap().unwrap_err();
+        assert!(e.to_string().contains("node 1 did not join"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Talks to the leader at `addr` by hand.
     fn raw(addr: &str) -> (TcpStream, BufReader<TcpStream>) {
         let s = TcpStream::connect(addr).unwrap();
@@ -1340,6 +1434,7 @@ mod tests {
                 &Msg::Challenge {
                     protocol: PROTOCOL,
                     nonce: hex(&nonce),
+                    unix_ms: None,
                 },
             )
             .unwrap();

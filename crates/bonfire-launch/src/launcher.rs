@@ -498,7 +498,7 @@ impl LocalRanks {
                     && let Some(s) = r.status
                     && !s.success()
                 {
-                    eprintln!(
+                    tracing::warn!(
                         "bonfire launch: rank {} (pid {}) {} after rank {} failed",
                         r.rank,
                         r.child.id(),
@@ -552,7 +552,7 @@ fn run_alone(
         launched
             .restarts
             .push(format!("rank {rank} (pid {pid}) {status}"));
-        eprintln!(
+        tracing::info!(
             "bonfire launch: rank {rank} (pid {pid}) {status}; restarting the job (restart {round} of {}): its ranks resume from their newest checkpoint",
             c.max_restarts
         );

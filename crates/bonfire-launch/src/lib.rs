@@ -1,13 +1,16 @@
 //! How a bonfire job starts: the environment a rank reads ([`JobEnv`]: torchrun names, Slurm,
 //! or a single rank) and the launcher that starts a node's ranks ([`launch`], behind
-//! `bonfire launch`).
+//! `bonfire launch`), and the log subscriber every bonfire process installs ([`init_logging`]).
 
 mod control;
+pub use control::{LeaderProbe, probe_leader};
 pub mod env;
 mod launcher;
+pub mod logging;
 
 pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
 pub use launcher::{
     AddrError, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port, launch,
     split_host_port,
 };
+pub use logging::{LogFilterError, init_logging};

@@ -382,7 +382,7 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for DataParalle
                     let reason = interrupter
                         .get_message()
                         .unwrap_or_else(|| "reason unknown".to_string());
-                    eprintln!("bonfire: training interrupted after epoch {epoch}: {reason}");
+                    tracing::warn!("bonfire: training interrupted after epoch {epoch}: {reason}");
                     stop = true;
                 } else {
                     self.validate(

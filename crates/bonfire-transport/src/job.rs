@@ -91,14 +91,20 @@ impl JobTransport {
             }
         };
         let me = quic.rank();
+        let local: Vec<usize> = (0..lanes.out.len())
+            .filter(|&r| lanes.out[r].is_some())
+            .collect();
+        tracing::debug!(
+            "rank {me}: job transport up: shared memory to ranks {local:?} of this host, QUIC to the others"
+        );
         if let Some(why) = &lanes.fallback {
             // Said once per node, by its first rank.
             let first = (0..quic.world_size())
                 .map(Rank::from)
                 .find(|&r| nodes.node_of(r) == nodes.node_of(me));
             if first == Some(me) {
-                eprintln!(
-                    "bonfire[{me}]: shared memory is unavailable between some ranks of this host, which talk over QUIC instead ({why})"
+                tracing::warn!(
+                    "rank {me}: shared memory is unavailable between some ranks of this host, which talk over QUIC instead ({why})"
                 );
             }
         }

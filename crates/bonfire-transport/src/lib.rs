@@ -95,3 +95,14 @@ pub trait Transport: Send + Sync + 'static {
     /// A short name for messages and benchmarks ("in-process", "quic").
     fn kind(&self) -> &'static str;
 }
+
+/// Reports a message that ends this process (a failed collective under the exit policy): as a
+/// `tracing` error when a subscriber shows errors, else straight on standard error, so it is
+/// never lost.
+pub fn fatal(message: &str) {
+    if tracing::enabled!(tracing::Level::ERROR) {
+        tracing::error!("{message}");
+    } else {
+        eprintln!("{message}");
+    }
+}

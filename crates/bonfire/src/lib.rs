@@ -22,9 +22,11 @@
 //! `Autodiff<B>` would. The book's chapter "Make your Burn project data-parallel" walks through it.
 //!
 //! Underneath are the pieces it is built from, usable on their own: ranks and meshes
-//! ([`topology`]), transports ([`transport`], in-process and QUIC), collectives
+//! ([`topology`]), transports ([`transport`]: in-process, QUIC, shared memory), collectives
 //! ([`collectives`]), fused gradient kernels ([`kernels`]), how a job starts ([`init`],
-//! [`launch`]) and burn-train integration ([`train`]).
+//! [`launch`]), burn-train integration ([`train`]) and logs ([`init_logging`], which [`init`]
+//! calls: `tracing` events filtered by `BONFIRE_LOG` or `RUST_LOG`, each line prefixed with its
+//! rank).
 //!
 //! ```
 //! use bonfire::prelude::*;
@@ -54,10 +56,12 @@ pub use checkpoint::{CheckpointError, Resume, resume_or_start, save_checkpoint};
 
 pub use world::{InitError, World, init, init_from, init_with, init_with_transport};
 
+pub use bonfire_launch::{LogFilterError, init_logging};
+
 pub use bonfire_backend::{
-    DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType, NoSyncGuard,
-    StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats, no_sync,
-    replicate, total_stats,
+    BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType,
+    NoSyncGuard, StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats,
+    no_sync, replicate, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
@@ -111,7 +115,8 @@ pub mod kernels {
 /// How jobs start: the job environment and the launcher behind `bonfire launch`.
 pub mod launch {
     pub use bonfire_launch::{
-        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, SecretSource, env, launch,
+        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
+        SecretSource, env, free_local_port, launch, logging, probe_leader,
     };
 }
 

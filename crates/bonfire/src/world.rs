@@ -33,6 +33,9 @@ pub enum InitError {
     /// The job could not be joined.
     #[error("bonfire::init: {0}")]
     Connect(#[from] JobTransportError),
+    /// `BONFIRE_LOG` (or `RUST_LOG`) is not a log filter.
+    #[error("bonfire::init: {0}")]
+    Log(#[from] bonfire_launch::LogFilterError),
     /// A transport setting (`BONFIRE_TRANSPORT`, `BONFIRE_SHM_*`) is malformed.
     #[error("bonfire::init: {0}")]
     Transport(#[from] ShmConfigError),
@@ -180,6 +183,9 @@ impl Drop for World {
 /// `DataParallel` averages over every rank (with the bucket cap and gradient dtype from
 /// `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
 ///
+/// First it installs bonfire's log subscriber ([`crate::init_logging`]: `BONFIRE_LOG`, else
+/// `RUST_LOG`, lines prefixed with the rank) unless the program installed one of its own.
+///
 /// ```no_run
 /// let world = bonfire::init()?;
 /// let sum = world.comm().all_reduce(vec![world.rank().0 as f32], bonfire::topology::ReduceOp::Sum).wait()?;
@@ -208,6 +214,7 @@ pub fn init_from(env: JobEnv, config: CommConfig) -> Result<World, InitError> {
 }
 
 fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<World, InitError> {
+    bonfire_launch::init_logging()?;
     if let Some(t) = env.timeout {
         config.timeout = t;
     }

@@ -66,7 +66,7 @@ impl Replica {
     fn stop(&self, message: String) -> ! {
         match self.config.failure {
             FailurePolicy::Exit => {
-                eprintln!("{message}");
+                bonfire_collectives::fatal(&message);
                 std::process::exit(1);
             }
             FailurePolicy::Panic => panic!("{message}"),
@@ -148,7 +148,7 @@ impl Drop for BindGuard {
 pub(crate) fn bind_devices(ids: &[DeviceId], mean: bool) {
     let comms = Communicator::in_process(ids.len(), CommConfig::default());
     let mut config = DataParallelConfig::from_env().unwrap_or_else(|e| {
-        eprintln!("bonfire: {e}; using the default data-parallel settings");
+        tracing::warn!("bonfire: {e}; using the default data-parallel settings");
         DataParallelConfig::default()
     });
     // One process: a panic in a worker thread is reported by burn-train.
@@ -246,6 +246,9 @@ pub fn total_stats() -> Option<StepStats> {
 /// pass-through and [`crate::no_sync`] still accumulates.
 fn solo() -> Arc<Replica> {
     static SOLO: std::sync::OnceLock<Arc<Replica>> = std::sync::OnceLock::new();
+    if let Some(message) = forgot_init(|name| std::env::var(name).ok()) {
+        panic!("{message}");
+    }
     SOLO.get_or_init(|| {
         let comm = Communicator::in_process(1, CommConfig::default()).remove(0);
         Replica::new(comm, DataParallelConfig::default(), true)
@@ -253,9 +256,59 @@ fn solo() -> Arc<Replica> {
     .clone()
 }
 
+/// Why a process that joined no job must not train as a world of one: the environment (a
+/// launcher's `RANK` and `WORLD_SIZE`, or Slurm's `SLURM_PROCID` and `SLURM_NTASKS`) says it is
+/// one rank of several, so `bonfire::init()` was forgotten and each rank would train alone.
+fn forgot_init(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let num = |name: &str| var(name)?.trim().parse::<usize>().ok();
+    let (rank, world, from) = match (num("RANK"), num("WORLD_SIZE")) {
+        (Some(r), Some(w)) => (r, w, "RANK/WORLD_SIZE"),
+        _ => (
+            num("SLURM_PROCID")?,
+            num("SLURM_NTASKS")?,
+            "SLURM_PROCID/SLURM_NTASKS",
+        ),
+    };
+    (world > 1).then(|| {
+        format!(
+            "bonfire: this process is rank {rank} of {world} (from {from}) but bonfire::init() \
+             was not called, so DataParallel has no job to average gradients over and each rank \
+             would train alone; call bonfire::init() before building the model (or unset \
+             {from} to train as one process)"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_of_several_that_did_not_join_is_told() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let m = forgot_init(env(&[("RANK", "1"), ("WORLD_SIZE", "2")])).unwrap();
+        assert!(
+            m.starts_with("bonfire: this process is rank 1 of 2 (from RANK/WORLD_SIZE) but bonfire::init() was not called"),
+            "{m}"
+        );
+        let m = forgot_init(env(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4")])).unwrap();
+        assert!(
+            m.contains("rank 3 of 4 (from SLURM_PROCID/SLURM_NTASKS)"),
+            "{m}"
+        );
+        assert_eq!(
+            forgot_init(env(&[("RANK", "0"), ("WORLD_SIZE", "1")])),
+            None
+        );
+        assert_eq!(forgot_init(env(&[])), None);
+    }
 
     #[test]
     fn each_bound_device_is_its_own_rank_and_threads_win() {

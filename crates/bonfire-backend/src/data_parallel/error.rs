@@ -126,6 +126,19 @@ pub enum SyncError {
         #[source]
         source: CollectiveError,
     },
+    /// Making the ranks' buffers equal (`sync_buffers`) failed.
+    #[error("{how:?} of buffer {buffer} ({elements} elements): {source}")]
+    Buffer {
+        /// The buffer's name.
+        buffer: String,
+        /// What was asked.
+        how: super::buffers::BufferSync,
+        /// Its elements.
+        elements: usize,
+        /// The collective's error.
+        #[source]
+        source: CollectiveError,
+    },
     /// Broadcasting rank 0's parameters (`replicate`) failed.
     #[error("broadcasting parameter {param} ({what}): {source}")]
     Broadcast {

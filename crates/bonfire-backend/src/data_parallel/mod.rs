@@ -10,6 +10,7 @@
 //! `Replica::fail` applies the failure policy to it.
 
 mod backend;
+mod buffers;
 mod config;
 mod context;
 mod convert;
@@ -25,6 +26,7 @@ mod stats;
 mod sync;
 
 pub use backend::DataParallel;
+pub use buffers::{BufferSync, sync_buffers};
 pub use config::{ConfigError, DataParallelConfig, FailurePolicy, GradDType};
 pub use context::{
     BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,

@@ -76,7 +76,8 @@ pub(crate) struct TpRank {
     pub(crate) failure: FailurePolicy,
     rng: Mutex<StdRng>,
     stats: Mutex<TpStats>,
-    /// Print a line the first time each op falls back (`BONFIRE_TP_LOG=1`).
+    /// Log the first fallback of each op at info level (`BONFIRE_TP_LOG=1`; at debug level
+    /// otherwise).
     log: bool,
 }
 
@@ -122,14 +123,24 @@ impl TpRank {
             *n += 1;
             *n == 1
         };
-        if self.log && first {
-            eprintln!(
-                "bonfire: tensor-parallel rank {} of {}: {op} has no rule for {}; gathered it \
-                 (counted in TpStats::fallbacks; later ones are not printed)",
+        let shown = if self.log {
+            tracing::enabled!(tracing::Level::INFO)
+        } else {
+            tracing::enabled!(tracing::Level::DEBUG)
+        };
+        if first && shown {
+            let line = format!(
+                "tensor-parallel rank {} of {}: {op} has no rule for {}; gathered it \
+                 (counted in TpStats::fallbacks; later ones are not logged)",
                 self.rank(),
                 self.size(),
                 what()
             );
+            if self.log {
+                tracing::info!("{line}");
+            } else {
+                tracing::debug!("{line}");
+            }
         }
     }
 
@@ -144,7 +155,7 @@ impl TpRank {
         );
         match self.failure {
             FailurePolicy::Exit => {
-                eprintln!("{message}");
+                bonfire_collectives::fatal(&message);
                 std::process::exit(1);
             }
             FailurePolicy::Panic => panic!("{message}"),

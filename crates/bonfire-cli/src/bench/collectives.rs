@@ -226,7 +226,9 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
         "memcpy(GB/s)",
         "busbw/memcpy"
     );
+    let bar = super::sizes_bar(args.sizes.len(), quiet);
     for &requested in &args.sizes {
+        bar.set_message(size::format(requested));
         // Per-rank element count; the size is the whole (gathered / scattered) buffer.
         let count = match args.op {
             Op::AllGather => requested / (elem * n),
@@ -257,7 +259,9 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
                 },
             );
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     say!(
         "# time: the slowest rank's mean over the timed iterations. algbw = size / time; busbw = algbw x {:.3} ({}, as nccl-tests);",
         args.op.bus_factor(n),

@@ -140,7 +140,9 @@ fn run_on<R: CubeRuntime>(
         "# {:<30} {:>11} {:>11} {:>8} {:>10} {:>9}",
         "operation", "fused(us)", "burn(us)", "speedup", "GB/s", "vs copy"
     );
+    let bar = super::sizes_bar(args.sizes.len(), false);
     for &bytes in &args.sizes {
+        bar.set_message(size::format(bytes));
         let n = (bytes / 16 * 4).max(4);
         let iters = args
             .iters
@@ -293,7 +295,9 @@ fn run_on<R: CubeRuntime>(
             );
             row("unpack + scale", fused, burn_unpack, 2 * n * 4);
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     println!(
         "# fused: one bonfire-kernels launch per operation ([xN]: N vectors per unit; [auto]: chosen per launch); burn: the same result with Burn tensor ops (cat + mul, + cast; add + mul; slice + mul per buffer)."
     );

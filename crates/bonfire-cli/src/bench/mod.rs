@@ -35,3 +35,25 @@ impl Bench {
         }
     }
 }
+
+/// A bar on standard error over a benchmark's sizes, drawn only when the table on standard
+/// output goes to a file or a pipe and standard error is a terminal (on a terminal the rows
+/// themselves show the progress; in logs nothing is drawn).
+pub(crate) fn sizes_bar(sizes: usize, quiet: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if quiet || std::io::stdout().is_terminal() || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(sizes as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    // A constant template: it parses, so the fallback is never taken.
+    let style = indicatif::ProgressStyle::with_template(
+        "{spinner} measuring {msg:>9} [{bar:24}] {pos}/{len} sizes  {elapsed}",
+    )
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    bar.set_style(style.progress_chars("#>-"));
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}

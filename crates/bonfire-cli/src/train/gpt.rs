@@ -92,6 +92,9 @@ pub(crate) struct GptArgs {
     /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/gpt-N)
     #[arg(long)]
     resume: bool,
+    /// Draw loss.png with a logarithmic loss axis
+    #[arg(long)]
+    log_loss: bool,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint every rank can read [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -142,6 +145,7 @@ impl GptArgs {
             checkpoint_dir: self.checkpoint_dir.clone(),
             keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             max_restarts: self.max_restarts.unwrap_or(0),
+            log_loss: self.log_loss,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),

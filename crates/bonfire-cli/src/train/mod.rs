@@ -82,6 +82,9 @@ pub(crate) struct VisionArgs {
     /// Continue from the latest checkpoint of --checkpoint-dir (default: the newest ./runs/vision-N)
     #[arg(long)]
     resume: bool,
+    /// Draw loss.png with a logarithmic loss axis
+    #[arg(long)]
+    log_loss: bool,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint every rank can read [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -135,6 +138,7 @@ impl VisionArgs {
             checkpoint_dir: self.checkpoint_dir.clone(),
             keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             max_restarts: self.max_restarts.unwrap_or(0),
+            log_loss: self.log_loss,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -157,6 +161,9 @@ pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     v.push(s.data_dir.clone().into_os_string());
     if s.resume {
         v.push("--resume".into());
+    }
+    if s.log_loss {
+        v.push("--log-loss".into());
     }
 }
 

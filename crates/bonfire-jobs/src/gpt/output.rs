@@ -7,7 +7,7 @@ use std::time::Duration;
 use bonfire_datasets::text::CharCorpus;
 
 use super::{EvalRecord, GptReport, GptRunConfig, GptState};
-use crate::plot::{self, Series};
+use crate::plot::{self, Axes, Series};
 use crate::progress::clock;
 use crate::report::{checkpoints_line, data_parallel_lines};
 use crate::settings::Settings;
@@ -138,7 +138,7 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
 
 /// Draws the loss plot of the run so far into `dir`: rank 0's running training loss, and the
 /// training and validation losses at each evaluation, against the step.
-pub(super) fn write_plot(dir: &Path, state: &GptState) -> std::io::Result<()> {
+pub(super) fn write_plot(dir: &Path, state: &GptState, log_loss: bool) -> std::io::Result<()> {
     let curve: Vec<(f64, f64)> = state
         .history
         .iter()
@@ -155,8 +155,13 @@ pub(super) fn write_plot(dir: &Path, state: &GptState) -> std::io::Result<()> {
     let val = at_eval(|r| r.val_loss);
     plot::line_plot(
         &dir.join(PLOTS[0]),
-        "Loss (nats/char)",
-        "step",
+        &Axes {
+            title: "loss",
+            x: "step",
+            y: "cross-entropy (nats per character)",
+            y_range: None,
+            log_y: log_loss,
+        },
         &[
             Series {
                 name: "train (rank 0, running)",
@@ -177,6 +182,5 @@ pub(super) fn write_plot(dir: &Path, state: &GptState) -> std::io::Result<()> {
                 dots: true,
             },
         ],
-        None,
     )
 }

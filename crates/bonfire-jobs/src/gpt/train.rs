@@ -411,7 +411,7 @@ fn record_round<A: AutodiffBackend>(
         return Ok(());
     };
     let root = &ctx.settings().checkpoint_dir;
-    output::write_plot(root, state).map_err(|source| JobError::Plots {
+    output::write_plot(root, state, ctx.settings().log_loss).map_err(|source| JobError::Plots {
         dir: root.clone(),
         source,
     })?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use bonfire_datasets::ImageSet;
 
 use super::{EpochRecord, VisionReport, VisionState};
-use crate::plot::{self, Series};
+use crate::plot::{self, Axes, Series};
 use crate::progress::clock;
 use crate::report::{checkpoints_line, data_parallel_lines};
 use crate::settings::Settings;
@@ -94,7 +94,7 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
 }
 
 /// Draws the loss and accuracy plots of the run so far into `dir`.
-pub(super) fn write_plots(dir: &Path, state: &VisionState) -> std::io::Result<()> {
+pub(super) fn write_plots(dir: &Path, state: &VisionState, log_loss: bool) -> std::io::Result<()> {
     let curve: Vec<(f64, f64)> = state
         .history
         .iter()
@@ -114,8 +114,13 @@ pub(super) fn write_plots(dir: &Path, state: &VisionState) -> std::io::Result<()
     let green = [44, 160, 44];
     plot::line_plot(
         &dir.join(PLOTS[0]),
-        "Loss",
-        "epoch",
+        &Axes {
+            title: "loss",
+            x: "epoch",
+            y: "cross-entropy (nats)",
+            y_range: None,
+            log_y: log_loss,
+        },
         &[
             Series {
                 name: "train (rank 0, running)",
@@ -136,7 +141,6 @@ pub(super) fn write_plots(dir: &Path, state: &VisionState) -> std::io::Result<()
                 dots: true,
             },
         ],
-        None,
     )?;
     let train_acc = per_epoch(|r| 100.0 * r.train_accuracy);
     let test_acc = per_epoch(|r| 100.0 * r.test_accuracy);
@@ -147,8 +151,13 @@ pub(super) fn write_plots(dir: &Path, state: &VisionState) -> std::io::Result<()
         .fold(100.0, f64::min);
     plot::line_plot(
         &dir.join(PLOTS[1]),
-        "Accuracy (%)",
-        "epoch",
+        &Axes {
+            title: "accuracy",
+            x: "epoch",
+            y: "accuracy (%)",
+            y_range: Some(((lo - 1.0).floor().max(0.0), 100.0)),
+            log_y: false,
+        },
         &[
             Series {
                 name: "train",
@@ -163,6 +172,5 @@ pub(super) fn write_plots(dir: &Path, state: &VisionState) -> std::io::Result<()
                 dots: true,
             },
         ],
-        Some(((lo - 1.0).floor().max(0.0), 100.0)),
     )
 }

@@ -324,9 +324,11 @@ fn record_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         return Ok(());
     };
     let root = &ctx.settings().checkpoint_dir;
-    output::write_plots(root, state).map_err(|source| JobError::Plots {
-        dir: root.clone(),
-        source,
+    output::write_plots(root, state, ctx.settings().log_loss).map_err(|source| {
+        JobError::Plots {
+            dir: root.clone(),
+            source,
+        }
     })?;
     let r = state.history.last().expect("just recorded");
     let line = output::epoch_line(r, ctx.settings().epochs, &dir);

@@ -187,6 +187,11 @@ async fn dial_peer(
     match reply {
         Control::PeerWelcome { proof } if shared.secret.verify(ROLE_SERVER, &ex, &proof) => {
             let _ = send.finish();
+            tracing::debug!(
+                "rank {}: QUIC link to rank {} at {addr} up (both proved the job secret)",
+                shared.me,
+                entry.rank
+            );
             Ok(conn)
         }
         Control::PeerWelcome { .. } => Err(PeerDialError::BadProof),

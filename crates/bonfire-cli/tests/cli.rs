@@ -176,6 +176,96 @@ fn the_quic_bench_launches_itself_and_prints_rank_zeros_table() {
 }
 
 #[test]
+fn bonfire_log_turns_on_each_ranks_collective_traces_and_a_bad_filter_is_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bonfire"))
+        .args([
+            "bench",
+            "collectives",
+            "--transport",
+            "quic",
+            "--nproc",
+            "2",
+            "--sizes",
+            "1K",
+            "--iters",
+            "2",
+        ])
+        .env(
+            "BONFIRE_LOG",
+            "bonfire_collectives=debug,bonfire_transport=debug",
+        )
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for rank in 0..2 {
+        // One prefix per line (the launcher's), then the level and where the event comes from.
+        assert!(
+            stderr.contains(&format!(
+                "[rank {rank}] DEBUG bonfire_collectives::communicator: all_reduce #"
+            )),
+            "rank {rank}'s collective traces: {stderr}"
+        );
+        assert!(
+            !stderr.contains(&format!("[rank {rank}] [rank {rank}]")),
+            "{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("DEBUG bonfire_transport::job: rank 0: job transport up"),
+        "{stderr}"
+    );
+    // Without BONFIRE_LOG none of this is shown.
+    let quiet = bonfire(&[
+        "bench",
+        "collectives",
+        "--nproc",
+        "2",
+        "--sizes",
+        "1K",
+        "--iters",
+        "2",
+    ]);
+    assert!(
+        !text(&quiet.stderr).contains("DEBUG"),
+        "{}",
+        text(&quiet.stderr)
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_bonfire"))
+        .args(["doctor"])
+        .env("BONFIRE_LOG", "bonfire=loudly")
+        .output()
+        .unwrap();
+    assert_clean_failure(
+        &bad,
+        2,
+        "BONFIRE_LOG=\"bonfire=loudly\" is not a log filter",
+    );
+}
+
+#[test]
+fn doctor_lists_the_machine_and_fails_on_an_unreachable_master() {
+    let out = bonfire(&["doctor"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    for check in [
+        "cpu", "vulkan", "cuda", "/dev/shm", "port", "datasets", "npm", "pip",
+    ] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.split_whitespace().nth(1) == Some(check)),
+            "no {check} line: {stdout}"
+        );
+    }
+    assert!(stdout.contains("nothing essential is missing"), "{stdout}");
+    let free = bonfire::launch::free_local_port().unwrap();
+    let out = bonfire(&["doctor", "--master", &format!("127.0.0.1:{free}")]);
+    assert_clean_failure(&out, 1, "bonfire doctor: master failed");
+    assert!(text(&out.stdout).contains("FAIL  master    cannot connect to 127.0.0.1:"));
+}
+
+#[test]
 fn launch_runs_ranks_with_prefixed_output_and_names_a_failed_rank() {
     let bin = env!("CARGO_BIN_EXE_bonfire");
     let out = bonfire(&[

@@ -50,6 +50,9 @@ pub mod vars {
     pub const ADVERTISE_ADDR: &str = "BONFIRE_ADVERTISE_ADDR";
     /// The launcher's restart round.
     pub const RESTART_ROUND: &str = "BONFIRE_RESTART_ROUND";
+    /// Set to `1` by `bonfire launch` when it prefixes the rank's output lines itself, so the
+    /// rank's log lines carry no prefix of their own.
+    pub const OUTPUT_PREFIXED: &str = "BONFIRE_OUTPUT_PREFIXED";
 }
 
 /// Where the job description came from.

@@ -389,6 +389,8 @@ impl LocalRanks {
                 .stdin(Stdio::null());
             if c.prefix_output {
                 cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+                // The launcher prefixes every line; the rank's log lines need not.
+                cmd.env(vars::OUTPUT_PREFIXED, "1");
             }
             #[cfg(target_os = "linux")]
             {

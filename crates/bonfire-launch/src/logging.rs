@@ -53,8 +53,12 @@ pub fn filter_from_env() -> Result<EnvFilter, LogFilterError> {
 }
 
 /// The prefix of this process' lines: `[rank R] ` when `RANK` (or Slurm's `SLURM_PROCID`) names
-/// it one rank of several, else nothing.
+/// it one rank of several, else nothing (and nothing when `bonfire launch` prefixes the rank's
+/// lines itself).
 pub fn rank_prefix() -> String {
+    if std::env::var(crate::env::vars::OUTPUT_PREFIXED).is_ok_and(|v| v == "1") {
+        return String::new();
+    }
     let var = |names: &[&str]| {
         names
             .iter()

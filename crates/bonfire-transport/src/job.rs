@@ -95,7 +95,7 @@ impl JobTransport {
             .filter(|&r| lanes.out[r].is_some())
             .collect();
         tracing::debug!(
-            "rank {me}: job transport up: shared memory to ranks {local:?} of this host, QUIC to the others"
+            "{me}: job transport up: shared memory to ranks {local:?} of this host, QUIC to the others"
         );
         if let Some(why) = &lanes.fallback {
             // Said once per node, by its first rank.
@@ -104,7 +104,7 @@ impl JobTransport {
                 .find(|&r| nodes.node_of(r) == nodes.node_of(me));
             if first == Some(me) {
                 tracing::warn!(
-                    "rank {me}: shared memory is unavailable between some ranks of this host, which talk over QUIC instead ({why})"
+                    "{me}: shared memory is unavailable between some ranks of this host, which talk over QUIC instead ({why})"
                 );
             }
         }

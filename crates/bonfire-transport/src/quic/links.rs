@@ -188,7 +188,7 @@ async fn dial_peer(
         Control::PeerWelcome { proof } if shared.secret.verify(ROLE_SERVER, &ex, &proof) => {
             let _ = send.finish();
             tracing::debug!(
-                "rank {}: QUIC link to rank {} at {addr} up (both proved the job secret)",
+                "{}: QUIC link to rank {} at {addr} up (both proved the job secret)",
                 shared.me,
                 entry.rank
             );

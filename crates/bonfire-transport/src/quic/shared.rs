@@ -115,5 +115,5 @@ pub(crate) use crate::lock;
 
 /// A warning, for what happens off any caller's path (refused strangers, closed links).
 pub(crate) fn log(me: Rank, msg: impl std::fmt::Display) {
-    tracing::warn!("rank {me}: {msg}");
+    tracing::warn!("{me}: {msg}");
 }

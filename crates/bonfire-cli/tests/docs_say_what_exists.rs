@@ -460,7 +460,15 @@ fn commands(
         // `bonfire ...`, `target/release/bonfire ...`, `cargo run -p bonfire-cli -- ...`.
         let cargo_run =
             tok == "--" && tokens[..i].contains(&"bonfire-cli") && tokens[..i].contains(&"run");
-        if !(tok == "bonfire" || tok.ends_with("/bonfire") || cargo_run) {
+        // A command starts its line or span (after `VAR=value` settings, or a shell's `&&`);
+        // elsewhere "bonfire" is prose ("this bonfire was built without CUDA").
+        let starts = tokens[..i]
+            .iter()
+            .rev()
+            .take_while(|t| !matches!(**t, "&&" | ";" | "|" | "$"))
+            .all(|t| t.contains('='));
+        let binary = (tok == "bonfire" || tok.ends_with("/bonfire")) && starts;
+        if !(binary || cargo_run) {
             continue;
         }
         let start = i + 1;

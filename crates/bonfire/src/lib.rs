@@ -165,4 +165,12 @@ pub mod book {
     pub struct Hybrid;
     #[doc = include_str!("../../../book/src/failures.md")]
     pub struct Failures;
+    #[doc = include_str!("../../../book/src/getting-started.md")]
+    pub struct GettingStarted;
+    #[doc = include_str!("../../../book/src/porting.md")]
+    pub struct Porting;
+    #[doc = include_str!("../../../book/src/concepts.md")]
+    pub struct Concepts;
+    #[doc = include_str!("../../../book/src/troubleshooting.md")]
+    pub struct Troubleshooting;
 }

@@ -20,6 +20,11 @@ gathered from the set by index, the loss read back every step, and only the last
 timed (the earlier ones are the warm-up). Without it, the older loop: 10 warm-up steps, then
 `--steps` timed steps over slices of 16 pre-made batches, the loss never read.
 
+`--mnist DIR` (with `--epochs`) trains on the first batch x steps x ranks MNIST training images
+from the IDX files in DIR (bonfire's cache: ~/.cache/bonfire/datasets/mnist), normalised as
+bonfire does, instead of noise: with `--model resnet` the like-for-like peer of `bonfire train
+vision` (`benches/resnet_scaling.sh` runs both).
+
 `--device cuda` runs every rank on a GPU (rank i on GPU i % count), NCCL when each rank has a
 GPU of its own and gloo when ranks share one (NCCL refuses two ranks on one GPU); the timing then
 waits for the GPU before it stops the clock. The bundled ResNet on a GPU is the peer of
@@ -36,6 +41,9 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 def make_model(torch):
@@ -74,7 +82,7 @@ def make_resnet(torch, width=8):
     )
 
 
-def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", epochs=0):
+def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", epochs=0, mnist=None):
     import torch
     import torch.distributed as dist
 
@@ -97,7 +105,7 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", 
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     if epochs:
-        rate = run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev)
+        rate = run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev, mnist)
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -124,13 +132,34 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", 
     queue.put(steps * batch / elapsed)
 
 
-def run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev):
+def load_mnist(torch, root, size):
+    """The first `size` training images and labels of the MNIST IDX files in `root` (the files
+    bonfire's data set cache holds), normalised as bonfire normalises them."""
+    with open(os.path.join(root, "train-images-idx3-ubyte"), "rb") as f:
+        f.seek(16)
+        pixels = f.read(size * 28 * 28)
+    with open(os.path.join(root, "train-labels-idx1-ubyte"), "rb") as f:
+        f.seek(8)
+        marks = f.read(size)
+    if len(marks) < size:
+        raise SystemExit(f"ddp_mnist_style: {root} holds fewer than {size} training images")
+    images = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).float().div(255.0)
+    images = images.sub(MNIST_MEAN).div(MNIST_STD).reshape(size, 1, 28, 28)
+    labels = torch.frombuffer(bytearray(marks), dtype=torch.uint8).long()
+    return images, labels
+
+
+def run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev, mnist=None):
     """The example's loop: shuffled shard per epoch, gathered batches, loss read every step;
-    returns this rank's images/s over the last epoch."""
+    returns this rank's images/s over the last epoch. With `mnist` (a directory of the IDX
+    files), the images are MNIST's first batch x steps x ranks training images instead of noise."""
     g = torch.Generator().manual_seed(7)
     size = batch * steps * world
-    images = torch.rand(size, 1, 28, 28, generator=g)
-    labels = torch.randint(0, 10, (size,), generator=g)
+    if mnist:
+        images, labels = load_mnist(torch, mnist, size)
+    else:
+        images = torch.rand(size, 1, 28, 28, generator=g)
+        labels = torch.randint(0, 10, (size,), generator=g)
     rate = 0.0
     for epoch in range(epochs):
         order = torch.randperm(size, generator=torch.Generator().manual_seed(100 + epoch))
@@ -148,7 +177,7 @@ def run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, de
     return rate
 
 
-def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0):
+def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0, mnist=None):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -156,7 +185,7 @@ def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device, epochs)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device, epochs, mnist)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [queue.get(timeout=600) for _ in procs]
@@ -173,14 +202,17 @@ def main():
     ap.add_argument("--model", choices=["cnn", "resnet"], default="cnn")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=0)
+    ap.add_argument("--mnist", default=None, help="with --epochs: train on the MNIST IDX files in this directory")
     a = ap.parse_args()
+    if a.mnist and not a.epochs:
+        ap.error("--mnist needs --epochs")
     try:
         import torch  # noqa: F401
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
         return 0
-    one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs)
-    many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs)
+    one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
+    many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
     if a.device == "cuda":
         import torch
 

@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
-# Step-time overhead of DataParallel<Flex> at world size 1 against plain Flex (both under Autodiff),
-# alternating the two binaries ROUNDS times and reporting the median of their per-run medians.
+# What DataParallel costs per training step, measured in one build: Autodiff<DataParallel<Flex>>
+# at world size 1 running no bonfire code (the default) against the same binary with
+# BONFIRE_SYNC_ALONE=1, where every backward runs bonfire's whole gradient path (hook, buckets,
+# a one-rank all-reduce, write-back) without a peer to wait for. ROUNDS alternations, the median
+# of the per-run median step times; both must end with the same loss. PLAIN=1 adds plain Burn
+# (Autodiff<Flex>), which needs a second build without Burn's `distributed` feature: that column
+# compares two builds of Burn, not bonfire.
 set -euo pipefail
 cd "$(dirname "$0")"
-ROUNDS="${ROUNDS:-7}"; STEPS="${STEPS:-300}"; BATCH="${BATCH:-32}"
+ROUNDS="${ROUNDS:-7}"; STEPS="${STEPS:-300}"; BATCH="${BATCH:-32}"; PLAIN="${PLAIN:-0}"
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
-cargo build -q --release --target-dir target/plain
 cargo build -q --release --target-dir target/dp --features dp
-plain=(); dp=()
+[ "$PLAIN" = 1 ] && cargo build -q --release --target-dir target/plain
+bin=target/dp/release/dp-overhead-bench
+off=(); on=(); plain=(); exp=(); loss_off=""; loss_on=""
 for _ in $(seq "$ROUNDS"); do
-    plain+=("$(target/plain/release/dp-overhead-bench "$STEPS" "$BATCH" | awk '{print $2}')")
-    dp+=("$(target/dp/release/dp-overhead-bench "$STEPS" "$BATCH" | awk '{print $2}')")
+    read -r _ t _ loss_off buckets_off _ < <(BONFIRE_SYNC_ALONE=0 "$bin" "$STEPS" "$BATCH")
+    off+=("$t")
+    read -r _ t _ loss_on buckets_on exposed < <(BONFIRE_SYNC_ALONE=1 "$bin" "$STEPS" "$BATCH")
+    on+=("$t"); exp+=("$exposed")
+    if [ "$PLAIN" = 1 ]; then
+        read -r _ t _ _ _ _ < <(target/plain/release/dp-overhead-bench "$STEPS" "$BATCH")
+        plain+=("$t")
+    fi
 done
-python3 - "${plain[*]}" "${dp[*]}" <<'PY'
+[ "$buckets_off" = 0 ] || { echo "the pass-through all-reduced $buckets_off buckets" >&2; exit 1; }
+[ "$buckets_on" -gt 0 ] || { echo "BONFIRE_SYNC_ALONE=1 all-reduced no bucket" >&2; exit 1; }
+[ "$loss_off" = "$loss_on" ] || { echo "losses differ: $loss_off against $loss_on" >&2; exit 1; }
+python3 - "${off[*]}" "${on[*]}" "${plain[*]}" "$buckets_on" "$loss_on" "${exp[*]}" <<'PY'
 import statistics, sys
-p = [float(x) for x in sys.argv[1].split()]; d = [float(x) for x in sys.argv[2].split()]
-mp, md = statistics.median(p), statistics.median(d)
-print(f"plain Autodiff<Flex>:              median step {mp:.3f} ms  (runs {p})")
-print(f"Autodiff<DataParallel<Flex>> ws=1: median step {md:.3f} ms  (runs {d})")
-print(f"overhead: {100 * (md / mp - 1):+.2f}%")
+off = [float(x) for x in sys.argv[1].split()]; on = [float(x) for x in sys.argv[2].split()]
+m0, m1 = statistics.median(off), statistics.median(on)
+print(f"DataParallel<Flex> ws=1, pass-through:     median step {m0:.3f} ms  (runs {off})")
+print(f"DataParallel<Flex> ws=1, BONFIRE_SYNC_ALONE=1: median step {m1:.3f} ms  (runs {on})")
+print(f"bonfire's gradient path: {m1 - m0:+.3f} ms per step, {100 * (m1 / m0 - 1):+.2f}% "
+      f"({sys.argv[4]} buckets all-reduced in the last run; both end at loss {sys.argv[5]})")
+e = [float(x) for x in sys.argv[6].split()]
+print(f"of which the synchronisation after backward (exposed, mean per step): median {statistics.median(e):.3f} ms")
+if sys.argv[3]:
+    p = [float(x) for x in sys.argv[3].split()]
+    mp = statistics.median(p)
+    print(f"plain Autodiff<Flex> (another Burn build): median step {mp:.3f} ms  (runs {p})")
 PY

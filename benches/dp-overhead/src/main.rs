@@ -1,7 +1,9 @@
 //! Times training steps of the mnist-style example's model and data (the same source files) on
-//! `Autodiff<Flex>` or, with `--features dp`, `Autodiff<DataParallel<Flex>>` at world size 1 with
-//! its parameters replicated and marked, so every gradient hook fires. Prints one line:
-//! `<backend> <median step ms> <steps>`.
+//! `Autodiff<Flex>` or, with `--features dp`, `Autodiff<DataParallel<Flex>>` at world size 1
+//! after `bonfire::init()` and `bonfire::replicate`. With `BONFIRE_SYNC_ALONE=1` every backward
+//! runs bonfire's whole gradient path (the hook, buckets, a one-rank all-reduce, the write-back);
+//! without it, a job of one rank runs no bonfire code. Prints one line:
+//! `<backend> <median step ms> <steps> <last loss> <buckets all-reduced> <exposed ms per step>`.
 
 #[path = "../../../examples/mnist-style/src/data.rs"]
 mod data;
@@ -28,6 +30,11 @@ fn main() {
     let steps: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(200);
     let batch: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(32);
     let device = FlexDevice;
+    #[cfg(feature = "dp")]
+    let _world = bonfire::init().unwrap_or_else(|e| {
+        eprintln!("dp-overhead-bench: {e}");
+        std::process::exit(2)
+    });
     B::seed(&device, 42);
     let model = model::Cnn::<B>::new(&device);
     #[cfg(feature = "dp")]
@@ -55,8 +62,15 @@ fn main() {
         }
     }
     times.sort_by(f64::total_cmp);
+    // Buckets all-reduced, and the mean exposed synchronisation per synchronised step (ms).
+    #[cfg(feature = "dp")]
+    let (buckets, exposed) = bonfire::total_stats().map_or((0, 0.0), |s| {
+        (s.buckets, s.exposed.as_secs_f64() * 1e3 / s.steps.max(1) as f64)
+    });
+    #[cfg(not(feature = "dp"))]
+    let (buckets, exposed) = (0, 0.0);
     println!(
-        "{} {:.4} {} {last_loss:.5}",
+        "{} {:.4} {} {last_loss:.6} {buckets} {exposed:.4}",
         B::name(&device),
         times[times.len() / 2],
         steps

@@ -125,6 +125,20 @@ fn cnn_on_two_ranks_matches_one_rank_with_the_whole_batch() {
 }
 
 #[test]
+fn the_whole_path_at_world_size_one_leaves_training_unchanged() {
+    // `sync_alone`: hook, buckets and a one-rank all-reduce at world size 1 (the harness asserts
+    // that buckets were all-reduced); the parameters are those of the pass-through, bit for bit.
+    let batches = random_batches(9, STEPS, 8, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    let dp = DataParallelConfig {
+        sync_alone: true,
+        ..config()
+    };
+    let alone = data_parallel(1, SmallCnn::new, &batches, 1, dp);
+    assert_eq!(alone[0], reference, "sync_alone changed the training");
+}
+
+#[test]
 fn transformer_block_on_two_ranks_matches_one_rank() {
     let batches = random_batches(8, STEPS, 6, SmallTransformer::<DpFlex>::FEATURES, 5);
     let reference = single(SmallTransformer::new, &batches, 1);

@@ -42,6 +42,12 @@ pub struct DataParallelConfig {
     /// Pack and unpack buckets on the device with the fused kernels when the inner backend is a
     /// CubeCL one (wgpu, CUDA; default true). False reads and writes every gradient on its own.
     pub device_pack: bool,
+    /// Run the whole synchronisation path at world size 1 (default false): mark the parameters,
+    /// fire the gradient hook, plan and pack the buckets, all-reduce them over a group of one and
+    /// write the averages back, as every rank of several does. Off, a job of one rank runs no
+    /// bonfire code in backward. For measuring what the decorator itself costs
+    /// (`benches/dp-overhead`); the gradients are the same either way.
+    pub sync_alone: bool,
 }
 
 impl Default for DataParallelConfig {
@@ -52,20 +58,24 @@ impl Default for DataParallelConfig {
             grad_dtype: GradDType::F32,
             failure: FailurePolicy::Exit,
             device_pack: true,
+            sync_alone: false,
         }
     }
 }
 
 impl DataParallelConfig {
     /// The defaults, changed by `BONFIRE_BUCKET_CAP_MB` (a positive number, fractions allowed)
-    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`) and `BONFIRE_DEVICE_PACK` (`1` or `0`). A
-    /// malformed value is an error naming the variable.
+    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`), `BONFIRE_DEVICE_PACK` and `BONFIRE_SYNC_ALONE`
+    /// (`1` or `0`). A malformed value is an error naming the variable.
     pub fn from_env() -> Result<Self, ConfigError> {
         let cap = std::env::var("BONFIRE_BUCKET_CAP_MB").ok();
         let dtype = std::env::var("BONFIRE_GRAD_DTYPE").ok();
         let mut config = Self::from_vars(cap.as_deref(), dtype.as_deref())?;
         if let Ok(v) = std::env::var("BONFIRE_DEVICE_PACK") {
             config.device_pack = parse_switch(&v).ok_or(ConfigError::DevicePack { value: v })?;
+        }
+        if let Ok(v) = std::env::var("BONFIRE_SYNC_ALONE") {
+            config.sync_alone = parse_switch(&v).ok_or(ConfigError::SyncAlone { value: v })?;
         }
         Ok(config)
     }
@@ -128,6 +138,12 @@ pub enum ConfigError {
     /// `BONFIRE_DEVICE_PACK` is not a switch.
     #[error("BONFIRE_DEVICE_PACK={value:?}: expected 1 or 0")]
     DevicePack {
+        /// The value found.
+        value: String,
+    },
+    /// `BONFIRE_SYNC_ALONE` is not a switch.
+    #[error("BONFIRE_SYNC_ALONE={value:?}: expected 1 or 0")]
+    SyncAlone {
         /// The value found.
         value: String,
     },

@@ -20,7 +20,9 @@ use super::{local, sync};
 /// the first forward pass; call it again after loading a checkpoint on rank 0 only.
 ///
 /// At world size 1 it only registers the parameters, and leaves them unmarked: `DataParallel`
-/// is then a pure pass-through, with no hook in backward.
+/// is then a pure pass-through, with no hook in backward (unless
+/// [`DataParallelConfig::sync_alone`](crate::DataParallelConfig::sync_alone) asks for the whole
+/// path).
 ///
 /// A rank whose model differs (another architecture, other shapes) fails with an error naming
 /// it, on every rank (see [`crate::FailurePolicy`]).
@@ -221,8 +223,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
             tensor
         };
         // At world size 1 the parameters stay unmarked: Burn's hook machinery costs time in
-        // every backward, and there is nothing to average (`accumulate` marks them if needed).
-        let tensor = if rep.comm.size() > 1 {
+        // every backward, and there is nothing to average (`accumulate` marks them if needed),
+        // unless the configuration asks for the whole path (`sync_alone`, to measure it).
+        let tensor = if rep.comm.size() > 1 || rep.config.sync_alone {
             tensor.set_distributed(DistributedParamId::from(id.val()))
         } else {
             tensor

@@ -15,13 +15,14 @@ cargo build -q --release --target-dir target/dp --features dp
 bin=target/dp/release/dp-overhead-bench
 off=(); on=(); plain=(); exp=(); loss_off=""; loss_on=""
 for _ in $(seq "$ROUNDS"); do
-    read -r _ t _ loss_off buckets_off _ < <(BONFIRE_SYNC_ALONE=0 "$bin" "$STEPS" "$BATCH")
-    off+=("$t")
-    read -r _ t _ loss_on buckets_on exposed < <(BONFIRE_SYNC_ALONE=1 "$bin" "$STEPS" "$BATCH")
-    on+=("$t"); exp+=("$exposed")
+    # An assignment, so that a failing run stops the script (set -e).
+    line=$(BONFIRE_SYNC_ALONE=0 "$bin" "$STEPS" "$BATCH")
+    read -r _ t _ loss_off buckets_off _ <<< "$line"; off+=("$t")
+    line=$(BONFIRE_SYNC_ALONE=1 "$bin" "$STEPS" "$BATCH")
+    read -r _ t _ loss_on buckets_on exposed <<< "$line"; on+=("$t"); exp+=("$exposed")
     if [ "$PLAIN" = 1 ]; then
-        read -r _ t _ _ _ _ < <(target/plain/release/dp-overhead-bench "$STEPS" "$BATCH")
-        plain+=("$t")
+        line=$(target/plain/release/dp-overhead-bench "$STEPS" "$BATCH")
+        read -r _ t _ <<< "$line"; plain+=("$t")
     fi
 done
 [ "$buckets_off" = 0 ] || { echo "the pass-through all-reduced $buckets_off buckets" >&2; exit 1; }

@@ -38,6 +38,12 @@ impl Replica {
         })
     }
 
+    /// Whether every backward runs the gradient path (hook, buckets, all-reduce): with peers, or
+    /// alone when the configuration asks for it (`sync_alone`). Otherwise a pass-through.
+    pub(crate) fn synchronises(&self) -> bool {
+        self.comm.size() > 1 || self.config.sync_alone
+    }
+
     /// The state, even after a panic on another thread left the lock poisoned.
     pub(crate) fn state(&self) -> MutexGuard<'_, SyncState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())

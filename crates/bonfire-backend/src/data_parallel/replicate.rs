@@ -225,7 +225,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
         // At world size 1 the parameters stay unmarked: Burn's hook machinery costs time in
         // every backward, and there is nothing to average (`accumulate` marks them if needed),
         // unless the configuration asks for the whole path (`sync_alone`, to measure it).
-        let tensor = if rep.comm.size() > 1 || rep.config.sync_alone {
+        let tensor = if rep.synchronises() {
             tensor.set_distributed(DistributedParamId::from(id.val()))
         } else {
             tensor

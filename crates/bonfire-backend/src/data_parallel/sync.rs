@@ -87,7 +87,7 @@ fn check_agreement(agreement: Agreement, rep: &Replica) {
 /// `register_sync_parameters`: backward is starting over these parameters.
 pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
     let mut st = rep.state();
-    if quiet() || (rep.comm.size() == 1 && st.accum.is_none() && !rep.config.sync_alone) {
+    if quiet() || (!rep.synchronises() && st.accum.is_none()) {
         // `accumulate`'s own backward, or a pass-through: nothing to average, nothing
         // accumulated.
         st.step = None;

@@ -8,6 +8,7 @@ Run it after changing the pinned Burn version, or after adding or removing a han
 
     python3 crates/bonfire-backend/gen/passthrough.py            # every decorator
     python3 crates/bonfire-backend/gen/passthrough.py tensor_parallel
+    python3 crates/bonfire-backend/gen/passthrough.py counting   # bonfire-testkit's op counter
 
 It reads the trait sources of the burn-backend crate that Cargo resolved for this workspace
 (`cargo metadata`), so the output always matches the pinned version.
@@ -43,18 +44,20 @@ TRAITS = [
 
 # The types generic over the backend itself (not over its primitives), which every decorator
 # converts, whatever its primitives. Arguments: `{a}` is the argument, `{op}` the method's name.
+# `{tf}` is the conversion functions' type arguments: the decorator and its inner backend for
+# those that keep the inner primitives (`crate::passthrough`), the inner backend for the others.
 STRUCTS_IN = {
-    "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<I>({a})",
-    "TransactionPrimitive<Self>": "{conv}::transaction_in::<I>({a})",
-    "TensorPrimitive<Self>": "{conv}::primitive_in::<I>({a})",
+    "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<{tf}>({a})",
+    "TransactionPrimitive<Self>": "{conv}::transaction_in::<{tf}>({a})",
+    "TensorPrimitive<Self>": "{conv}::primitive_in::<{tf}>({a})",
 }
 STRUCTS_OUT = {
-    "TensorPrimitive<Self>": "{conv}::primitive_out::<I>({c})",
-    "MaxPool1dWithIndices<Self>": "{conv}::max_pool1d_indices_out::<I>({c})",
-    "MaxPool2dWithIndices<Self>": "{conv}::max_pool2d_indices_out::<I>({c})",
-    "MaxPool1dBackward<Self>": "{conv}::max_pool1d_backward_out::<I>({c})",
-    "MaxPool2dBackward<Self>": "{conv}::max_pool2d_backward_out::<I>({c})",
-    "DeformConv2dBackward<Self>": "{conv}::deform_conv2d_backward_out::<I>({c})",
+    "TensorPrimitive<Self>": "{conv}::primitive_out::<{tf}>({c})",
+    "MaxPool1dWithIndices<Self>": "{conv}::max_pool1d_indices_out::<{tf}>({c})",
+    "MaxPool2dWithIndices<Self>": "{conv}::max_pool2d_indices_out::<{tf}>({c})",
+    "MaxPool1dBackward<Self>": "{conv}::max_pool1d_backward_out::<{tf}>({c})",
+    "MaxPool2dBackward<Self>": "{conv}::max_pool2d_backward_out::<{tf}>({c})",
+    "DeformConv2dBackward<Self>": "{conv}::deform_conv2d_backward_out::<{tf}>({c})",
 }
 
 DECORATORS = {
@@ -63,7 +66,8 @@ DECORATORS = {
         "type": "DataParallel",
         "module": "crate::data_parallel",
         "dir": "src/data_parallel/ops",
-        "conv": "crate::data_parallel::convert",
+        "conv": "crate::passthrough",
+        "tf": "Self, I",
         "rules_dir": None,
         # Its primitives are the inner backend's: float tensors pass as they are.
         "float_is_inner": True,
@@ -77,23 +81,52 @@ DECORATORS = {
         "module": "crate::tensor_parallel",
         "dir": "src/tensor_parallel/ops",
         "conv": "crate::tensor_parallel::fallback",
+        "tf": "I",
         "rules_dir": "src/tensor_parallel/rules",
+        # In a group of one (or none) every placement holds the whole tensor: a method with a
+        # rule calls the inner backend's method of the same name instead, so that the inner
+        # backend sees exactly the calls plain `Autodiff<I>` would make (bonfire-jobs' test
+        # `no_hidden_arithmetic`). Methods that take a tensor by reference or return a future
+        # keep their rule (those rules forward to the inner method themselves).
+        "alone": {
+            "check": "crate::tensor_parallel::context::alone()",
+            "args": {
+                "FloatTensor<Self>": "{conv}::alone::<{tf}>({a})",
+                "Option<FloatTensor<Self>>": "{a}.map({conv}::alone::<{tf}>)",
+                "Vec<FloatTensor<Self>>": "{a}.into_iter().map({conv}::alone::<{tf}>).collect()",
+            },
+        },
         "float_is_inner": False,
         "args": {
             # Float data inside them is gathered, and counted under the method's name.
-            "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<I>({a}, \"{op}\")",
-            "TransactionPrimitive<Self>": "{conv}::transaction_in::<I>({a}, \"{op}\")",
-            "TensorPrimitive<Self>": "{conv}::primitive_in::<I>({a}, \"{op}\")",
-            "FloatTensor<Self>": "{conv}::full::<I>({a}, \"{op}\")",
-            "Option<FloatTensor<Self>>": "{a}.map(|t| {conv}::full::<I>(t, \"{op}\"))",
-            "Vec<FloatTensor<Self>>": "{conv}::full_all::<I>({a}, \"{op}\")",
+            "QuantizationParametersPrimitive<Self>": "{conv}::qparams_in::<{tf}>({a}, \"{op}\")",
+            "TransactionPrimitive<Self>": "{conv}::transaction_in::<{tf}>({a}, \"{op}\")",
+            "TensorPrimitive<Self>": "{conv}::primitive_in::<{tf}>({a}, \"{op}\")",
+            "FloatTensor<Self>": "{conv}::full::<{tf}>({a}, \"{op}\")",
+            "Option<FloatTensor<Self>>": "{a}.map(|t| {conv}::full::<{tf}>(t, \"{op}\"))",
+            "Vec<FloatTensor<Self>>": "{conv}::full_all::<{tf}>({a}, \"{op}\")",
         },
         "results": {
             **STRUCTS_OUT,
-            "FloatTensor<Self>": "{conv}::replicated::<I>({c})",
-            "(FloatTensor<Self>, IntTensor<Self>)": "{conv}::replicated_first::<I, _>({c})",
-            "(FloatTensor<Self>, FloatTensor<Self>)": "{conv}::replicated_pair::<I>({c})",
+            "FloatTensor<Self>": "{conv}::replicated::<{tf}>({c})",
+            "(FloatTensor<Self>, IntTensor<Self>)": "{conv}::replicated_first::<{tf}, _>({c})",
+            "(FloatTensor<Self>, FloatTensor<Self>)": "{conv}::replicated_pair::<{tf}>({c})",
         },
+    },
+    # bonfire-testkit's op counter: changes no op, and counts each call by the method's name before
+    # it forwards (the check that a decorator stack runs exactly the inner ops of its backend).
+    "counting": {
+        "type": "Counting",
+        "crate": "../bonfire-testkit",
+        "module": "crate::counting",
+        "dir": "src/counting/ops",
+        "conv": "bonfire_backend::passthrough",
+        "tf": "Self, I",
+        "rules_dir": None,
+        "float_is_inner": True,
+        "args": dict(STRUCTS_IN),
+        "results": dict(STRUCTS_OUT),
+        "before": "crate::counting::count(\"{op}\");",
     },
 }
 
@@ -239,7 +272,7 @@ def convert(dec, table, t, op, **names):
     """The conversion of a value of Self-type `t`: a Rust expression, None when the decorator's
     and the inner backend's types are the same, False when the script does not know."""
     if t in table:
-        return table[t].format(conv=dec["conv"], op=op, **names)
+        return table[t].format(conv=dec["conv"], tf=dec["tf"], op=op, **names)
     if "Self" not in t or SAME_EVERYWHERE.match(t):
         return None
     if dec["float_is_inner"] and SAME_EVERYWHERE.match(t.replace("FloatTensor<Self>", "IntTensor<Self>")):
@@ -263,6 +296,24 @@ def imports(text):
     return lines
 
 
+def forward(key, dec, arg_table, name, args, rtype):
+    """The call of the inner backend's `name`, arguments converted by `arg_table` and the result
+    by the decorator's `results` table."""
+    call_args = []
+    for n, t in args:
+        c = convert(dec, arg_table, self_type(t), name, a=n)
+        if c is False:
+            sys.exit(f"{key}: {name}: no conversion for argument type {self_type(t)}; write a rule")
+        call_args.append(c or n)
+    call = f"I::{name}({', '.join(call_args)})"
+    if rtype:
+        c = convert(dec, dec["results"], rtype, name, c=call)
+        if c is False:
+            sys.exit(f"{key}: {name}: no conversion for result type {rtype}; write a rule")
+        call = c or call
+    return call
+
+
 def generate(key, dec, ops, version, crate_dir):
     rules = rules_of(crate_dir, dec["rules_dir"])
     used = set()
@@ -278,25 +329,25 @@ def generate(key, dec, ops, version, crate_dir):
             params = ", ".join(f"{n}: {self_type(t)}" for n, t in args)
             rtype = self_type(ret) if ret else None
             arrow = f" -> {rtype}" if rtype else ""
+            guard = None
             if name in rules:
                 used.add(name)
                 counts["rule"] += 1
                 call = f"{dec['module']}::rules::{name}::<I>({', '.join(n for n, _ in args)})"
+                alone = dec.get("alone")
+                by_ref = any(self_type(t).startswith("&") and "FloatTensor" in t for _, t in args)
+                if alone and not by_ref and not (rtype or "").startswith("impl "):
+                    inner = forward(key, dec, alone["args"], name, args, rtype)
+                    guard = f"if {alone['check']} {{ return {inner}; }}"
+                    counts["alone"] = counts.get("alone", 0) + 1
             else:
                 counts["default"] += 1
-                call_args = []
-                for n, t in args:
-                    c = convert(dec, dec["args"], self_type(t), name, a=n)
-                    if c is False:
-                        sys.exit(f"{key}: {name}: no conversion for argument type {self_type(t)}; write a rule")
-                    call_args.append(c or n)
-                call = f"I::{name}({', '.join(call_args)})"
-                if rtype:
-                    c = convert(dec, dec["results"], rtype, name, c=call)
-                    if c is False:
-                        sys.exit(f"{key}: {name}: no conversion for result type {rtype}; write a rule")
-                    call = c or call
+                call = forward(key, dec, dec["args"], name, args, rtype)
             body.append(f"    fn {name}{generics}({params}){arrow} {{")
+            if guard:
+                body.append(f"        {guard}")
+            if dec.get("before"):
+                body.append("        " + dec["before"].format(op=name))
             body.append(f"        {call}")
             body.append("    }")
         body.append("}")
@@ -321,7 +372,8 @@ def generate(key, dec, ops, version, crate_dir):
     subprocess.check_call(["rustfmt", "--edition", "2024", *written])
     print(
         f"{key}: wrote {len(written)} files in {dec['dir']}: "
-        f"{counts['rule']} methods by hand-written rules, {counts['default']} by default"
+        f"{counts['rule']} methods by hand-written rules ({counts.get('alone', 0)} of them forwarded "
+        f"in a group of one), {counts['default']} by default"
     )
 
 
@@ -333,10 +385,10 @@ def main():
         if key not in DECORATORS:
             sys.exit(f"unknown decorator {key}; known: {', '.join(DECORATORS)}")
         dec = DECORATORS[key]
-        if dec["rules_dir"] and not os.path.isdir(os.path.join(crate_dir, dec["rules_dir"])):
+        if dec["rules_dir"] and not os.path.isdir(os.path.join(crate_dir, dec.get("crate", "."), dec["rules_dir"])):
             print(f"{key}: skipped ({dec['rules_dir']} does not exist yet)")
             continue
-        generate(key, dec, ops, version, crate_dir)
+        generate(key, dec, ops, version, os.path.normpath(os.path.join(crate_dir, dec.get("crate", "."))))
 
 
 if __name__ == "__main__":

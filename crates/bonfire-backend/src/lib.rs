@@ -21,6 +21,8 @@
 //! in `DataParallel` (at world size 1 it is a pass-through that computes exactly what `B` does).
 
 mod data_parallel;
+#[doc(hidden)]
+pub mod passthrough;
 pub mod tensor_parallel;
 
 pub use data_parallel::{

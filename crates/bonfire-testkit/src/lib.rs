@@ -18,6 +18,7 @@
 
 pub mod calls;
 mod chaos;
+pub mod counting;
 pub mod learn;
 pub mod nets;
 pub mod oracle;

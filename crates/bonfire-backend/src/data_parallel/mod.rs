@@ -13,7 +13,6 @@ mod backend;
 mod buffers;
 mod config;
 mod context;
-mod convert;
 mod device_pack;
 mod distributed;
 mod error;

@@ -226,6 +226,19 @@ pub(crate) fn current() -> Option<Arc<TpRank>> {
     PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// Whether the calling thread's group has one rank, or there is none: every placement then holds
+/// the whole tensor, and the ops call the inner backend's own methods (see `gen/passthrough.py`).
+pub(crate) fn alone() -> bool {
+    if let Some(size) = THREAD.with(|t| t.borrow().as_ref().map(|r| r.size())) {
+        return size == 1;
+    }
+    PROCESS
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_none_or(|r| r.size() == 1)
+}
+
 /// The communicator of the calling thread's group, if one is bound or installed.
 pub fn group() -> Option<Communicator> {
     current().map(|r| r.comm.clone())

@@ -13,11 +13,21 @@ use burn_backend::{Backend, TensorPrimitive};
 
 use super::TensorParallel;
 use super::redistribute::{Why, whole};
-use super::tensor::TpTensor;
+use super::tensor::{Repr, TpTensor};
 
 /// `t` whole, for the inner backend's `op`.
 pub(crate) fn full<I: Backend>(t: TpTensor<I>, op: &'static str) -> FloatTensor<I> {
     whole::<I>(t, Why::Fallback(op))
+}
+
+/// `t` as the inner backend's tensor in a group of one, where a split holds the whole tensor: no
+/// communication, no fallback counted. (A constant or a pending sum made before the group became
+/// one rank is made whole as usual.)
+pub(crate) fn alone<I: Backend>(t: TpTensor<I>) -> FloatTensor<I> {
+    match t.repr {
+        Repr::Local { tensor, .. } => tensor,
+        _ => whole::<I>(t, Why::Read),
+    }
 }
 
 /// Every tensor of `ts` whole, for the inner backend's `op`.

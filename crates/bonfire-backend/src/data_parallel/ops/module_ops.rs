@@ -121,7 +121,7 @@ impl<I: Backend> ModuleOps<Self> for DataParallel<I> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
-        crate::data_parallel::convert::deform_conv2d_backward_out::<I>(I::deform_conv2d_backward(
+        crate::passthrough::deform_conv2d_backward_out::<Self, I>(I::deform_conv2d_backward(
             x,
             offset,
             weight,
@@ -367,7 +367,7 @@ impl<I: Backend> ModuleOps<Self> for DataParallel<I> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
-        crate::data_parallel::convert::max_pool1d_indices_out::<I>(I::max_pool1d_with_indices(
+        crate::passthrough::max_pool1d_indices_out::<Self, I>(I::max_pool1d_with_indices(
             x,
             kernel_size,
             stride,
@@ -386,18 +386,16 @@ impl<I: Backend> ModuleOps<Self> for DataParallel<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
-        crate::data_parallel::convert::max_pool1d_backward_out::<I>(
-            I::max_pool1d_with_indices_backward(
-                x,
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-                output_grad,
-                indices,
-            ),
-        )
+        crate::passthrough::max_pool1d_backward_out::<Self, I>(I::max_pool1d_with_indices_backward(
+            x,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+            output_grad,
+            indices,
+        ))
     }
     fn max_pool2d(
         x: FloatTensor<Self>,
@@ -417,7 +415,7 @@ impl<I: Backend> ModuleOps<Self> for DataParallel<I> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
-        crate::data_parallel::convert::max_pool2d_indices_out::<I>(I::max_pool2d_with_indices(
+        crate::passthrough::max_pool2d_indices_out::<Self, I>(I::max_pool2d_with_indices(
             x,
             kernel_size,
             stride,
@@ -436,18 +434,16 @@ impl<I: Backend> ModuleOps<Self> for DataParallel<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
-        crate::data_parallel::convert::max_pool2d_backward_out::<I>(
-            I::max_pool2d_with_indices_backward(
-                x,
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-                output_grad,
-                indices,
-            ),
-        )
+        crate::passthrough::max_pool2d_backward_out::<Self, I>(I::max_pool2d_with_indices_backward(
+            x,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+            output_grad,
+            indices,
+        ))
     }
     fn interpolate(
         x: FloatTensor<Self>,

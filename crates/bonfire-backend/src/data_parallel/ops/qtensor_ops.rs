@@ -21,7 +21,7 @@ impl<I: Backend> QTensorOps<Self> for DataParallel<I> {
         I::quantize(
             tensor,
             scheme,
-            crate::data_parallel::convert::qparams_in::<I>(qparams),
+            crate::passthrough::qparams_in::<Self, I>(qparams),
         )
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
@@ -100,127 +100,127 @@ impl<I: Backend> QTensorOps<Self> for DataParallel<I> {
         I::q_repeat_dim(tensor, dim, times)
     }
     fn q_add(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_add(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_add(lhs, rhs))
     }
     fn q_add_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_add_scalar(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_add_scalar(lhs, rhs))
     }
     fn q_clamp_min(tensor: QuantizedTensor<Self>, min: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_clamp_min(tensor, min))
+        crate::passthrough::primitive_out::<Self, I>(I::q_clamp_min(tensor, min))
     }
     fn q_clamp_max(tensor: QuantizedTensor<Self>, max: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_clamp_max(tensor, max))
+        crate::passthrough::primitive_out::<Self, I>(I::q_clamp_max(tensor, max))
     }
     fn q_clamp(tensor: QuantizedTensor<Self>, min: Scalar, max: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_clamp(tensor, min, max))
+        crate::passthrough::primitive_out::<Self, I>(I::q_clamp(tensor, min, max))
     }
     fn q_sub(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sub(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sub(lhs, rhs))
     }
     fn q_sub_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sub_scalar(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sub_scalar(lhs, rhs))
     }
     fn q_mul(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_mul(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_mul(lhs, rhs))
     }
     fn q_mul_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_mul_scalar(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_mul_scalar(lhs, rhs))
     }
     fn q_div(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_div(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_div(lhs, rhs))
     }
     fn q_div_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_div_scalar(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_div_scalar(lhs, rhs))
     }
     fn q_matmul(lhs: TensorPrimitive<Self>, rhs: TensorPrimitive<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_matmul(
-            crate::data_parallel::convert::primitive_in::<I>(lhs),
-            crate::data_parallel::convert::primitive_in::<I>(rhs),
+        crate::passthrough::primitive_out::<Self, I>(I::q_matmul(
+            crate::passthrough::primitive_in::<Self, I>(lhs),
+            crate::passthrough::primitive_in::<Self, I>(rhs),
         ))
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_neg(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_neg(tensor))
     }
     fn q_recip(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_recip(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_recip(tensor))
     }
     fn q_sum(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sum(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sum(tensor))
     }
     fn q_sum_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sum_dim(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sum_dim(tensor, dim))
     }
     fn q_prod(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_prod(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_prod(tensor))
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_prod_dim(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_prod_dim(tensor, dim))
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_mean(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_mean(tensor))
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_mean_dim(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_mean_dim(tensor, dim))
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cumsum(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cumsum(tensor, dim))
     }
     fn q_cumprod(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cumprod(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cumprod(tensor, dim))
     }
     fn q_cummin(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cummin(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cummin(tensor, dim))
     }
     fn q_cummax(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cummax(tensor, dim))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cummax(tensor, dim))
     }
     fn q_exp(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_exp(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_exp(tensor))
     }
     fn q_log(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_log(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_log(tensor))
     }
     fn q_log1p(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_log1p(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_log1p(tensor))
     }
     fn q_powf(lhs: QuantizedTensor<Self>, rhs: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_powf(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_powf(lhs, rhs))
     }
     fn q_powi(lhs: QuantizedTensor<Self>, rhs: IntTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_powi(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_powi(lhs, rhs))
     }
     fn q_powi_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_powi_scalar(lhs, rhs))
+        crate::passthrough::primitive_out::<Self, I>(I::q_powi_scalar(lhs, rhs))
     }
     fn q_powf_scalar(tensor: QuantizedTensor<Self>, value: Scalar) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_powf_scalar(tensor, value))
+        crate::passthrough::primitive_out::<Self, I>(I::q_powf_scalar(tensor, value))
     }
     fn q_sqrt(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sqrt(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sqrt(tensor))
     }
     fn q_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         I::q_abs(tensor)
     }
     fn q_cos(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cos(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cos(tensor))
     }
     fn q_sin(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sin(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sin(tensor))
     }
     fn q_tan(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_tan(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_tan(tensor))
     }
     fn q_cosh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_cosh(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_cosh(tensor))
     }
     fn q_sinh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_sinh(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_sinh(tensor))
     }
     fn q_tanh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_tanh(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_tanh(tensor))
     }
     fn q_erf(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        crate::data_parallel::convert::primitive_out::<I>(I::q_erf(tensor))
+        crate::passthrough::primitive_out::<Self, I>(I::q_erf(tensor))
     }
     fn q_cat(tensors: Vec<QuantizedTensor<Self>>, dim: usize) -> QuantizedTensor<Self> {
         I::q_cat(tensors, dim)

@@ -11,8 +11,6 @@ impl<I: Backend> TransactionOps<Self> for DataParallel<I> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
     ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
-        I::tr_execute(crate::data_parallel::convert::transaction_in::<I>(
-            transaction,
-        ))
+        I::tr_execute(crate::passthrough::transaction_in::<Self, I>(transaction))
     }
 }

@@ -9,15 +9,37 @@ use crate::tensor_parallel::TensorParallel;
 
 impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::leaky_relu(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                negative_slope,
+            ));
+        }
         crate::tensor_parallel::rules::leaky_relu::<I>(tensor, negative_slope)
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::relu(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::relu::<I>(tensor)
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::relu_backward(
+                crate::tensor_parallel::fallback::alone::<I>(output),
+                crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
         crate::tensor_parallel::rules::relu_backward::<I>(output, grad)
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::gelu(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::gelu::<I>(tensor)
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -27,30 +49,83 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
         ))
     }
     fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::gelu_backward(
+                crate::tensor_parallel::fallback::alone::<I>(x),
+                crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
         crate::tensor_parallel::rules::gelu_backward::<I>(x, grad)
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::sigmoid::<I>(tensor)
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid_backward(
+                crate::tensor_parallel::fallback::alone::<I>(output),
+                crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
         crate::tensor_parallel::rules::sigmoid_backward::<I>(output, grad)
     }
     fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::hard_sigmoid(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                alpha,
+                beta,
+            ));
+        }
         crate::tensor_parallel::rules::hard_sigmoid::<I>(tensor, alpha, beta)
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_sigmoid(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::log_sigmoid::<I>(tensor)
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::softmax(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::softmax::<I>(tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_softmax(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::log_softmax::<I>(tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::softmin(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::softmin::<I>(tensor, dim)
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_sigmoid_backward(
+                crate::tensor_parallel::fallback::alone::<I>(x),
+                crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
         crate::tensor_parallel::rules::log_sigmoid_backward::<I>(x, grad)
     }
 }

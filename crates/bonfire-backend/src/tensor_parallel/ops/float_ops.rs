@@ -10,6 +10,11 @@ use crate::tensor_parallel::TensorParallel;
 
 impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_from_data(
+                data, device,
+            ));
+        }
         crate::tensor_parallel::rules::float_from_data::<I>(data, device)
     }
     fn float_random(
@@ -18,12 +23,30 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_random(
+                shape,
+                distribution,
+                device,
+                dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_random::<I>(shape, distribution, device, dtype)
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_zeros(
+                shape, device, dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_zeros::<I>(shape, device, dtype)
     }
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_ones(
+                shape, device, dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_ones::<I>(shape, device, dtype)
     }
     fn float_full(
@@ -32,6 +55,11 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_full(
+                shape, fill_value, device, dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_full::<I>(shape, fill_value, device, dtype)
     }
     fn float_into_data(
@@ -43,6 +71,12 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         crate::tensor_parallel::rules::float_device::<I>(tensor)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_to_device(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                device,
+            ));
+        }
         crate::tensor_parallel::rules::float_to_device::<I>(tensor, device)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
@@ -52,6 +86,11 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         )
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_empty(
+                shape, device, dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_empty::<I>(shape, device, dtype)
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
@@ -62,45 +101,130 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_add(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_add::<I>(lhs, rhs)
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_add_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_add_scalar::<I>(lhs, rhs)
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp_min(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                min,
+            ));
+        }
         crate::tensor_parallel::rules::float_clamp_min::<I>(tensor, min)
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp_max(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                max,
+            ));
+        }
         crate::tensor_parallel::rules::float_clamp_max::<I>(tensor, max)
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                min,
+                max,
+            ));
+        }
         crate::tensor_parallel::rules::float_clamp::<I>(tensor, min, max)
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sub(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_sub::<I>(lhs, rhs)
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sub_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_sub_scalar::<I>(lhs, rhs)
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mul(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_mul::<I>(lhs, rhs)
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mul_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_mul_scalar::<I>(lhs, rhs)
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_div(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_div::<I>(lhs, rhs)
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_div_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_div_scalar::<I>(lhs, rhs)
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_remainder(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_remainder::<I>(lhs, rhs)
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_remainder_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_remainder_scalar::<I>(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_matmul(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_matmul::<I>(lhs, rhs)
     }
     fn float_cross(
@@ -115,18 +239,46 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_neg(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_neg::<I>(tensor)
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_recip(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_recip::<I>(tensor)
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_transpose(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_transpose::<I>(tensor)
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_swap_dims(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim1,
+                dim2,
+            ));
+        }
         crate::tensor_parallel::rules::float_swap_dims::<I>(tensor, dim1, dim2)
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_permute(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                axes,
+            ));
+        }
         crate::tensor_parallel::rules::float_permute::<I>(tensor, axes)
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
@@ -136,6 +288,12 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_reshape(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                shape,
+            ));
+        }
         crate::tensor_parallel::rules::float_reshape::<I>(tensor, shape)
     }
     fn float_gather(
@@ -143,6 +301,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_gather(
+                dim,
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::float_gather::<I>(dim, tensor, indices)
     }
     fn float_scatter_add(
@@ -182,6 +347,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_select(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::float_select::<I>(tensor, dim, indices)
     }
     fn float_select_add(
@@ -190,9 +362,23 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_select_add(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+                indices,
+                crate::tensor_parallel::fallback::alone::<I>(value),
+            ));
+        }
         crate::tensor_parallel::rules::float_select_add::<I>(tensor, dim, indices, value)
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                slices,
+            ));
+        }
         crate::tensor_parallel::rules::float_slice::<I>(tensor, slices)
     }
     fn float_slice_assign(
@@ -200,6 +386,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice_assign(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                slices,
+                crate::tensor_parallel::fallback::alone::<I>(value),
+            ));
+        }
         crate::tensor_parallel::rules::float_slice_assign::<I>(tensor, slices, value)
     }
     fn float_mask_where(
@@ -207,6 +400,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mask_where(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                mask,
+                crate::tensor_parallel::fallback::alone::<I>(value),
+            ));
+        }
         crate::tensor_parallel::rules::float_mask_where::<I>(tensor, mask, value)
     }
     fn float_mask_fill(
@@ -214,6 +414,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mask_fill(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                mask,
+                value,
+            ));
+        }
         crate::tensor_parallel::rules::float_mask_fill::<I>(tensor, mask, value)
     }
     fn float_equal(
@@ -349,18 +556,40 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         )
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_detach(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_detach::<I>(tensor)
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, require_grad: bool) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_set_require_grad(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                require_grad,
+            ));
+        }
         crate::tensor_parallel::rules::float_set_require_grad::<I>(tensor, require_grad)
     }
     fn float_is_require_grad(tensor: &FloatTensor<Self>) -> bool {
         crate::tensor_parallel::rules::float_is_require_grad::<I>(tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sum(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_sum::<I>(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sum_dim(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::float_sum_dim::<I>(tensor, dim)
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -375,9 +604,20 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mean(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_mean::<I>(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mean_dim(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::float_mean_dim::<I>(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
@@ -405,18 +645,45 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cast(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_cast::<I>(tensor, dtype)
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_exp(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_exp::<I>(tensor)
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_log(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_log::<I>(tensor)
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_log1p(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_log1p::<I>(tensor)
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_powf::<I>(lhs, rhs)
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
@@ -426,78 +693,212 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powi_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_powi_scalar::<I>(lhs, rhs)
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powi_scalar_impl(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_powi_scalar_impl::<I>(lhs, rhs)
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf_scalar(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                value,
+            ));
+        }
         crate::tensor_parallel::rules::float_powf_scalar::<I>(tensor, value)
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf_scalar_impl(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                value,
+            ));
+        }
         crate::tensor_parallel::rules::float_powf_scalar_impl::<I>(tensor, value)
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sqrt(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_sqrt::<I>(tensor)
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_abs(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_abs::<I>(tensor)
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cos(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_cos::<I>(tensor)
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sin(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_sin::<I>(tensor)
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_tan(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_tan::<I>(tensor)
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cosh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_cosh::<I>(tensor)
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sinh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_sinh::<I>(tensor)
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_tanh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_tanh::<I>(tensor)
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_acos(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_acos::<I>(tensor)
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_acosh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_acosh::<I>(tensor)
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_asin(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_asin::<I>(tensor)
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_asinh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_asinh::<I>(tensor)
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atan(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_atan::<I>(tensor)
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atanh(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_atanh::<I>(tensor)
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atan2(
+                crate::tensor_parallel::fallback::alone::<I>(lhs),
+                crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
         crate::tensor_parallel::rules::float_atan2::<I>(lhs, rhs)
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_round(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_round::<I>(tensor)
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_floor(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_floor::<I>(tensor)
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_ceil(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_ceil::<I>(tensor)
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_trunc(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_trunc::<I>(tensor)
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_erf(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_erf::<I>(tensor)
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cat(
+                tensors
+                    .into_iter()
+                    .map(crate::tensor_parallel::fallback::alone::<I>)
+                    .collect(),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::float_cat::<I>(tensors, dim)
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
@@ -535,9 +936,20 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         )
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_max(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_max::<I>(tensor)
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_max_dim(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::float_max_dim::<I>(tensor, dim)
     }
     fn float_max_dim_with_indices(
@@ -552,9 +964,20 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         ))
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_min(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_min::<I>(tensor)
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_min_dim(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::float_min_dim::<I>(tensor, dim)
     }
     fn float_min_dim_with_indices(
@@ -614,9 +1037,20 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         )
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sign(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
         crate::tensor_parallel::rules::float_sign::<I>(tensor)
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_expand(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                shape,
+            ));
+        }
         crate::tensor_parallel::rules::float_expand::<I>(tensor, shape)
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {

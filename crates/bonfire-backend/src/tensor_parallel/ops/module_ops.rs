@@ -9,6 +9,12 @@ use crate::tensor_parallel::TensorParallel;
 
 impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::embedding(
+                crate::tensor_parallel::fallback::alone::<I>(weights),
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::embedding::<I>(weights, indices)
     }
     fn embedding_backward(
@@ -16,6 +22,13 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::embedding_backward(
+                crate::tensor_parallel::fallback::alone::<I>(weights),
+                crate::tensor_parallel::fallback::alone::<I>(output_grad),
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::embedding_backward::<I>(weights, output_grad, indices)
     }
     fn linear(
@@ -23,21 +36,45 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear(
+                crate::tensor_parallel::fallback::alone::<I>(x),
+                crate::tensor_parallel::fallback::alone::<I>(weight),
+                bias.map(crate::tensor_parallel::fallback::alone::<I>),
+            ));
+        }
         crate::tensor_parallel::rules::linear::<I>(x, weight, bias)
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_x_backward(
+                crate::tensor_parallel::fallback::alone::<I>(weight),
+                crate::tensor_parallel::fallback::alone::<I>(output_grad),
+            ));
+        }
         crate::tensor_parallel::rules::linear_x_backward::<I>(weight, output_grad)
     }
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_weight_backward(
+                crate::tensor_parallel::fallback::alone::<I>(x),
+                crate::tensor_parallel::fallback::alone::<I>(output_grad),
+            ));
+        }
         crate::tensor_parallel::rules::linear_weight_backward::<I>(x, output_grad)
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_bias_backward(
+                crate::tensor_parallel::fallback::alone::<I>(output_grad),
+            ));
+        }
         crate::tensor_parallel::rules::linear_bias_backward::<I>(output_grad)
     }
     fn conv1d(
@@ -674,6 +711,14 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        if crate::tensor_parallel::context::alone() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::layer_norm(
+                crate::tensor_parallel::fallback::alone::<I>(tensor),
+                crate::tensor_parallel::fallback::alone::<I>(gamma),
+                beta.map(crate::tensor_parallel::fallback::alone::<I>),
+                epsilon,
+            ));
+        }
         crate::tensor_parallel::rules::layer_norm::<I>(tensor, gamma, beta, epsilon)
     }
     fn ctc_loss(

@@ -82,7 +82,12 @@ pub(crate) fn float_empty<I: Backend>(
 pub(crate) fn float_into_data<I: Backend>(
     tensor: TpTensor<I>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    I::float_into_data(whole::<I>(tensor, Why::Read))
+    let whole = if context::alone() {
+        crate::tensor_parallel::fallback::alone::<I>(tensor)
+    } else {
+        whole::<I>(tensor, Why::Read)
+    };
+    I::float_into_data(whole)
 }
 
 pub(crate) fn float_device<I: Backend>(tensor: &TpTensor<I>) -> Device<TensorParallel<I>> {

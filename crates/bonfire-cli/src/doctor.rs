@@ -1,6 +1,6 @@
 //! `bonfire doctor`: what this machine has for bonfire, each missing piece with its fix.
 
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::CString;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -135,11 +135,7 @@ fn cores() -> Check {
 }
 
 fn vulkan() -> Check {
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::VULKAN,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    });
-    let adapters = match ready(instance.enumerate_adapters(wgpu::Backends::VULKAN)) {
+    let adapters = match bonfire_jobs::devices::vulkan_adapters() {
         Some(a) => a,
         None => {
             return Check::missing(
@@ -154,16 +150,13 @@ fn vulkan() -> Check {
         return Check::missing(
             "vulkan",
             Mark::Note,
-            "no Vulkan adapter: `--backend wgpu` and the kernel tests cannot run (the default flex backend can)",
+            "no Vulkan adapter: `--backend wgpu` and the kernel tests cannot run (flex, the CPU backend `--backend auto` picks without a GPU, can)",
             "apt-get install -y mesa-vulkan-drivers libvulkan1 (Mesa's software adapter), or install your GPU's driver",
         );
     }
     let names: Vec<String> = adapters
         .iter()
-        .map(|a| {
-            let i = a.get_info();
-            format!("{} ({:?}, driver {})", i.name, i.device_type, i.driver_info)
-        })
+        .map(|i| format!("{} ({:?}, driver {})", i.name, i.device_type, i.driver_info))
         .collect();
     Check::ok(
         "vulkan",
@@ -176,16 +169,6 @@ fn vulkan() -> Check {
     )
 }
 
-/// The future's value if it is ready on the first poll (native wgpu answers at once).
-fn ready<F: std::future::Future>(f: F) -> Option<F::Output> {
-    let mut f = std::pin::pin!(f);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match f.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(v) => Some(v),
-        std::task::Poll::Pending => None,
-    }
-}
-
 const CUDA_FEATURE: bool = cfg!(feature = "cuda");
 
 fn cuda() -> Check {
@@ -194,7 +177,7 @@ fn cuda() -> Check {
     } else {
         "this build has no CUDA: `cargo build --release -p bonfire-cli --features cuda`"
     };
-    match cuda_devices() {
+    match bonfire_jobs::devices::cuda_devices() {
         Ok((driver, devices)) if !devices.is_empty() => {
             let mark = if CUDA_FEATURE { Mark::Ok } else { Mark::Note };
             let what = format!(
@@ -228,70 +211,6 @@ fn cuda() -> Check {
             "none needed for flex or wgpu; for CUDA install the NVIDIA driver (libcuda.so.1)",
         ),
     }
-}
-
-/// The driver's version and each device's name and memory, through the driver library itself
-/// (loaded at run time, as CubeCL's CUDA runtime loads it).
-fn cuda_devices() -> Result<(i32, Vec<String>), String> {
-    type Init = unsafe extern "C" fn(u32) -> c_int;
-    type Count = unsafe extern "C" fn(*mut c_int) -> c_int;
-    type Version = unsafe extern "C" fn(*mut c_int) -> c_int;
-    type Name = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
-    type Mem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
-    let lib = CString::new("libcuda.so.1").expect("no NUL");
-    // SAFETY: dlopen with a valid C string; the handle is checked and closed below.
-    let handle = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if handle.is_null() {
-        return Err("libcuda.so.1 is not installed".into());
-    }
-    let sym = |name: &str| -> Result<*mut c_void, String> {
-        let c = CString::new(name).expect("no NUL");
-        // SAFETY: a valid handle and C string.
-        let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
-        if p.is_null() {
-            Err(format!("libcuda.so.1 has no {name}"))
-        } else {
-            Ok(p)
-        }
-    };
-    let result = (|| {
-        // SAFETY: each symbol is the driver API function of that name, whose C signature the
-        // type above spells; every out-pointer is valid for the call.
-        unsafe {
-            let init: Init = std::mem::transmute(sym("cuInit")?);
-            let count: Count = std::mem::transmute(sym("cuDeviceGetCount")?);
-            let version: Version = std::mem::transmute(sym("cuDriverGetVersion")?);
-            let name: Name = std::mem::transmute(sym("cuDeviceGetName")?);
-            let mem: Mem = std::mem::transmute(sym("cuDeviceTotalMem_v2")?);
-            let rc = init(0);
-            if rc != 0 {
-                return Err(format!("cuInit failed with CUDA error {rc}"));
-            }
-            let mut v = 0;
-            version(&mut v);
-            let mut n = 0;
-            let rc = count(&mut n);
-            if rc != 0 {
-                return Err(format!("cuDeviceGetCount failed with CUDA error {rc}"));
-            }
-            let mut devices = Vec::new();
-            for d in 0..n {
-                let mut buf = [0 as c_char; 128];
-                name(buf.as_mut_ptr(), buf.len() as c_int, d);
-                let mut bytes = 0usize;
-                mem(&mut bytes, d);
-                let label = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
-                devices.push(format!(
-                    "{d}: {label} ({:.0} GiB)",
-                    bytes as f64 / (1u64 << 30) as f64
-                ));
-            }
-            Ok((v, devices))
-        }
-    })();
-    // SAFETY: the handle came from dlopen and nothing from it is used after this.
-    unsafe { libc::dlclose(handle) };
-    result
 }
 
 fn shm(dir: &Path) -> Check {

@@ -16,8 +16,11 @@ use crate::rank::RankContext;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendKind {
-    /// Burn's Flex CPU backend.
+    /// The fastest backend for the device this machine has ([`BackendKind::resolve`]): CUDA in a
+    /// build with it and a CUDA device, else wgpu on a GPU, else [`BackendKind::FASTEST_CPU`].
     #[default]
+    Auto,
+    /// Burn's Flex CPU backend.
     Flex,
     /// Burn's ndarray CPU backend.
     Ndarray,
@@ -29,16 +32,47 @@ pub enum BackendKind {
 
 impl BackendKind {
     /// Every backend, in the order messages list them.
-    pub const ALL: [BackendKind; 4] = [
+    pub const ALL: [BackendKind; 5] = [
+        BackendKind::Auto,
         BackendKind::Flex,
         BackendKind::Ndarray,
         BackendKind::Wgpu,
         BackendKind::Cuda,
     ];
 
-    /// Its name on the command line: `flex`, `ndarray`, `wgpu`, `cuda`.
+    /// The CPU backend that trained both bundled jobs fastest on this project's CPU machine
+    /// (BENCHMARKS.md, "Which Burn backend on a CPU").
+    pub const FASTEST_CPU: BackendKind = BackendKind::Flex;
+
+    /// A concrete backend: this one, or for [`BackendKind::Auto`] the one for the device found
+    /// (asked without starting a backend, see [`crate::devices`]).
+    pub fn resolve(self) -> BackendKind {
+        if self != BackendKind::Auto {
+            return self;
+        }
+        let cuda = cfg!(feature = "cuda")
+            && crate::devices::cuda_devices().is_ok_and(|(_, devices)| !devices.is_empty());
+        let gpu = || {
+            crate::devices::vulkan_adapters()
+                .is_some_and(|adapters| adapters.iter().any(crate::devices::is_gpu))
+        };
+        BackendKind::pick(cuda, cuda || gpu())
+    }
+
+    /// [`resolve`](Self::resolve)'s choice for a machine with (or without) a usable CUDA
+    /// device and a GPU that wgpu can drive.
+    pub fn pick(cuda: bool, gpu: bool) -> BackendKind {
+        match (cuda, gpu) {
+            (true, _) => BackendKind::Cuda,
+            (false, true) => BackendKind::Wgpu,
+            (false, false) => BackendKind::FASTEST_CPU,
+        }
+    }
+
+    /// Its name on the command line: `auto`, `flex`, `ndarray`, `wgpu`, `cuda`.
     pub fn name(self) -> &'static str {
         match self {
+            BackendKind::Auto => "auto",
             BackendKind::Flex => "flex",
             BackendKind::Ndarray => "ndarray",
             BackendKind::Wgpu => "wgpu",
@@ -119,7 +153,8 @@ pub(crate) fn train_on_backend<J: Job>(
     job: &J,
     ctx: &mut RankContext<'_, J>,
 ) -> Result<(JobState<J>, J::Report), JobError> {
-    match ctx.settings().backend {
+    match ctx.settings().backend.resolve() {
+        BackendKind::Auto => unreachable!("resolve gives a concrete backend"),
         BackendKind::Flex => job.train::<burn::backend::Flex>(ctx, burn::backend::flex::FlexDevice),
         BackendKind::Ndarray => job.train::<burn::backend::NdArray>(ctx, Default::default()),
         BackendKind::Wgpu => {
@@ -157,13 +192,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn auto_prefers_cuda_then_a_gpu_then_the_fastest_cpu_backend() {
+        assert_eq!(BackendKind::pick(true, true), BackendKind::Cuda);
+        assert_eq!(BackendKind::pick(false, true), BackendKind::Wgpu);
+        assert_eq!(BackendKind::pick(false, false), BackendKind::FASTEST_CPU);
+        assert!(matches!(
+            BackendKind::FASTEST_CPU,
+            BackendKind::Flex | BackendKind::Ndarray
+        ));
+    }
+
+    #[test]
     fn backends_by_name() {
         assert_eq!("WGPU".parse::<BackendKind>().unwrap(), BackendKind::Wgpu);
         assert_eq!(
             "tpu".parse::<BackendKind>().unwrap_err().to_string(),
-            "--backend \"tpu\": expected one of flex, ndarray, wgpu, cuda"
+            "--backend \"tpu\": expected one of auto, flex, ndarray, wgpu, cuda"
         );
-        assert_eq!(BackendKind::default(), BackendKind::Flex);
+        assert_eq!(BackendKind::default(), BackendKind::Auto);
+        assert_ne!(BackendKind::Auto.resolve(), BackendKind::Auto);
+        assert_eq!(BackendKind::Ndarray.resolve(), BackendKind::Ndarray);
         assert_eq!(
             serde_json::to_string(&BackendKind::Ndarray).unwrap(),
             "\"ndarray\""

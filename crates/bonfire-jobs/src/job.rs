@@ -93,6 +93,20 @@ pub trait Job {
         reporter: &mut dyn Reporter,
     ) -> Result<Self::Config, JobError>;
 
+    /// Trains as one rank of the run on the backend its settings name: [`Job::train`] on that
+    /// backend. The bundled jobs implement it with the same body, non-generic and not inlined,
+    /// so that every backend's training loop is compiled once, in this crate, rather than again
+    /// in each program that runs a job through [`crate::Runner`] (that doubled the CLI's build).
+    fn train_rank(
+        &self,
+        ctx: &mut RankContext<'_, Self>,
+    ) -> Result<(JobState<Self>, Self::Report), JobError>
+    where
+        Self: Sized,
+    {
+        crate::backend::train_on_backend(self, ctx)
+    }
+
     /// Trains as one rank of the run on backend `B` (wrapped by the job in bonfire's
     /// data-parallel decorator), on `device`; returns the final state and this rank's report.
     fn train<B: Backend>(

@@ -45,6 +45,7 @@
 mod backend;
 pub mod checkpoint;
 pub mod data;
+pub mod devices;
 mod error;
 pub mod gpt;
 mod job;

@@ -9,7 +9,6 @@ use bonfire::launch::{LaunchConfig, launch};
 use serde::{Deserialize, Serialize};
 
 use crate::JobError;
-use crate::backend::train_on_backend;
 use crate::checkpoint::{self, State};
 use crate::job::{Job, JobConfig, JobState};
 use crate::rank::{RankContext, agree};
@@ -256,7 +255,7 @@ impl<'a, J: Job> Runner<'a, J> {
             });
         }
         let mut ctx = RankContext::new(&world, &settings, reporter);
-        let (state, report) = train_on_backend(self.job, &mut ctx)?;
+        let (state, report) = self.job.train_rank(&mut ctx)?;
         Ok(Finished {
             role: Role::Rank {
                 rank: world.rank().0 as usize,

@@ -29,7 +29,7 @@ pub struct RunOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Continue from the latest checkpoint of `checkpoint_dir`.
     pub resume: bool,
-    /// The backend to train on (default: flex).
+    /// The backend to train on (default: auto, the fastest the device has).
     pub backend: Option<BackendKind>,
     /// The data set cache (default: [`cache_root`]).
     pub data_dir: Option<PathBuf>,
@@ -146,8 +146,10 @@ fn data_dir(options: &RunOptions) -> PathBuf {
     options.data_dir.clone().unwrap_or_else(cache_root)
 }
 
+/// The backend the run trains on: the one asked for, or for `auto` (the default) the fastest the
+/// device has; settled once, so every rank trains on the same.
 fn backend(options: &RunOptions) -> BackendKind {
-    options.backend.unwrap_or_default()
+    options.backend.unwrap_or_default().resolve()
 }
 
 /// A resumed run: the checkpoint's settings, which the request may repeat but not change.

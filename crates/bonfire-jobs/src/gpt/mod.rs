@@ -293,6 +293,8 @@ pub type GptState = JobState<GptJob>;
 /// What a rank of a GPT run measured, besides the state: what the end report shows.
 #[derive(Clone, Debug)]
 pub struct GptReport {
+    /// Where this rank's training time went (see [`crate::stragglers::StepSplit`]).
+    pub split: crate::stragglers::StepSplit,
     /// This run's training (a resumed run counts only the rounds it trained).
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
@@ -516,6 +518,14 @@ impl Job for GptJob {
             sample_chars: r.sample_chars.unwrap_or(200),
             vocab: vocab.chars().iter().collect(),
         })
+    }
+
+    #[inline(never)]
+    fn train_rank(
+        &self,
+        ctx: &mut RankContext<'_, Self>,
+    ) -> Result<(JobState<Self>, Self::Report), JobError> {
+        crate::backend::train_on_backend(self, ctx)
     }
 
     fn train<B: Backend>(

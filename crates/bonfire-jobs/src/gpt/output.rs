@@ -115,6 +115,7 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
         report.throughput.seconds,
         state.config.dp(),
     ));
+    lines.extend(report.split.line());
     if let Some(tp) = &report.tp_stats {
         lines.push(format!(
             "tensor parallel {} rank(s) per replica; on rank 0 this run (evaluations and samples \

@@ -33,7 +33,7 @@ use crate::data::{mix64, param_digest};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
-use crate::stragglers::{EpochTimer, RankTimes};
+use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
 
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT.
@@ -138,6 +138,7 @@ fn run_on<A: AutodiffBackend>(
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     let mut model = bonfire::replicate(split(model)?);
     let started = Instant::now();
+    let mut split = StepSplit::default();
     let mut throughput = Throughput {
         ranks: ctx.world_size(),
         ..Throughput::default()
@@ -150,6 +151,7 @@ fn run_on<A: AutodiffBackend>(
         let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.tokens * replicas;
         throughput.seconds += train_secs;
+        split += trained.split;
         // The ranks of a tensor-parallel group count the same batches: the sums over all
         // ranks are `tp` times the replicas', which the means cancel.
         let totals = ctx.sum(
@@ -183,6 +185,7 @@ fn run_on<A: AutodiffBackend>(
     }
     throughput.wall = started.elapsed();
     let report = GptReport {
+        split,
         throughput,
         stats: bonfire::total_stats(),
         tp_stats: (c.tp > 1)
@@ -246,6 +249,7 @@ struct Trained {
     last_step: usize,
     curve: Vec<(f64, f64)>,
     times: RankTimes,
+    split: StepSplit,
 }
 
 /// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
@@ -312,11 +316,15 @@ fn train_round<A: AutodiffBackend>(
             timer.input_done();
             let loss = model.loss(x, y);
             let l: f64 = loss.clone().into_scalar().elem();
+            timer.forward_done();
             let loss = loss / c.grad_accum as f32;
             if micro + 1 < c.grad_accum {
                 model = bonfire::accumulate(model, loss);
+                timer.backward_done();
             } else {
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = loss.backward();
+                timer.backward_done();
+                let grads = GradientsParams::from_grads(grads, &model);
                 model = optim.step(lr, model, grads);
             }
             timer.step_done();
@@ -354,6 +362,7 @@ fn train_round<A: AutodiffBackend>(
         last_step: end,
         curve,
         times: timer.times(),
+        split: timer.split(),
     };
     Ok((model, trained))
 }

@@ -201,6 +201,8 @@ pub type VisionState = JobState<Vision>;
 /// What a rank of a vision run measured, besides the state: what the end report shows.
 #[derive(Clone, Debug)]
 pub struct VisionReport {
+    /// Where this rank's training time went (see [`crate::stragglers::StepSplit`]).
+    pub split: crate::stragglers::StepSplit,
     /// This run's training (a resumed run counts only the epochs it trained).
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
@@ -322,6 +324,14 @@ impl Job for Vision {
             train_limit: r.train_limit,
             test_limit: r.test_limit,
         })
+    }
+
+    #[inline(never)]
+    fn train_rank(
+        &self,
+        ctx: &mut RankContext<'_, Self>,
+    ) -> Result<(JobState<Self>, Self::Report), JobError> {
+        crate::backend::train_on_backend(self, ctx)
     }
 
     fn train<B: Backend>(

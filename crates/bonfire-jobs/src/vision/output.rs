@@ -85,6 +85,7 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.seconds,
         report.throughput.ranks,
     ));
+    lines.extend(report.split.line());
     lines.extend(crate::stragglers::report_line(
         state.history.iter().map(|r| (r.epoch, r.ranks.as_slice())),
     ));

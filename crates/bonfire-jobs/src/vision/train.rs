@@ -22,7 +22,7 @@ use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::settings::Settings;
-use crate::stragglers::{EpochTimer, RankTimes};
+use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
 
 use super::VisionConfig;
 
@@ -54,6 +54,7 @@ pub(super) fn run<B: Backend>(
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     let mut model = bonfire::replicate(model);
     let started = Instant::now();
+    let mut split = StepSplit::default();
     let mut throughput = Throughput {
         ranks: size,
         ..Throughput::default()
@@ -66,6 +67,7 @@ pub(super) fn run<B: Backend>(
         let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.seen as usize * size;
         throughput.seconds += train_secs;
+        split += trained.split;
         let totals = ctx.sum(
             vec![
                 trained.loss_sum,
@@ -95,6 +97,7 @@ pub(super) fn run<B: Backend>(
     }
     throughput.wall = started.elapsed();
     let report = VisionReport {
+        split,
         throughput,
         stats: bonfire::total_stats(),
         checkpoint_dir: s.checkpoint_dir.clone(),
@@ -176,6 +179,7 @@ struct Trained {
     seen: u64,
     curve: Vec<(f64, f64)>,
     times: RankTimes,
+    split: StepSplit,
 }
 
 /// Trains one epoch on this rank's shard, in the epoch's order for this rank.
@@ -205,7 +209,10 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         let hits = hits(logits.clone().detach(), y.clone());
         let loss = loss_fn.forward(logits, y);
         let l: f64 = loss.clone().into_scalar().elem();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        timer.forward_done();
+        let grads = loss.backward();
+        timer.backward_done();
+        let grads = GradientsParams::from_grads(grads, &model);
         model = optim.step(lr, model, grads);
         timer.step_done();
         loss_sum += l * idx.len() as f64;
@@ -243,6 +250,7 @@ fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         seen,
         curve,
         times: timer.times(),
+        split: timer.split(),
     };
     Ok((model, trained))
 }

@@ -52,7 +52,14 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
     }
     assert!(
-        log.contains("== result") && log.contains("data parallel"),
+        log.contains("== result")
+            && log.contains("data parallel")
+            && log.contains("step split      per batch on rank 0: input "),
+        "{log}"
+    );
+    // `--backend auto` (the default) settled on a concrete backend, named in the first line.
+    assert!(
+        log.contains("backend flex") || log.contains("backend wgpu") || log.contains("backend cuda"),
         "{log}"
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -211,7 +218,7 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
     for (args, expect) in [
         (
             &["train", "vision", "--backend", "tpu"][..],
-            "--backend \"tpu\": expected one of flex",
+            "--backend \"tpu\": expected one of auto, flex, ndarray, libtorch",
         ),
         (
             &["train", "vision", "--dataset", "cifar"][..],

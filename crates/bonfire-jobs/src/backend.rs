@@ -24,6 +24,9 @@ pub enum BackendKind {
     Flex,
     /// Burn's ndarray CPU backend.
     Ndarray,
+    /// LibTorch (PyTorch's C++ library, on the CPU) through burn-tch, in a build with the
+    /// `libtorch` feature.
+    Libtorch,
     /// wgpu: any GPU with a Vulkan, Metal or DX12 driver (or Mesa's software Vulkan).
     Wgpu,
     /// CUDA, in a build with the `cuda` feature; local rank `i` uses GPU `i % GPUs`.
@@ -32,10 +35,11 @@ pub enum BackendKind {
 
 impl BackendKind {
     /// Every backend, in the order messages list them.
-    pub const ALL: [BackendKind; 5] = [
+    pub const ALL: [BackendKind; 6] = [
         BackendKind::Auto,
         BackendKind::Flex,
         BackendKind::Ndarray,
+        BackendKind::Libtorch,
         BackendKind::Wgpu,
         BackendKind::Cuda,
     ];
@@ -69,12 +73,13 @@ impl BackendKind {
         }
     }
 
-    /// Its name on the command line: `auto`, `flex`, `ndarray`, `wgpu`, `cuda`.
+    /// Its name on the command line: `auto`, `flex`, `ndarray`, `libtorch`, `wgpu`, `cuda`.
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Auto => "auto",
             BackendKind::Flex => "flex",
             BackendKind::Ndarray => "ndarray",
+            BackendKind::Libtorch => "libtorch",
             BackendKind::Wgpu => "wgpu",
             BackendKind::Cuda => "cuda",
         }
@@ -157,6 +162,7 @@ pub(crate) fn train_on_backend<J: Job>(
         BackendKind::Auto => unreachable!("resolve gives a concrete backend"),
         BackendKind::Flex => job.train::<burn::backend::Flex>(ctx, burn::backend::flex::FlexDevice),
         BackendKind::Ndarray => job.train::<burn::backend::NdArray>(ctx, Default::default()),
+        BackendKind::Libtorch => libtorch(job, ctx),
         BackendKind::Wgpu => {
             use bonfire::kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
             let device = WgpuDevice::default();
@@ -187,6 +193,24 @@ fn cuda<J: Job>(_: &J, _: &mut RankContext<'_, J>) -> Result<(JobState<J>, J::Re
     Err(JobError::NoCuda)
 }
 
+/// LibTorch on the CPU; its compute threads follow OMP_NUM_THREADS, which the runner sets per
+/// rank as it sets RAYON_NUM_THREADS.
+#[cfg(feature = "libtorch")]
+fn libtorch<J: Job>(
+    job: &J,
+    ctx: &mut RankContext<'_, J>,
+) -> Result<(JobState<J>, J::Report), JobError> {
+    job.train::<burn::backend::LibTorch>(ctx, burn::backend::libtorch::LibTorchDevice::Cpu)
+}
+
+#[cfg(not(feature = "libtorch"))]
+fn libtorch<J: Job>(
+    _: &J,
+    _: &mut RankContext<'_, J>,
+) -> Result<(JobState<J>, J::Report), JobError> {
+    Err(JobError::NoLibtorch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,7 +231,7 @@ mod tests {
         assert_eq!("WGPU".parse::<BackendKind>().unwrap(), BackendKind::Wgpu);
         assert_eq!(
             "tpu".parse::<BackendKind>().unwrap_err().to_string(),
-            "--backend \"tpu\": expected one of auto, flex, ndarray, wgpu, cuda"
+            "--backend \"tpu\": expected one of auto, flex, ndarray, libtorch, wgpu, cuda"
         );
         assert_eq!(BackendKind::default(), BackendKind::Auto);
         assert_ne!(BackendKind::Auto.resolve(), BackendKind::Auto);

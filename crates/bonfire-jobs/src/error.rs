@@ -276,6 +276,14 @@ pub enum JobError {
          (CUDARC_CUDA_VERSION names your CUDA version; no toolkit is needed to build)"
     )]
     NoCuda,
+    /// LibTorch was asked for, but this build has none.
+    #[error(
+        "this bonfire was built without LibTorch: rebuild it with \
+         `LIBTORCH_USE_PYTORCH=1 cargo build --release -p bonfire-cli --features libtorch` \
+         in a Python environment with PyTorch 2.9.0 (`pip install torch==2.9.0`), and run it \
+         with that PyTorch's lib directory on LD_LIBRARY_PATH"
+    )]
+    NoLibtorch,
     /// A text cannot be trained on as the settings ask (too short for a window of the context).
     #[error(transparent)]
     Text(#[from] bonfire_datasets::text::TextError),

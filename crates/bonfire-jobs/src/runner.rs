@@ -220,13 +220,16 @@ impl<'a, J: Job> Runner<'a, J> {
         }
         // Like torchrun's OMP_NUM_THREADS: the ranks share this machine's cores instead of each
         // starting a compute thread per core (with 2 ranks on 2 cores, 2 threads each cost
-        // 10-20% of the throughput; see BENCHMARKS.md). An explicit RAYON_NUM_THREADS is kept.
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let threads = (cores / ranks).max(1);
-            config
-                .extra_env
-                .push(("RAYON_NUM_THREADS".into(), threads.to_string().into()));
+        // 10-20% of the throughput; see BENCHMARKS.md). An explicit setting is kept.
+        // OMP_NUM_THREADS is LibTorch's, set the same way.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (cores / ranks).max(1);
+        for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            if std::env::var_os(var).is_none() {
+                config
+                    .extra_env
+                    .push((var.into(), threads.to_string().into()));
+            }
         }
         Ok(config)
     }

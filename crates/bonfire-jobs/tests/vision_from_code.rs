@@ -66,6 +66,15 @@ fn a_program_of_ones_own_runs_the_vision_job_and_gets_its_record_back() {
         assert_ne!(finished.settings.checkpoint_dir, dir);
         let report = finished.report.expect("a rank's report");
         assert_eq!(report.throughput.items, 128);
+        // Every batch of this rank was timed, each phase of it measured (the regression guard
+        // `benches/step_time.sh` reads the split from the report line).
+        assert_eq!(report.split.batches, 2);
+        assert!(
+            report.split.forward > std::time::Duration::ZERO
+                && report.split.backward > report.split.exposed,
+            "{:?}",
+            report.split
+        );
         if rank == 0 {
             let k = kinds(&seen);
             assert_eq!(&k[..2], &[Say::Start, Say::Epoch], "{:?}", seen.lines);

@@ -99,7 +99,7 @@ pub(crate) struct GptArgs {
     /// from the newest checkpoint every rank can read [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
     max_restarts: Option<u32>,
-    /// auto, flex, ndarray, wgpu or cuda; auto takes CUDA (in a build with it) or wgpu when
+    /// auto, flex, ndarray, libtorch, wgpu or cuda; auto takes CUDA (in a build with it) or wgpu when
     /// the machine has a GPU, else the fastest CPU backend measured [default: auto]
     #[arg(long)]
     backend: Option<String>,

@@ -59,7 +59,9 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
     );
     // `--backend auto` (the default) settled on a concrete backend, named in the first line.
     assert!(
-        log.contains("backend flex") || log.contains("backend wgpu") || log.contains("backend cuda"),
+        log.contains("backend flex")
+            || log.contains("backend wgpu")
+            || log.contains("backend cuda"),
         "{log}"
     );
     let _ = std::fs::remove_dir_all(&dir);

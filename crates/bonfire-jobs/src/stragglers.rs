@@ -212,12 +212,9 @@ pub fn report_line<'a>(
 /// not mark the forward and backward passes counts them as the optimizer's.
 #[derive(Debug)]
 pub struct EpochTimer {
-    input: Duration,
-    step: Duration,
     split: StepSplit,
     wait_at_start: Duration,
     mark: Instant,
-    step_start: Instant,
 }
 
 impl Default for EpochTimer {
@@ -229,14 +226,10 @@ impl Default for EpochTimer {
 impl EpochTimer {
     /// Starts timing, now.
     pub fn start() -> EpochTimer {
-        let now = Instant::now();
         EpochTimer {
-            input: Duration::ZERO,
-            step: Duration::ZERO,
             split: StepSplit::default(),
             wait_at_start: exposed(),
-            mark: now,
-            step_start: now,
+            mark: Instant::now(),
         }
     }
 
@@ -250,9 +243,7 @@ impl EpochTimer {
     /// The batch is made.
     pub fn input_done(&mut self) {
         let lap = self.lap();
-        self.input += lap;
         self.split.input += lap;
-        self.step_start = self.mark;
     }
 
     /// The forward pass is done and its loss read.
@@ -272,16 +263,15 @@ impl EpochTimer {
         let lap = self.lap();
         self.split.optimizer += lap;
         self.split.batches += 1;
-        self.step += self.mark - self.step_start;
-        self.step_start = self.mark;
     }
 
     /// This rank's times so far.
     pub fn times(&self) -> RankTimes {
-        let wait = exposed().saturating_sub(self.wait_at_start).min(self.step);
+        let step = self.split.forward + self.split.backward + self.split.optimizer;
+        let wait = exposed().saturating_sub(self.wait_at_start).min(step);
         RankTimes {
-            input: self.input.as_secs_f64(),
-            compute: (self.step - wait).as_secs_f64(),
+            input: self.split.input.as_secs_f64(),
+            compute: (step - wait).as_secs_f64(),
             wait: wait.as_secs_f64(),
         }
     }

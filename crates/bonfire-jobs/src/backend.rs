@@ -44,6 +44,11 @@ impl BackendKind {
         BackendKind::Cuda,
     ];
 
+    /// Every backend's name, in the order of [`BackendKind::ALL`]: `auto, flex, ...`.
+    pub fn names() -> String {
+        BackendKind::ALL.map(BackendKind::name).join(", ")
+    }
+
     /// The CPU backend that trained both bundled jobs fastest on this project's CPU machine
     /// (BENCHMARKS.md, "Which Burn backend on a CPU").
     pub const FASTEST_CPU: BackendKind = BackendKind::Flex;
@@ -57,8 +62,9 @@ impl BackendKind {
         let cuda = cfg!(feature = "cuda")
             && crate::devices::cuda_devices().is_ok_and(|(_, devices)| !devices.is_empty());
         let gpu = || {
-            crate::devices::vulkan_adapters()
-                .is_some_and(|adapters| adapters.iter().any(crate::devices::is_gpu))
+            crate::devices::gpu_device_nodes()
+                && crate::devices::vulkan_adapters()
+                    .is_some_and(|adapters| adapters.iter().any(crate::devices::is_gpu))
         };
         BackendKind::pick(cuda, cuda || gpu())
     }

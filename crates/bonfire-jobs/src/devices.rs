@@ -15,6 +15,18 @@ pub fn vulkan_adapters() -> Option<Vec<wgpu::AdapterInfo>> {
         .map(|adapters| adapters.iter().map(|a| a.get_info()).collect())
 }
 
+/// Whether this (Linux) machine has a device node a GPU driver serves: a DRM render node
+/// (`/dev/dri/renderD*`) or NVIDIA's `/dev/nvidiactl`. Without one no Vulkan adapter can be a GPU,
+/// and [`vulkan_adapters`] need not start the Vulkan loader (whose software driver complains on
+/// standard error when XDG_RUNTIME_DIR is unset).
+pub fn gpu_device_nodes() -> bool {
+    let render = std::fs::read_dir("/dev/dri").is_ok_and(|dir| {
+        dir.flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("renderD"))
+    });
+    render || std::path::Path::new("/dev/nvidiactl").exists()
+}
+
 /// Whether `adapter` is a GPU (not a software rasteriser on the CPU).
 pub fn is_gpu(adapter: &wgpu::AdapterInfo) -> bool {
     matches!(

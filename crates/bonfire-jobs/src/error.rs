@@ -67,7 +67,7 @@ fn found_what(epoch: &Option<usize>) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     /// `--backend` names no backend bonfire trains on.
-    #[error("--backend {given:?}: expected one of flex, ndarray, wgpu, cuda")]
+    #[error("--backend {given:?}: expected one of {}", crate::BackendKind::names())]
     UnknownBackend {
         /// What was given (lower-cased).
         given: String,

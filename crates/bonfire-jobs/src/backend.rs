@@ -50,8 +50,12 @@ impl BackendKind {
     }
 
     /// The CPU backend that trained both bundled jobs fastest on this project's CPU machine
-    /// (BENCHMARKS.md, "Which Burn backend on a CPU").
-    pub const FASTEST_CPU: BackendKind = BackendKind::Flex;
+    /// (BENCHMARKS.md, "Which Burn backend on a CPU"): LibTorch in a build with it, else Flex.
+    pub const FASTEST_CPU: BackendKind = if cfg!(feature = "libtorch") {
+        BackendKind::Libtorch
+    } else {
+        BackendKind::Flex
+    };
 
     /// A concrete backend: this one, or for [`BackendKind::Auto`] the one for the device found
     /// (asked without starting a backend, see [`crate::devices`]).
@@ -228,7 +232,7 @@ mod tests {
         assert_eq!(BackendKind::pick(false, false), BackendKind::FASTEST_CPU);
         assert!(matches!(
             BackendKind::FASTEST_CPU,
-            BackendKind::Flex | BackendKind::Ndarray
+            BackendKind::Flex | BackendKind::Libtorch
         ));
     }
 

@@ -12,6 +12,10 @@ use burn_backend::ops::{
 use burn_backend::quantization::QuantizationParametersPrimitive;
 use burn_backend::{Backend, TensorPrimitive};
 
+/// Burn's backend traits, for [`same_primitives_backend!`](crate::same_primitives_backend)'s
+/// expansion in other crates.
+pub use burn_backend;
+
 /// A backend whose primitives are exactly `B`'s.
 pub trait SamePrimitives<B: Backend>:
     Backend<
@@ -107,4 +111,89 @@ pub fn deform_conv2d_backward_out<D: SamePrimitives<B>, B: Backend>(
         r.mask_grad,
         r.bias_grad,
     )
+}
+
+/// Writes `BackendTypes` and `Backend` for a decorator `$ty<B>` that keeps `B`'s primitives and
+/// devices and forwards every backend-level method to `B`; `name()` reads `"$name<inner>"`.
+/// (Its op traits are the generated files; see `gen/passthrough.py`.)
+#[doc(hidden)]
+#[macro_export]
+macro_rules! same_primitives_backend {
+    ($ty:ident, $name:literal) => {
+        impl<B: $crate::passthrough::burn_backend::Backend>
+            $crate::passthrough::burn_backend::BackendTypes for $ty<B>
+        {
+            type Device = B::Device;
+            type FloatTensorPrimitive = B::FloatTensorPrimitive;
+            type FloatElem = B::FloatElem;
+            type IntTensorPrimitive = B::IntTensorPrimitive;
+            type IntElem = B::IntElem;
+            type BoolTensorPrimitive = B::BoolTensorPrimitive;
+            type BoolElem = B::BoolElem;
+            type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
+        }
+
+        impl<B: $crate::passthrough::burn_backend::Backend>
+            $crate::passthrough::burn_backend::Backend for $ty<B>
+        {
+            fn ad_enabled(device: &Self::Device) -> bool {
+                B::ad_enabled(device)
+            }
+
+            fn memory_persistent_allocations<
+                Output: Send,
+                Input: Send,
+                Func: Fn(Input) -> Output + Send,
+            >(
+                device: &Self::Device,
+                input: Input,
+                func: Func,
+            ) -> Output {
+                B::memory_persistent_allocations(device, input, func)
+            }
+
+            fn memory_cleanup(device: &Self::Device) {
+                B::memory_cleanup(device)
+            }
+
+            fn name(device: &Self::Device) -> String {
+                format!(concat!($name, "<{}>"), B::name(device))
+            }
+
+            fn seed(device: &Self::Device, seed: u64) {
+                B::seed(device, seed)
+            }
+
+            fn sync(
+                device: &Self::Device,
+            ) -> Result<(), $crate::passthrough::burn_backend::ExecutionError> {
+                B::sync(device)
+            }
+
+            fn staging<'a, Iter>(data: Iter, device: &Self::Device)
+            where
+                Iter: Iterator<Item = &'a mut $crate::passthrough::burn_backend::TensorData>,
+            {
+                B::staging(data, device)
+            }
+
+            fn supports_dtype(
+                device: &Self::Device,
+                dtype: $crate::passthrough::burn_backend::DType,
+            ) -> bool {
+                B::supports_dtype(device, dtype)
+            }
+
+            fn dtype_usage(
+                device: &Self::Device,
+                dtype: $crate::passthrough::burn_backend::DType,
+            ) -> $crate::passthrough::burn_backend::DTypeUsageSet {
+                B::dtype_usage(device, dtype)
+            }
+
+            fn device_count(type_id: u16) -> usize {
+                B::device_count(type_id)
+            }
+        }
+    };
 }

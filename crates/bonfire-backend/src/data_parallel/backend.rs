@@ -1,9 +1,8 @@
-//! The decorator type and its `Backend` impl. The op traits are forwarded in `ops/` (generated);
-//! the gradient hook is in `distributed.rs`.
+//! The decorator type and its `Backend` impl (every method forwarded, as every decorator that
+//! keeps its inner backend's primitives writes it). The op traits are forwarded in `ops/`
+//! (generated); the gradient hook is in `distributed.rs`.
 
 use core::marker::PhantomData;
-
-use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 
 /// Data-parallel training as a Burn backend: `Autodiff<DataParallel<B>>` trains like
 /// `Autodiff<B>` on every rank, and averages gradients across the ranks during backward.
@@ -30,66 +29,4 @@ pub struct DataParallel<B> {
     _inner: PhantomData<B>,
 }
 
-impl<B: Backend> BackendTypes for DataParallel<B> {
-    type Device = B::Device;
-    type FloatTensorPrimitive = B::FloatTensorPrimitive;
-    type FloatElem = B::FloatElem;
-    type IntTensorPrimitive = B::IntTensorPrimitive;
-    type IntElem = B::IntElem;
-    type BoolTensorPrimitive = B::BoolTensorPrimitive;
-    type BoolElem = B::BoolElem;
-    type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
-}
-
-impl<B: Backend> Backend for DataParallel<B> {
-    fn ad_enabled(device: &Self::Device) -> bool {
-        B::ad_enabled(device)
-    }
-
-    fn memory_persistent_allocations<
-        Output: Send,
-        Input: Send,
-        Func: Fn(Input) -> Output + Send,
-    >(
-        device: &Self::Device,
-        input: Input,
-        func: Func,
-    ) -> Output {
-        B::memory_persistent_allocations(device, input, func)
-    }
-
-    fn memory_cleanup(device: &Self::Device) {
-        B::memory_cleanup(device)
-    }
-
-    fn name(device: &Self::Device) -> String {
-        format!("data-parallel<{}>", B::name(device))
-    }
-
-    fn seed(device: &Self::Device, seed: u64) {
-        B::seed(device, seed)
-    }
-
-    fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
-        B::sync(device)
-    }
-
-    fn staging<'a, Iter>(data: Iter, device: &Self::Device)
-    where
-        Iter: Iterator<Item = &'a mut TensorData>,
-    {
-        B::staging(data, device)
-    }
-
-    fn supports_dtype(device: &Self::Device, dtype: DType) -> bool {
-        B::supports_dtype(device, dtype)
-    }
-
-    fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {
-        B::dtype_usage(device, dtype)
-    }
-
-    fn device_count(type_id: u16) -> usize {
-        B::device_count(type_id)
-    }
-}
+crate::same_primitives_backend!(DataParallel, "data-parallel");

@@ -12,8 +12,8 @@ use core::marker::PhantomData;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
+use burn_backend::Backend;
 use burn_backend::distributed::DistributedBackend;
-use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 
 thread_local! {
     static COUNTS: RefCell<BTreeMap<&'static str, u64>> = const { RefCell::new(BTreeMap::new()) };
@@ -35,69 +35,7 @@ pub struct Counting<B> {
     _inner: PhantomData<B>,
 }
 
-impl<B: Backend> BackendTypes for Counting<B> {
-    type Device = B::Device;
-    type FloatTensorPrimitive = B::FloatTensorPrimitive;
-    type FloatElem = B::FloatElem;
-    type IntTensorPrimitive = B::IntTensorPrimitive;
-    type IntElem = B::IntElem;
-    type BoolTensorPrimitive = B::BoolTensorPrimitive;
-    type BoolElem = B::BoolElem;
-    type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
-}
-
-impl<B: Backend> Backend for Counting<B> {
-    fn ad_enabled(device: &Self::Device) -> bool {
-        B::ad_enabled(device)
-    }
-
-    fn memory_persistent_allocations<
-        Output: Send,
-        Input: Send,
-        Func: Fn(Input) -> Output + Send,
-    >(
-        device: &Self::Device,
-        input: Input,
-        func: Func,
-    ) -> Output {
-        B::memory_persistent_allocations(device, input, func)
-    }
-
-    fn memory_cleanup(device: &Self::Device) {
-        B::memory_cleanup(device)
-    }
-
-    fn name(device: &Self::Device) -> String {
-        format!("counting<{}>", B::name(device))
-    }
-
-    fn seed(device: &Self::Device, seed: u64) {
-        B::seed(device, seed)
-    }
-
-    fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
-        B::sync(device)
-    }
-
-    fn staging<'a, Iter>(data: Iter, device: &Self::Device)
-    where
-        Iter: Iterator<Item = &'a mut TensorData>,
-    {
-        B::staging(data, device)
-    }
-
-    fn supports_dtype(device: &Self::Device, dtype: DType) -> bool {
-        B::supports_dtype(device, dtype)
-    }
-
-    fn dtype_usage(device: &Self::Device, dtype: DType) -> DTypeUsageSet {
-        B::dtype_usage(device, dtype)
-    }
-
-    fn device_count(type_id: u16) -> usize {
-        B::device_count(type_id)
-    }
-}
+bonfire_backend::same_primitives_backend!(Counting, "counting");
 
 /// Burn's defaults (no communication): enough for `Autodiff<Counting<B>>` to be an autodiff
 /// backend in a build with Burn's `distributed` feature, as the single-device reference. Its

@@ -225,6 +225,7 @@ const FOREIGN_TYPES: &[&str] = &[
     "TransformerEncoderConfig",
     "TransformerEncoderInput",
     "MultiHeadAttention",
+    "RotaryEncoding",
     "CrossEntropyLoss",
     "CrossEntropyLossConfig",
     "RunningState",

@@ -1,7 +1,8 @@
 //! Models, plans and loops for checking tensor-parallel training against the unsharded model:
 //! a two-layer MLP, Burn's own `TransformerEncoder` (2 layers, 4 heads), and a GPT-style causal
-//! block with a vocabulary-parallel embedding tied to its head. Every model is an ordinary Burn
-//! module: the tensor-parallel runs only add a plan.
+//! block with a vocabulary-parallel embedding tied to its head, and a Llama-style decoder (RMSNorm,
+//! Burn's `RotaryEncoding`, SwiGLU). Every model is an ordinary Burn module: the tensor-parallel
+//! runs only add a plan.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::attention::{
@@ -11,11 +12,14 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{
+    Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, RmsNorm,
+    RmsNormConfig, RotaryEncoding, RotaryEncodingConfig,
+};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::tensor::activation::gelu;
+use burn::tensor::activation::{gelu, silu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{Bool, ElementConversion, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -246,6 +250,134 @@ impl<B: Backend> TpNet<B> for TpGpt<B> {
             y,
             t_shape: vec![b, s],
         }
+    }
+}
+
+/// One decoder layer of [`TpLlama`]: pre-norm causal self-attention with rotary positions on
+/// the queries and keys, then a pre-norm SwiGLU MLP; no biases, as Llama.
+#[derive(Module, Debug)]
+pub struct LlamaLayer<B: Backend> {
+    attn_norm: RmsNorm<B>,
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    mlp_norm: RmsNorm<B>,
+    gate: Linear<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+}
+
+/// A Llama-style decoder written as a user would write it with `burn::nn`: token embedding
+/// (vocabulary 16), [`LLAMA_LAYERS`] layers of width 16 with 4 heads and a SwiGLU MLP of 32, a
+/// final RMSNorm and a head tied to the embedding. Burn's `RotaryEncoding` merges the batch with
+/// the (split) heads: `[b, h, s, d] -> [b*h, s, d/2, 2]` and back.
+#[derive(Module, Debug)]
+pub struct TpLlama<B: Backend> {
+    embed: Embedding<B>,
+    layers: Vec<LlamaLayer<B>>,
+    norm: RmsNorm<B>,
+    rope: RotaryEncoding<B>,
+}
+
+/// Layers of [`TpLlama`].
+pub const LLAMA_LAYERS: usize = 2;
+const LLAMA_HEADS: usize = 4;
+const LLAMA_HIDDEN: usize = 32;
+
+fn linear<B: Backend>(i: usize, o: usize, device: &B::Device) -> Linear<B> {
+    LinearConfig::new(i, o).with_bias(false).init(device)
+}
+
+impl<B: Backend> LlamaLayer<B> {
+    fn new(device: &B::Device) -> Self {
+        let d = GPT_WIDTH;
+        LlamaLayer {
+            attn_norm: RmsNormConfig::new(d).init(device),
+            q: linear(d, d, device),
+            k: linear(d, d, device),
+            v: linear(d, d, device),
+            o: linear(d, d, device),
+            mlp_norm: RmsNormConfig::new(d).init(device),
+            gate: linear(d, LLAMA_HIDDEN, device),
+            up: linear(d, LLAMA_HIDDEN, device),
+            down: linear(LLAMA_HIDDEN, d, device),
+        }
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &RotaryEncoding<B>,
+        mask: &Tensor<B, 4, Bool>,
+    ) -> Tensor<B, 3> {
+        let [b, s, d] = x.dims();
+        let dh = d / LLAMA_HEADS;
+        let heads = |t: Tensor<B, 3>| t.reshape([b, s, LLAMA_HEADS, dh]).swap_dims(1, 2);
+        let h = self.attn_norm.forward(x.clone());
+        let q = rope.forward(heads(self.q.forward(h.clone())));
+        let k = rope.forward(heads(self.k.forward(h.clone())));
+        let v = heads(self.v.forward(h));
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .div_scalar((dh as f32).sqrt())
+            .mask_fill(mask.clone(), -1.0e4);
+        let context = softmax(scores, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, d]);
+        let x = x + self.o.forward(context);
+        let h = self.mlp_norm.forward(x.clone());
+        x + self
+            .down
+            .forward(silu(self.gate.forward(h.clone())) * self.up.forward(h))
+    }
+}
+
+impl<B: Backend> TpLlama<B> {
+    /// A fresh decoder.
+    pub fn new(device: &B::Device) -> Self {
+        TpLlama {
+            embed: EmbeddingConfig::new(GPT_VOCAB, GPT_WIDTH).init(device),
+            layers: (0..LLAMA_LAYERS).map(|_| LlamaLayer::new(device)).collect(),
+            norm: RmsNormConfig::new(GPT_WIDTH).init(device),
+            rope: RotaryEncodingConfig::new(GPT_CONTEXT, GPT_WIDTH / LLAMA_HEADS).init(device),
+        }
+    }
+}
+
+impl<B: Backend> TpNet<B> for TpLlama<B> {
+    /// The standard plan: vocabulary-parallel embedding, column-parallel q, k, v, gate and up,
+    /// row-parallel o and down.
+    fn plan() -> TpPlan {
+        TpPlan::new()
+            .vocab("embed")
+            .column("layers.*.q")
+            .column("layers.*.k")
+            .column("layers.*.v")
+            .row("layers.*.o")
+            .column("layers.*.gate")
+            .column("layers.*.up")
+            .row("layers.*.down")
+    }
+
+    fn loss(&self, batch: &TpBatch, device: &B::Device) -> Tensor<B, 1> {
+        let [b, s] = [batch.t_shape[0], batch.t_shape[1]];
+        let tokens =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(batch.tokens.clone(), [b, s]), device);
+        let mask = generate_autoregressive_mask::<B>(b, s, device).reshape([b, 1, s, s]);
+        let mut x = self.embed.forward(tokens);
+        for layer in &self.layers {
+            x = layer.forward(x, &self.rope, &mask);
+        }
+        let x = self.norm.forward(x);
+        let table = self.embed.weight.val().transpose().unsqueeze::<3>();
+        let logits = x.matmul(table).reshape([b * s, GPT_VOCAB]);
+        cross_entropy(logits, &batch.y, device)
+    }
+
+    fn batch(seed: u64) -> TpBatch {
+        <TpGpt<B> as TpNet<B>>::batch(seed)
     }
 }
 

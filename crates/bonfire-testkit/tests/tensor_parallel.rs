@@ -1,5 +1,6 @@
 //! `Autodiff<TensorParallel<Flex>>` against the unsharded model, with ranks as threads of this
-//! process: for an MLP, Burn's own `TransformerEncoder` and a GPT-style causal block, at tp = 2
+//! process: for an MLP, Burn's own `TransformerEncoder`, a GPT-style causal block and a
+//! Llama-style decoder with Burn's `RotaryEncoding`, at tp = 2
 //! and 4, the loss and every parameter's gradient equal the unsharded model's (f32, within
 //! 1e-5), and after 5 Adam steps every parameter does. A transformer layer under the standard plan
 //! communicates exactly as Megatron does (2 all-reduces forward, 2 backward, nothing gathered).
@@ -13,7 +14,8 @@ use bonfire::{Placement, PlanError, TpPlan, tensor_parallel};
 use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, seeded};
 use bonfire_testkit::run_ranks;
 use bonfire_testkit::tp::{
-    ENCODER_LAYERS, TpEncoder, TpFlex, TpGpt, TpMlp, TpNet, adam_steps, loss_and_grads,
+    ENCODER_LAYERS, LLAMA_LAYERS, TpEncoder, TpFlex, TpGpt, TpLlama, TpMlp, TpNet, adam_steps,
+    loss_and_grads,
 };
 use burn::module::AutodiffModule;
 
@@ -106,6 +108,11 @@ fn transformer_encoder_loss_and_gradients_equal_the_unsharded_model() {
 #[test]
 fn gpt_block_loss_and_gradients_equal_the_unsharded_model() {
     check_gradients("gpt", TpGpt::new, TpGpt::new);
+}
+
+#[test]
+fn llama_decoder_loss_and_gradients_equal_the_unsharded_model() {
+    check_gradients("llama", TpLlama::new, TpLlama::new);
 }
 
 fn trained<M>(model: M) -> Params
@@ -206,6 +213,38 @@ fn the_gpt_block_never_gathers_the_logits() {
             3 * activation + 2 * per_position,
             "rank {rank}"
         );
+    }
+}
+
+/// Burn's `RotaryEncoding` merges the batch with the split heads (`[b, h, s, d] -> [b*h, s, d/2,
+/// 2]`) and splits them back: the shard stays local through both reshapes, so a Llama-style
+/// decoder communicates as Megatron's does.
+#[test]
+fn a_llama_decoder_with_rotary_positions_never_gathers() {
+    for tp in [2, 4] {
+        for (rank, (fwd, bwd)) in split(tp, TpLlama::new, step_stats::<TpLlama<TpFlex>>)
+            .into_iter()
+            .enumerate()
+        {
+            for s in [&fwd, &bwd] {
+                assert_eq!(
+                    s.gathers, 0,
+                    "tp={tp} rank {rank}: nothing is gathered: {s:?}"
+                );
+                assert_eq!(
+                    s.fallback_total(),
+                    0,
+                    "tp={tp} rank {rank}: no fallback: {s:?}"
+                );
+            }
+            // Forward: the embedding's sum, each layer's attention and MLP outputs, and the
+            // loss's max and sum over the split vocabulary.
+            assert_eq!(
+                fwd.all_reduces,
+                1 + 2 * LLAMA_LAYERS as u64 + 2,
+                "tp={tp} rank {rank}: {fwd:?}"
+            );
+        }
     }
 }
 

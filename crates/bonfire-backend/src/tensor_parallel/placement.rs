@@ -97,9 +97,14 @@ pub(crate) fn owned_ranges(size: usize, blocks: usize, n: usize, r: usize) -> Ve
 }
 
 /// Which global dimension a reshape from `from` to `to` moves a split of `from`'s dimension `dim`
-/// (`blocks` blocks over `n` ranks) to, with its new block count; `None` when the reshape mixes the
-/// split dimension with the dimensions before it, or splits it finer than the chunks, so that no
-/// rank's part stays a `Shard` of the new shape.
+/// (`blocks` blocks over `n` ranks) to, with its new block count; `None` when no rank's part
+/// stays a `Shard` of the new shape (the reshape cuts the split dimension finer than the chunks,
+/// or merges it with the dimensions before it other than whole).
+///
+/// Merging whole leading dimensions into the split one keeps it local: `[b, h, s, d]` split on
+/// the heads `h` and reshaped to `[b*h, s, d]` is a split of the first dimension in `b` blocks
+/// (each rank holds its heads of every batch row), which is what Burn's `RotaryEncoding` does to
+/// a split attention; the reshape back finds the heads again.
 pub(crate) fn reshape_shard(
     from: &Shape,
     to: &Shape,
@@ -108,25 +113,34 @@ pub(crate) fn reshape_shard(
     n: usize,
 ) -> Option<(usize, usize)> {
     let prefix: usize = from.as_slice()[..dim].iter().product();
-    // The first dimension of `to` at the same boundary whose size is not 1.
+    // `to`'s dimensions that lie wholly before the split one (unit dimensions at its start too).
     let mut acc = 1usize;
     let mut j = 0;
-    while j < to.num_dims() && (acc < prefix || (acc == prefix && to[j] == 1)) {
+    while j < to.num_dims() && acc * to[j] <= prefix {
         acc *= to[j];
         j += 1;
     }
-    if acc != prefix || j == to.num_dims() {
+    if j == to.num_dims() || prefix == 0 {
         return None;
     }
+    // `to[j]` starts at a boundary of `from`'s dimensions (at `k`) and takes in `from[k..dim]`
+    // whole, each of their indices a block of its own.
+    let k = (0..=dim).find(|&k| from.as_slice()[..k].iter().product::<usize>() == acc)?;
+    let mut merged: usize = from.as_slice()[k..dim].iter().product();
     let mut blocks = blocks;
     loop {
         let size = to[j];
-        if size.is_multiple_of(blocks * n) {
-            return Some((j, blocks));
+        if !size.is_multiple_of(merged) {
+            return None;
+        }
+        let own = size / merged;
+        if own.is_multiple_of(blocks * n) {
+            return Some((j, blocks * merged));
         }
         // The dimension holds whole blocks: the split continues in the next dimension.
-        if size > 1 && blocks.is_multiple_of(size) && j + 1 < to.num_dims() {
-            blocks /= size;
+        if own > 1 && blocks.is_multiple_of(own) && j + 1 < to.num_dims() {
+            blocks /= own;
+            merged = 1;
             j += 1;
             continue;
         }
@@ -190,7 +204,26 @@ mod tests {
             reshape_shard(&s(&[2, 5, 8]), &s(&[2, 5, 2, 4]), 2, 1, 4),
             None
         );
-        assert_eq!(reshape_shard(&s(&[2, 4, 6]), &s(&[8, 6]), 1, 1, 2), None);
+        // The split merged with whole dimensions before it (a rotary encoding's
+        // `[b, h, s, d] -> [b*h, s, d/2, 2]`): each batch row is a block; and back.
+        assert_eq!(
+            reshape_shard(&s(&[3, 4, 5, 6]), &s(&[12, 5, 3, 2]), 1, 1, 2),
+            Some((0, 3))
+        );
+        assert_eq!(
+            reshape_shard(&s(&[12, 5, 6]), &s(&[3, 4, 5, 6]), 0, 3, 2),
+            Some((1, 1))
+        );
+        assert_eq!(
+            reshape_shard(&s(&[2, 4, 6]), &s(&[8, 6]), 1, 1, 2),
+            Some((0, 2))
+        );
+        // Merged and cut so that a rank's chunk straddles the new dimensions: no shard.
+        assert_eq!(reshape_shard(&s(&[2, 6, 4]), &s(&[4, 3, 4]), 1, 1, 3), None);
+        assert_eq!(
+            reshape_shard(&s(&[2, 6, 4]), &s(&[4, 3, 4]), 1, 1, 2),
+            Some((0, 2))
+        );
         // A flattened batch keeps a split of the last dimension.
         assert_eq!(
             reshape_shard(&s(&[2, 5, 8]), &s(&[10, 8]), 2, 1, 2),

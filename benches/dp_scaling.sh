@@ -6,13 +6,16 @@
 # PyTorch DDP (gloo) the same way (shuffled shard per epoch, gathered batches, loss read every step,
 # last epoch timed); PEER=0 skips it, PYTHON picks the interpreter that has torch.
 # The ranks talk over bonfire launch's default lanes (shared memory on one host); TRANSPORT=quic
-# forces QUIC.
+# forces QUIC. BIN_DIR runs the `bonfire` and `mnist-style` of another build (a folder holding
+# both) instead of building this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${N:-2}"; BATCH="${BATCH:-32}"; STEPS="${STEPS:-300}"; EPOCHS="${EPOCHS:-3}"
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-1}"
-cargo build -q --release -p mnist-style -p bonfire-cli
-target="${CARGO_TARGET_DIR:-target}/release"
+if [ -z "${BIN_DIR:-}" ]; then
+    cargo build -q --release -p mnist-style -p bonfire-cli
+fi
+target="${BIN_DIR:-${CARGO_TARGET_DIR:-target}/release}"
 last() { grep "^.*epoch $EPOCHS:" | sed -E 's/.* ([0-9]+) images\/s.*communication ([0-9]+)% hidden.*/\1 \2/'; }
 one=$("$target/mnist-style" --epochs "$EPOCHS" --batch "$BATCH" --train-size $((BATCH * STEPS)) | last)
 many=$("$target/bonfire" launch --transport "${TRANSPORT:-auto}" --nproc-per-node "$N" -- \

@@ -104,8 +104,9 @@ pub struct CommConfig {
     /// The largest frame, in bytes; larger transfers are cut into pieces and pipelined.
     /// Default 1 MiB.
     pub chunk_bytes: usize,
-    /// With [`Algorithm::Auto`], all-reduces up to this many bytes use recursive doubling.
-    /// Default 32 KiB.
+    /// With [`Algorithm::Auto`], all-reduces up to this many bytes use recursive doubling; and
+    /// a collective of at most this many bytes sends its first frames from the calling thread
+    /// before the call returns (larger ones start on the communication runtime). Default 32 KiB.
     pub small_bytes: usize,
     /// With [`Algorithm::Auto`], buffers of at least this many bytes use the ring.
     /// Default 1 MiB.

@@ -6,6 +6,7 @@ use bonfire_topology::{GroupId, Mesh, NodeId, NodeLayout, Rank, ReduceOp};
 use bonfire_transport::{InProcess, Transport};
 use tokio::runtime::Handle;
 
+use crate::driven::Driven;
 use crate::driver::{self, Exchange};
 use crate::exec::Arith;
 use crate::fingerprint::{Fingerprint, OpKind};
@@ -307,12 +308,8 @@ impl Communicator {
 
     /// Completes once every rank has called it.
     pub fn barrier(&self) -> Work<()> {
-        let work = self.run(Collective::Barrier, Vec::<u8>::new());
-        let handle = self
-            .group
-            .runtime
-            .spawn(async move { work.await.map(drop) });
-        Work::running(handle, self.world_rank(), "barrier")
+        self.launch_then(Collective::Barrier, Vec::<u8>::new(), drop)
+            .1
     }
 
     /// Sends `buf` to group member `to`, which must call [`Communicator::recv`] with a buffer of
@@ -399,6 +396,16 @@ impl Communicator {
 
     /// Starts a collective; returns its sequence number and handle.
     fn launch<T: Element>(&self, collective: Collective, buf: Vec<T>) -> (u64, Work<Vec<T>>) {
+        self.launch_then(collective, buf, |v| v)
+    }
+
+    /// Starts a collective whose result is `then` of its buffer.
+    fn launch_then<T: Element, U: Send + 'static>(
+        &self,
+        collective: Collective,
+        buf: Vec<T>,
+        then: impl FnOnce(Vec<T>) -> U + Send + 'static,
+    ) -> (u64, Work<U>) {
         let g = &self.group;
         let seq = g.seq.fetch_add(1, Ordering::Relaxed);
         let me = self.rank();
@@ -456,7 +463,8 @@ impl Communicator {
         let work = collective.prepare(&shape, me, buf);
         let reducer = g.reducer.clone();
         let n = self.size();
-        let handle = g.runtime.spawn(async move {
+        let bytes = shape.count * T::DTYPE.size();
+        let job = async move {
             let mut work = work;
             let arith = Arith {
                 dtype: T::DTYPE,
@@ -477,9 +485,29 @@ impl Communicator {
                 Err(e) => tracing::debug!("{op} #{seq} failed after {:?}: {e}", started.elapsed()),
             }
             ran?;
-            Ok(collective.finish(&shape, me, work))
-        });
-        (seq, Work::running(handle, world_me, op))
+            Ok(then(collective.finish(&shape, me, work)))
+        };
+        (seq, self.start(op, bytes, job))
+    }
+
+    /// Hands a collective to whoever waits for it (see `driven`); a small one is polled once
+    /// here first, so that its first frames leave before this returns.
+    fn start<U: Send + 'static>(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        job: impl Future<Output = Result<U, CollectiveError>> + Send + 'static,
+    ) -> Work<U> {
+        let eager = bytes <= self.group.config.small_bytes;
+        let driven = Driven::start(
+            self.group.runtime.clone(),
+            Some(self.group.transport.clone()),
+            self.world_rank(),
+            op,
+            Box::pin(job),
+            eager,
+        );
+        Work::driven(Box::new(driven))
     }
 
     fn point_to_point<T: Element>(&self, buf: Vec<T>, from: usize, to: usize) -> Work<Vec<T>> {
@@ -528,7 +556,8 @@ impl Communicator {
         let program = b.finish();
         let exchange = self.exchange(context, vec![from as u32, to as u32], fingerprint);
         let reducer = g.reducer.clone();
-        let handle = g.runtime.spawn(async move {
+        let bytes = std::mem::size_of_val(buf.as_slice());
+        let job = async move {
             let mut buf = buf;
             let arith = Arith {
                 dtype: T::DTYPE,
@@ -544,8 +573,8 @@ impl Communicator {
             )
             .await?;
             Ok(buf)
-        });
-        Work::running(handle, self.world_rank(), op)
+        };
+        self.start(op, bytes, job)
     }
 
     fn exchange(&self, context: u64, participants: Vec<u32>, fingerprint: Fingerprint) -> Exchange {

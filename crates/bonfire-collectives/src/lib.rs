@@ -39,6 +39,7 @@
 mod algorithm;
 mod collective;
 mod communicator;
+mod driven;
 mod driver;
 mod element;
 mod error;

@@ -1,11 +1,10 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-
-use bonfire_topology::Rank;
-use tokio::task::JoinHandle;
+use std::time::Instant;
 
 use crate::CollectiveError;
+use crate::driven::Control;
 
 /// A collective in flight: a handle to wait on, as PyTorch's `Work`.
 ///
@@ -21,12 +20,9 @@ pub struct Work<T> {
 }
 
 enum State<T> {
-    Ready(Option<Result<T, CollectiveError>>),
-    Running {
-        handle: JoinHandle<Result<T, CollectiveError>>,
-        me: Rank,
-        op: &'static str,
-    },
+    Ready(Option<Result<T, CollectiveError>>, Instant),
+    /// Polled by whoever waits for it (see `driven`).
+    Driven(Box<dyn Control<T>>),
 }
 
 // The result is only ever moved out, never pinned in place.
@@ -35,31 +31,50 @@ impl<T> Unpin for Work<T> {}
 impl<T> Work<T> {
     pub(crate) fn ready(result: Result<T, CollectiveError>) -> Work<T> {
         Work {
-            state: State::Ready(Some(result)),
+            state: State::Ready(Some(result), Instant::now()),
         }
     }
 
-    pub(crate) fn running(
-        handle: JoinHandle<Result<T, CollectiveError>>,
-        me: Rank,
-        op: &'static str,
-    ) -> Work<T> {
+    pub(crate) fn driven(control: Box<dyn Control<T>>) -> Work<T> {
         Work {
-            state: State::Running { handle, me, op },
+            state: State::Driven(control),
         }
     }
 
     /// Blocks until the collective completes and returns its result. Call it from a thread,
     /// not from inside async code (there, `.await` the `Work`).
+    ///
+    /// The waiting thread does the collective's work itself as frames arrive (it keeps looking
+    /// for a quarter of a millisecond, yielding its core between looks, before it parks), so a
+    /// small collective completes without any thread hand-over.
     pub fn wait(self) -> Result<T, CollectiveError> {
-        futures::executor::block_on(self)
+        self.wait_timed().0
+    }
+
+    /// As [`Work::wait`], and also when the collective completed (which is earlier than the
+    /// return when it completed in the background before the wait).
+    pub fn wait_timed(mut self) -> (Result<T, CollectiveError>, Instant) {
+        let result = match &mut self.state {
+            State::Driven(control) => control.wait(),
+            State::Ready(result, _) => result.take().expect("a Work is waited on once"),
+        };
+        let at = self.finished_at().unwrap_or_else(Instant::now);
+        (result, at)
+    }
+
+    /// When the collective completed (successfully or not); `None` while it runs.
+    pub fn finished_at(&self) -> Option<Instant> {
+        match &self.state {
+            State::Ready(_, at) => Some(*at),
+            State::Driven(control) => control.finished_at(),
+        }
     }
 
     /// Whether the collective has completed (successfully or not).
     pub fn is_finished(&self) -> bool {
         match &self.state {
-            State::Ready(_) => true,
-            State::Running { handle, .. } => handle.is_finished(),
+            State::Ready(..) => true,
+            State::Driven(control) => control.is_finished(),
         }
     }
 }
@@ -70,32 +85,18 @@ impl<T> Future for Work<T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match &mut this.state {
-            State::Ready(result) => {
+            State::Ready(result, _) => {
                 Poll::Ready(result.take().expect("a Work is polled after completion"))
             }
-            State::Running { handle, me, op } => match Pin::new(handle).poll(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Ok(result)) => Poll::Ready(result),
-                Poll::Ready(Err(join)) => Poll::Ready(Err(CollectiveError::Internal {
-                    me: *me,
-                    op,
-                    problem: panic_message(join),
-                })),
-            },
+            State::Driven(control) => control.poll_result(cx),
         }
     }
 }
 
-fn panic_message(err: tokio::task::JoinError) -> String {
-    if err.is_cancelled() {
-        return "the runtime shut down while the collective ran".into();
-    }
-    let payload = err.into_panic();
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        format!("panic: {s}")
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        format!("panic: {s}")
-    } else {
-        "panic".into()
+impl<T> Drop for Work<T> {
+    fn drop(&mut self) {
+        if let State::Driven(control) = &self.state {
+            control.release();
+        }
     }
 }

@@ -9,7 +9,7 @@ use bonfire_topology::{NodeLayout, Rank};
 use bytes::Bytes;
 
 use crate::quic::{QuicConfig, QuicError, QuicTransport};
-use crate::shm::{self, OutLink, ShmConfig, ShmSetupError};
+use crate::shm::{self, InLink, OutLink, ShmConfig, ShmSetupError};
 use crate::{Mailbox, SendFuture, Tag, Transport};
 
 /// How frames to one rank travel.
@@ -67,6 +67,7 @@ pub enum JobTransportError {
 pub struct JobTransport {
     quic: QuicTransport,
     out: Vec<Option<Arc<OutLink>>>,
+    inbound: Vec<Arc<InLink>>,
     stop: Arc<AtomicBool>,
     fallback: Option<String>,
 }
@@ -111,6 +112,7 @@ impl JobTransport {
         Ok(JobTransport {
             quic,
             out: lanes.out.into_iter().map(|l| l.map(Arc::new)).collect(),
+            inbound: lanes.inbound,
             stop,
             fallback: lanes.fallback,
         })
@@ -206,6 +208,14 @@ impl Transport for JobTransport {
 
     fn mailbox(&self) -> &Arc<Mailbox> {
         self.quic.mailbox()
+    }
+
+    fn progress(&self) -> bool {
+        let mut filed = false;
+        for link in &self.inbound {
+            filed |= link.take_ready();
+        }
+        filed
     }
 
     fn kind(&self) -> &'static str {

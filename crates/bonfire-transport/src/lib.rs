@@ -92,6 +92,15 @@ pub trait Transport: Send + Sync + 'static {
     /// Where this endpoint's incoming frames are filed.
     fn mailbox(&self) -> &Arc<Mailbox>;
 
+    /// Files, on the calling thread, incoming frames that have wholly arrived but that the
+    /// transport's own threads have not filed yet, where the lane allows it (shared memory);
+    /// never waits. A thread that waits for a frame calls this while it spins, so that a frame
+    /// already in memory does not wait for another thread to be scheduled. Returns whether it
+    /// filed any. The default files nothing.
+    fn progress(&self) -> bool {
+        false
+    }
+
     /// A short name for messages and benchmarks ("in-process", "quic").
     fn kind(&self) -> &'static str;
 }

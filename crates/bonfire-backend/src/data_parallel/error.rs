@@ -60,14 +60,6 @@ pub enum SyncError {
         /// Their names.
         params: Vec<String>,
     },
-    /// The task running a bucket's all-reduce died.
-    #[error("bucket {bucket}'s all-reduce task failed: {reason}")]
-    TaskFailed {
-        /// The bucket.
-        bucket: usize,
-        /// What the runtime said.
-        reason: String,
-    },
     /// A bucket's all-reduce failed (a peer died, timed out, or called something else).
     #[error("all-reduce of gradient bucket {bucket} of {buckets} ({elements} elements): {source}")]
     AllReduce {

@@ -7,9 +7,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bonfire_collectives::{CollectiveError, Communicator};
+use bonfire_collectives::{CollectiveError, Communicator, Work};
 use bonfire_topology::{BucketPlan, stable_hash};
-use tokio::task::JoinHandle;
 
 use super::config::{DataParallelConfig, GradDType};
 
@@ -61,7 +60,27 @@ pub(crate) struct Agreement {
 
 pub(crate) struct Inflight {
     pub(crate) started: Instant,
-    pub(crate) handle: JoinHandle<(Result<Vec<f32>, CollectiveError>, Instant)>,
+    pub(crate) work: Reduction,
+}
+
+/// A bucket's all-reduce in flight, in the dtype it travels in.
+pub(crate) enum Reduction {
+    F32(Work<Vec<f32>>),
+    Bf16(Work<Vec<half::bf16>>),
+}
+
+impl Reduction {
+    /// Waits on this thread (which does the collective's remaining work itself) and returns the
+    /// reduced values as f32, with the time the all-reduce completed.
+    pub(crate) fn wait(self) -> (Result<Vec<f32>, CollectiveError>, Instant) {
+        match self {
+            Reduction::F32(w) => w.wait_timed(),
+            Reduction::Bf16(w) => {
+                let (r, at) = w.wait_timed();
+                (r.map(|v| v.into_iter().map(|x| x.to_f32()).collect()), at)
+            }
+        }
+    }
 }
 
 impl SyncState {

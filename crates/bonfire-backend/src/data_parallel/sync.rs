@@ -13,7 +13,6 @@
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use bonfire_collectives::runtime;
 use bonfire_kernels::reference::pack_with_feedback_reference;
 use bonfire_topology::{BucketPlan, ReduceOp};
 use burn_backend::distributed::{DistributedParams, TensorRef};
@@ -27,7 +26,7 @@ use super::context::Replica;
 use super::device_pack;
 use super::error::SyncError;
 use super::local;
-use super::state::{Agreement, Inflight, ParamInfo, Step, SyncState};
+use super::state::{Agreement, Inflight, ParamInfo, Reduction, Step, SyncState};
 use super::stats::StepStats;
 
 thread_local! {
@@ -318,13 +317,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     let world = rep.comm.size();
     let mut intervals = Vec::with_capacity(step.launched.len());
     for (b, inflight) in step.launched.drain(..).enumerate() {
-        let (result, done) = match runtime().block_on(inflight.handle) {
-            Ok(r) => r,
-            Err(e) => rep.fail(SyncError::TaskFailed {
-                bucket: b,
-                reason: e.to_string(),
-            }),
-        };
+        let (result, done) = inflight.work.wait();
         intervals.push((inflight.started, done));
         let reduced = match result {
             Ok(v) => v,
@@ -467,15 +460,12 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
         } else {
             ReduceOp::Sum
         };
-        let comm = rep.comm.clone();
-        let handle = match rep.config.grad_dtype {
+        let comm = &rep.comm;
+        let started = Instant::now();
+        let work = match rep.config.grad_dtype {
             GradDType::F32 => {
                 step.bytes += (buf.len() * 4) as u64;
-                let work = comm.all_reduce(buf, op);
-                runtime().spawn(async move {
-                    let r = work.await;
-                    (r, Instant::now())
-                })
+                Reduction::F32(comm.all_reduce(buf, op))
             }
             GradDType::Bf16 => {
                 // The gradients with error feedback (the arithmetic of the device kernel
@@ -485,19 +475,10 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
                     pack_with_feedback_reference(&[&buf[..len]], &mut residual[b], 1.0);
                 send.extend(buf[len..].iter().map(|&x| bf16::from_f32(x)));
                 step.bytes += (send.len() * 2) as u64;
-                let work = comm.all_reduce(send, op);
-                runtime().spawn(async move {
-                    let r = work
-                        .await
-                        .map(|v| v.into_iter().map(|x| x.to_f32()).collect::<Vec<f32>>());
-                    (r, Instant::now())
-                })
+                Reduction::Bf16(comm.all_reduce(send, op))
             }
         };
-        step.launched.push(Inflight {
-            started: Instant::now(),
-            handle,
-        });
+        step.launched.push(Inflight { started, work });
     }
 }
 

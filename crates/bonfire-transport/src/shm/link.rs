@@ -266,6 +266,74 @@ fn write_loop(p: &Producer, rx: &Receiver<(Tag, Bytes)>) {
     }
 }
 
+/// The receiving end of the lane from one peer. Its reader thread files every frame in the
+/// mailbox; a thread waiting for a collective may take whole frames that are already in the ring
+/// itself ([`InLink::take_ready`]), which saves the hand-over to the reader thread and back.
+/// Frames are taken whole, under `reading`, so the two never split one between them.
+pub(crate) struct InLink {
+    peer: Rank,
+    ring: Ring,
+    process: Process,
+    mailbox: Arc<Mailbox>,
+    stop: Arc<AtomicBool>,
+    max_frame: u64,
+    /// Held while a frame is taken out of the ring.
+    reading: Mutex<()>,
+}
+
+impl InLink {
+    /// Files the frames that are wholly in the ring now, on this thread, unless the reader
+    /// thread is taking one. Never waits. Returns whether it filed any.
+    pub(crate) fn take_ready(&self) -> bool {
+        let Ok(_reading) = self.reading.try_lock() else {
+            return false;
+        };
+        let mut filed = false;
+        loop {
+            let available = self.ring.available();
+            if available < RECORD {
+                return filed;
+            }
+            let mut head = [0u8; RECORD];
+            self.ring.peek(&mut head);
+            let (kind, tag, len) = parse(&head);
+            // Anything unusual (a goodbye, a malformed record, a frame still arriving) is the
+            // reader thread's.
+            if kind != KIND_DATA || len > self.max_frame || available - RECORD < len as usize {
+                return filed;
+            }
+            let len = len as usize;
+            let mut read = self.ring.read(RECORD, &self.process, &self.stop, |_| {});
+            let frame = crate::pool::filled(len, |buf| {
+                if read.is_ok() {
+                    read = self
+                        .ring
+                        .read(len, &self.process, &self.stop, |p| buf.extend_from_slice(p));
+                }
+            });
+            // The bytes were available: reading them cannot wait, so it cannot fail.
+            debug_assert!(read.is_ok());
+            self.mailbox.deliver(self.peer, tag, frame);
+            filed = true;
+        }
+    }
+}
+
+/// A record's kind, tag and payload length.
+fn parse(head: &[u8; RECORD]) -> (u32, Tag, u64) {
+    let word = |r: std::ops::Range<usize>| {
+        let mut b = [0u8; 8];
+        b[..r.len()].copy_from_slice(&head[r]);
+        u64::from_le_bytes(b)
+    };
+    let tag = Tag {
+        context: word(8..16),
+        seq: word(16..24),
+        step: word(4..8) as u32,
+    };
+    (word(0..4) as u32, tag, word(24..32))
+}
+
 /// Starts the reader thread of the lane from `peer`: it files every frame in `mailbox` and
 /// reports the peer lost if its process exits without saying goodbye.
 pub(crate) fn start_reader(
@@ -276,30 +344,52 @@ pub(crate) fn start_reader(
     mailbox: Arc<Mailbox>,
     stop: Arc<AtomicBool>,
     max_frame: u64,
-) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new()
+) -> std::io::Result<(Arc<InLink>, JoinHandle<()>)> {
+    let link = Arc::new(InLink {
+        peer,
+        ring,
+        process,
+        mailbox,
+        stop,
+        max_frame,
+        reading: Mutex::new(()),
+    });
+    let l = link.clone();
+    let thread = std::thread::Builder::new()
         .name(format!("bonfire-shm-{}from{}", me.0, peer.0))
         .spawn(move || {
-            if let Err(reason) = read_loop(peer, &ring, &process, &mailbox, &stop, max_frame) {
-                mailbox.peer_lost(peer, reason);
+            if let Err(reason) = read_loop(&l) {
+                l.mailbox.peer_lost(peer, reason);
             }
-            ring.close();
-        })
+            l.ring.close();
+        })?;
+    Ok((link, thread))
 }
 
-fn read_loop(
-    peer: Rank,
-    ring: &Ring,
-    process: &Process,
-    mailbox: &Mailbox,
-    stop: &AtomicBool,
-    max_frame: u64,
-) -> Result<(), String> {
+fn read_loop(link: &InLink) -> Result<(), String> {
+    let InLink {
+        peer,
+        ring,
+        process,
+        mailbox,
+        stop,
+        max_frame,
+        reading,
+    } = link;
+    let (peer, max_frame) = (*peer, *max_frame);
     let err = |s: RingStop| match s {
         RingStop::Stopping => Ok(()),
         s => Err(why(&s, process)),
     };
     loop {
+        if let Err(s) = ring.wait_data(process, stop) {
+            return err(s);
+        }
+        let _reading = crate::lock(reading);
+        if ring.available() == 0 {
+            // A waiting collective took it.
+            continue;
+        }
         let mut head = [0u8; RECORD];
         let mut got = 0;
         if let Err(s) = ring.read(RECORD, process, stop, |p| {
@@ -308,13 +398,7 @@ fn read_loop(
         }) {
             return err(s);
         }
-        let word = |r: std::ops::Range<usize>| {
-            let mut b = [0u8; 8];
-            b[..r.len()].copy_from_slice(&head[r]);
-            u64::from_le_bytes(b)
-        };
-        let kind = word(0..4) as u32;
-        let len = word(24..32);
+        let (kind, tag, len) = parse(&head);
         match kind {
             KIND_GOODBYE => return Ok(()),
             KIND_DATA if len <= max_frame => {}
@@ -324,11 +408,6 @@ fn read_loop(
                 ));
             }
         }
-        let tag = Tag {
-            context: word(8..16),
-            seq: word(16..24),
-            step: word(4..8) as u32,
-        };
         let len = len as usize;
         // Payloads are copied into recycled buffers, so steady traffic does not fault in fresh
         // pages (the frames usually outlive the next one's arrival, in the mailbox).

@@ -38,8 +38,8 @@ use bonfire_topology::{NodeLayout, Rank};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-pub(crate) use link::OutLink;
 use link::start_reader;
+pub(crate) use link::{InLink, OutLink};
 use ring::Ring;
 use segment::Segment;
 use sys::Process;
@@ -242,6 +242,8 @@ enum Answer {
 pub(crate) struct Lanes {
     /// The lane to each rank, where there is one.
     pub(crate) out: Vec<Option<OutLink>>,
+    /// The lanes from other ranks.
+    pub(crate) inbound: Vec<Arc<InLink>>,
     /// Why some pairs of this node talk QUIC although they share it (auto mode), or `None`.
     pub(crate) fallback: Option<String>,
 }
@@ -283,6 +285,7 @@ pub(crate) async fn setup<T: Transport>(
     let world = quic.world_size();
     let mut lanes = Lanes {
         out: (0..world).map(|_| None).collect(),
+        inbound: Vec::new(),
         fallback: None,
     };
     let peers: Vec<Rank> = (0..world)
@@ -455,7 +458,7 @@ pub(crate) async fn setup<T: Transport>(
                 let ring = Ring::attach(seg, nonce)
                     .map_err(|reason| ShmSetupError::Exchange { peer, reason })?;
                 // The reader runs until its peer says goodbye or exits, or this rank stops.
-                start_reader(
+                let (inbound, _reader) = start_reader(
                     me,
                     peer,
                     ring,
@@ -468,6 +471,7 @@ pub(crate) async fn setup<T: Transport>(
                     peer,
                     reason: format!("starting a reader thread: {e}"),
                 })?;
+                lanes.inbound.push(inbound);
             }
             (Ok(Answer::Mapped { .. }), None) => {
                 return Err(ShmSetupError::Exchange {

@@ -212,6 +212,43 @@ impl Ring {
         )
     }
 
+    /// Consumer: the bytes published and not yet taken.
+    pub(crate) fn available(&self) -> usize {
+        let c = self.control();
+        (c.head.load(Ordering::Acquire) - c.tail.load(Ordering::Acquire)) as usize
+    }
+
+    /// Consumer: copies the next `out.len()` bytes without taking them; they must be
+    /// [`Ring::available`].
+    pub(crate) fn peek(&self, out: &mut [u8]) {
+        let c = self.control();
+        let cap = self.capacity;
+        debug_assert!(out.len() <= self.available());
+        let at = (c.tail.load(Ordering::Relaxed) % cap as u64) as usize;
+        let first = out.len().min(cap - at);
+        let (a, b) = out.split_at_mut(first);
+        // SAFETY: the producer published these bytes and does not write them again until
+        // `tail` moves past them, which only the consumer does.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(at), a.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), b.as_mut_ptr(), b.len());
+        }
+    }
+
+    /// Consumer: waits until something is published that nobody has taken (another thread of
+    /// this rank may take it first).
+    pub(crate) fn wait_data(&self, peer: &Process, stop: &AtomicBool) -> Result<(), RingStop> {
+        let c = self.control();
+        self.wait(
+            &c.data_seq,
+            &c.consumer_sleeps,
+            || c.head.load(Ordering::Acquire) != c.tail.load(Ordering::Acquire),
+            peer,
+            stop,
+            Side::Consumer,
+        )
+    }
+
     /// Consumer: takes exactly `n` bytes, handing them to `sink` in contiguous pieces and
     /// releasing each piece's room as soon as `sink` returns.
     pub(crate) fn read(

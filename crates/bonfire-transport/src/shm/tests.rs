@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bonfire_topology::Rank;
@@ -68,7 +68,7 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
     let (producer, consumer) = ring_pair(&dir, 4096);
     let mailbox = Arc::new(Mailbox::new());
     let stop = Arc::new(AtomicBool::new(false));
-    let reader = start_reader(
+    let (inbound, reader) = start_reader(
         Rank(1),
         Rank(0),
         consumer,
@@ -78,6 +78,17 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         1 << 30,
     )
     .unwrap();
+    // A second thread takes whole frames out of the ring as a waiting collective does, racing
+    // the reader thread: the two must never split a frame or reorder frames.
+    let taking = Arc::new(AtomicBool::new(true));
+    let taker = {
+        let (inbound, taking) = (inbound.clone(), taking.clone());
+        std::thread::spawn(move || {
+            while taking.load(Ordering::Relaxed) {
+                inbound.take_ready();
+            }
+        })
+    };
     let link = link_to_1(producer, &mailbox, &stop);
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     // Sizes around the ring's capacity and its quarter, empty frames, and odd lengths.
@@ -104,6 +115,8 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
     }
     link.finish();
     reader.join().unwrap();
+    taking.store(false, Ordering::Relaxed);
+    taker.join().unwrap();
     for (i, f) in frames.iter().enumerate() {
         assert_eq!(inbox.take(Rank(0), i as u32).as_ref(), Some(f), "frame {i}");
     }

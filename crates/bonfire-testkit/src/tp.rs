@@ -211,8 +211,7 @@ impl<B: Backend> TpNet<B> for TpGpt<B> {
 
     fn loss(&self, batch: &TpBatch, device: &B::Device) -> Tensor<B, 1> {
         let [b, s] = [batch.t_shape[0], batch.t_shape[1]];
-        let tokens =
-            Tensor::<B, 2, Int>::from_data(TensorData::new(batch.tokens.clone(), [b, s]), device);
+        let tokens = batch.token_ids::<B>(device);
         let positions = Tensor::<B, 1, Int>::arange(0..s as i64, device)
             .reshape([1, s])
             .repeat_dim(0, b);
@@ -363,8 +362,7 @@ impl<B: Backend> TpNet<B> for TpLlama<B> {
 
     fn loss(&self, batch: &TpBatch, device: &B::Device) -> Tensor<B, 1> {
         let [b, s] = [batch.t_shape[0], batch.t_shape[1]];
-        let tokens =
-            Tensor::<B, 2, Int>::from_data(TensorData::new(batch.tokens.clone(), [b, s]), device);
+        let tokens = batch.token_ids::<B>(device);
         let mask = generate_autoregressive_mask::<B>(b, s, device).reshape([b, 1, s, s]);
         let mut x = self.embed.forward(tokens);
         for layer in &self.layers {
@@ -420,6 +418,12 @@ pub fn gradients<B: AutodiffBackend, M: Module<B>>(
 }
 
 impl TpBatch {
+    /// The token ids as a `[batch, seq]` tensor.
+    pub fn token_ids<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
+        let shape = [self.t_shape[0], self.t_shape[1]];
+        Tensor::from_data(TensorData::new(self.tokens.clone(), shape), device)
+    }
+
     /// Part `part` of `parts` equal parts of the batch (split along its first dimension), as a
     /// data-parallel rank gets it; the mean loss over the whole batch is the mean of the parts'.
     ///

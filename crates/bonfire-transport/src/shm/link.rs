@@ -302,20 +302,30 @@ impl InLink {
             if kind != KIND_DATA || len > self.max_frame || available - RECORD < len as usize {
                 return filed;
             }
-            let len = len as usize;
-            let mut read = self.ring.read(RECORD, &self.process, &self.stop, |_| {});
-            let frame = crate::pool::filled(len, |buf| {
-                if read.is_ok() {
-                    read = self
-                        .ring
-                        .read(len, &self.process, &self.stop, |p| buf.extend_from_slice(p));
-                }
-            });
-            // The bytes were available: reading them cannot wait, so it cannot fail.
-            debug_assert!(read.is_ok());
-            self.mailbox.deliver(self.peer, tag, frame);
+            // The record and its payload are in the ring: taking them cannot wait, so it cannot
+            // fail.
+            let taken = self
+                .ring
+                .read(RECORD, &self.process, &self.stop, |_| {})
+                .and_then(|()| self.file(tag, len as usize));
+            debug_assert!(taken.is_ok());
             filed = true;
         }
+    }
+
+    /// Takes the next `len` bytes, the payload of the frame tagged `tag`, and files the frame.
+    fn file(&self, tag: Tag, len: usize) -> Result<(), RingStop> {
+        // Payloads are copied into recycled buffers, so steady traffic does not fault in fresh
+        // pages (the frames usually outlive the next one's arrival, in the mailbox).
+        let mut read = Ok(());
+        let frame = crate::pool::filled(len, |buf| {
+            read = self
+                .ring
+                .read(len, &self.process, &self.stop, |p| buf.extend_from_slice(p));
+        });
+        read?;
+        self.mailbox.deliver(self.peer, tag, frame);
+        Ok(())
     }
 }
 
@@ -368,15 +378,14 @@ pub(crate) fn start_reader(
 
 fn read_loop(link: &InLink) -> Result<(), String> {
     let InLink {
-        peer,
         ring,
         process,
-        mailbox,
         stop,
         max_frame,
         reading,
+        ..
     } = link;
-    let (peer, max_frame) = (*peer, *max_frame);
+    let max_frame = *max_frame;
     let err = |s: RingStop| match s {
         RingStop::Stopping => Ok(()),
         s => Err(why(&s, process)),
@@ -408,17 +417,9 @@ fn read_loop(link: &InLink) -> Result<(), String> {
                 ));
             }
         }
-        let len = len as usize;
-        // Payloads are copied into recycled buffers, so steady traffic does not fault in fresh
-        // pages (the frames usually outlive the next one's arrival, in the mailbox).
-        let mut read = Ok(());
-        let frame = crate::pool::filled(len, |buf| {
-            read = ring.read(len, process, stop, |p| buf.extend_from_slice(p));
-        });
-        if let Err(s) = read {
+        if let Err(s) = link.file(tag, len as usize) {
             return err(s);
         }
-        mailbox.deliver(peer, tag, frame);
         if stop.load(Ordering::Relaxed) {
             return Ok(());
         }

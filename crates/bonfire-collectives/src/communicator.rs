@@ -1,12 +1,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 use bonfire_topology::{GroupId, Mesh, NodeId, NodeLayout, Rank, ReduceOp};
 use bonfire_transport::{InProcess, Transport};
 use tokio::runtime::Handle;
 
-use crate::driven::Driven;
+use crate::driven::{Driven, Start};
 use crate::driver::{self, Exchange};
 use crate::exec::Arith;
 use crate::fingerprint::{Fingerprint, OpKind};
@@ -41,6 +42,9 @@ pub struct Communicator {
     algorithm: Algorithm,
     /// Overrides the group's [`CommConfig::timeout`] for calls through this handle.
     timeout: Option<std::time::Duration>,
+    /// Calls through this handle are run only by their caller (see
+    /// [`Communicator::caller_driven`]).
+    caller_driven: bool,
 }
 
 struct Group {
@@ -136,6 +140,7 @@ impl CommunicatorBuilder {
             }),
             algorithm: Algorithm::Auto,
             timeout: None,
+            caller_driven: false,
         })
     }
 }
@@ -209,6 +214,7 @@ impl Communicator {
             group: self.group.clone(),
             algorithm,
             timeout: self.timeout,
+            caller_driven: self.caller_driven,
         }
     }
 
@@ -221,6 +227,24 @@ impl Communicator {
             group: self.group.clone(),
             algorithm: self.algorithm,
             timeout: Some(timeout),
+            caller_driven: self.caller_driven,
+        }
+    }
+
+    /// A handle to the same group whose collectives only the caller runs: the call runs the
+    /// first step of each at once whatever its size, [`Work::progress`] runs whatever has
+    /// become possible since, and [`Work::wait`] the rest; no communication thread is woken for
+    /// them while the `Work` is held (a dropped one is finished in the background as usual).
+    ///
+    /// For a caller that computes on every core it has and can look in between (the gradient
+    /// hook between backward's ops): a communication thread would only take cores from the
+    /// compute, and each hand-over costs a context switch.
+    pub fn caller_driven(&self) -> Communicator {
+        Communicator {
+            group: self.group.clone(),
+            algorithm: self.algorithm,
+            timeout: self.timeout,
+            caller_driven: true,
         }
     }
 
@@ -365,6 +389,7 @@ impl Communicator {
             }),
             algorithm: self.algorithm,
             timeout: self.timeout,
+            caller_driven: false,
         }))
     }
 
@@ -460,6 +485,7 @@ impl Communicator {
             T::DTYPE,
         );
         let exchange = self.exchange(g.id.0, (0..self.size() as u32).collect(), fingerprint);
+        let arrived = exchange.arrived.clone();
         let work = collective.prepare(&shape, me, buf);
         let reducer = g.reducer.clone();
         let n = self.size();
@@ -487,7 +513,7 @@ impl Communicator {
             ran?;
             Ok(then(collective.finish(&shape, me, work)))
         };
-        (seq, self.start(op, bytes, job))
+        (seq, self.start(op, bytes, job, arrived))
     }
 
     /// Hands a collective to whoever waits for it (see `driven`); a small one is polled once
@@ -497,15 +523,20 @@ impl Communicator {
         op: &'static str,
         bytes: usize,
         job: impl Future<Output = Result<U, CollectiveError>> + Send + 'static,
+        arrived: Arc<OnceLock<Instant>>,
     ) -> Work<U> {
-        let eager = bytes <= self.group.config.small_bytes;
+        let eager = self.caller_driven || bytes <= self.group.config.small_bytes;
         let driven = Driven::start(
             self.group.runtime.clone(),
             Some(self.group.transport.clone()),
             self.world_rank(),
             op,
             Box::pin(job),
-            eager,
+            Start {
+                eager,
+                held: self.caller_driven,
+                arrived: Some(arrived),
+            },
         );
         Work::driven(Box::new(driven))
     }
@@ -555,6 +586,7 @@ impl Communicator {
         }
         let program = b.finish();
         let exchange = self.exchange(context, vec![from as u32, to as u32], fingerprint);
+        let arrived = exchange.arrived.clone();
         let reducer = g.reducer.clone();
         let bytes = std::mem::size_of_val(buf.as_slice());
         let job = async move {
@@ -574,7 +606,7 @@ impl Communicator {
             .await?;
             Ok(buf)
         };
-        self.start(op, bytes, job)
+        self.start(op, bytes, job, arrived)
     }
 
     fn exchange(&self, context: u64, participants: Vec<u32>, fingerprint: Fingerprint) -> Exchange {
@@ -587,6 +619,7 @@ impl Communicator {
             context,
             fingerprint,
             timeout: self.timeout.unwrap_or(g.config.timeout),
+            arrived: Arc::default(),
         }
     }
 

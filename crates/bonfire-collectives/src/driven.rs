@@ -24,7 +24,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -45,6 +45,16 @@ const LOOK: Duration = Duration::from_micros(250);
 /// The longest park between looks (a wake-up ends it sooner).
 const PARK: Duration = Duration::from_millis(50);
 
+/// How a driven collective starts.
+pub(crate) struct Start {
+    /// Poll it once on the calling thread now (else the runtime polls it first).
+    pub(crate) eager: bool,
+    /// Only its holder polls it (see [`crate::Communicator::caller_driven`]).
+    pub(crate) held: bool,
+    /// Set by the collective when every peer's arrival has been seen.
+    pub(crate) arrived: Option<Arc<OnceLock<Instant>>>,
+}
+
 type Job<T> = Pin<Box<dyn Future<Output = Result<T, CollectiveError>> + Send>>;
 
 /// A collective in flight whose future is polled by whoever needs it (see the module docs).
@@ -54,9 +64,14 @@ pub(crate) struct Driven<T> {
     transport: Option<Arc<dyn Transport>>,
     /// This rank and the collective, for the error a panic becomes.
     me: Rank,
+    /// When this rank had seen every peer's arrival (set by the collective).
+    arrived: Option<Arc<OnceLock<Instant>>>,
     op: &'static str,
     /// Set by every wake-up; cleared when a poll begins.
     woken: AtomicBool,
+    /// Only its holder polls it (`Work::progress`, `wait`): a wake-up with nobody waiting
+    /// schedules nothing while the handle lives.
+    held: AtomicBool,
     /// Set once the result is in `state`.
     done: AtomicBool,
     state: Mutex<State<T>>,
@@ -66,6 +81,8 @@ struct State<T> {
     /// The future, while it is neither being polled nor finished.
     job: Option<Job<T>>,
     result: Option<Result<T, CollectiveError>>,
+    /// When its first poll began: its first frames left then.
+    started: Option<Instant>,
     /// When it completed.
     finished: Option<Instant>,
     /// A poll is under way (`job` is out).
@@ -83,7 +100,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<T: Send + 'static> Driven<T> {
-    /// Takes charge of `job`. With `eager`, polls it once on this thread now; otherwise the
+    /// Takes charge of `job`. With `how.eager`, polls it once on this thread now; otherwise the
     /// runtime polls it first.
     pub(crate) fn start(
         runtime: Handle,
@@ -91,18 +108,26 @@ impl<T: Send + 'static> Driven<T> {
         me: Rank,
         op: &'static str,
         job: Job<T>,
-        eager: bool,
+        how: Start,
     ) -> Arc<Driven<T>> {
+        let Start {
+            eager,
+            held,
+            arrived,
+        } = how;
         let driven = Arc::new(Driven {
             runtime,
             transport,
             me,
+            arrived,
             op,
             woken: AtomicBool::new(false),
+            held: AtomicBool::new(held),
             done: AtomicBool::new(false),
             state: Mutex::new(State {
                 job: Some(job),
                 result: None,
+                started: None,
                 finished: None,
                 polling: false,
                 scheduled: false,
@@ -140,6 +165,7 @@ impl<T: Send + 'static> Driven<T> {
                 };
                 st.polling = true;
                 st.scheduled = false;
+                st.started.get_or_insert_with(Instant::now);
                 job
             };
             self.woken.store(false, Ordering::SeqCst);
@@ -252,8 +278,25 @@ impl<T: Send + 'static> Driven<T> {
         Poll::Pending
     }
 
+    /// Polls it on this thread if a wake-up came since the last poll; never blocks (another
+    /// thread polling it is left to it). Frames already in shared memory are filed first.
+    /// Returns whether it has completed.
+    pub(crate) fn progress(self: &Arc<Self>) -> bool {
+        if self.is_finished() {
+            return true;
+        }
+        if let Some(t) = &self.transport {
+            while t.progress() {}
+        }
+        if self.woken.load(Ordering::Acquire) {
+            self.drive();
+        }
+        self.is_finished()
+    }
+
     /// The handle is gone: nobody waits any more, so the runtime drives what is left.
     pub(crate) fn release(self: &Arc<Self>) {
+        self.held.store(false, Ordering::SeqCst);
         let mut st = lock(&self.state);
         st.caller = None;
         st.waiter = None;
@@ -277,6 +320,9 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 pub(crate) trait Control<T>: Send + Sync {
     fn wait(&self) -> Result<T, CollectiveError>;
     fn is_finished(&self) -> bool;
+    fn started_at(&self) -> Option<Instant>;
+    fn progress(&self) -> bool;
+    fn arrived_at(&self) -> Option<Instant>;
     fn finished_at(&self) -> Option<Instant>;
     fn poll_result(&self, cx: &mut Context<'_>) -> Poll<Result<T, CollectiveError>>;
     fn release(&self);
@@ -289,6 +335,18 @@ impl<T: Send + 'static> Control<T> for Arc<Driven<T>> {
 
     fn is_finished(&self) -> bool {
         Driven::is_finished(self)
+    }
+
+    fn started_at(&self) -> Option<Instant> {
+        lock(&self.state).started
+    }
+
+    fn progress(&self) -> bool {
+        Driven::progress(self)
+    }
+
+    fn arrived_at(&self) -> Option<Instant> {
+        self.arrived.as_ref().and_then(|a| a.get().copied())
     }
 
     fn finished_at(&self) -> Option<Instant> {
@@ -320,7 +378,7 @@ impl<T: Send + 'static> Wake for Driven<T> {
             t.unpark();
         } else if let Some(w) = &st.waiter {
             w.wake_by_ref();
-        } else {
+        } else if !self.held.load(Ordering::SeqCst) {
             self.schedule(st);
         }
     }
@@ -340,7 +398,18 @@ mod tests {
         eager: bool,
     ) -> Arc<Driven<T>> {
         let runtime = crate::runtime().handle().clone();
-        Driven::start(runtime, None, me, op, job, eager)
+        Driven::start(
+            runtime,
+            None,
+            me,
+            op,
+            job,
+            Start {
+                eager,
+                held: false,
+                arrived: None,
+            },
+        )
     }
 
     /// A future that is ready after `n` wake-ups delivered by another thread.

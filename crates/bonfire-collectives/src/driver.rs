@@ -16,7 +16,7 @@
 //! participants whose arrival never came (they did not call the collective) and the frame the
 //! rank was waiting for.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bonfire_topology::Rank;
@@ -54,6 +54,9 @@ pub(crate) struct Exchange {
     pub(crate) context: u64,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) timeout: Duration,
+    /// Set when this rank has seen every other participant's arrival: all of them had called
+    /// the collective by then.
+    pub(crate) arrived: Arc<OnceLock<std::time::Instant>>,
 }
 
 impl Exchange {
@@ -188,6 +191,9 @@ async fn run_inner(
         inbox,
         pending: ex.others().collect(),
     };
+    if waiter.pending.is_empty() {
+        ex.arrived.get_or_init(std::time::Instant::now);
+    }
     let result = run_program(&mut waiter, program, buf, arith).await;
     match result {
         Ok(()) => Ok(()),
@@ -412,6 +418,9 @@ impl Waiter<'_> {
                 });
             }
             self.pending.swap_remove(i);
+            if self.pending.is_empty() {
+                ex.arrived.get_or_init(std::time::Instant::now);
+            }
         }
         Ok(())
     }

@@ -60,7 +60,7 @@ pub use error::CollectiveError;
 pub use fingerprint::{Fingerprint, OpKind};
 pub use reducer::{HostReducer, Order, Reducer};
 pub use runtime::runtime;
-pub use work::Work;
+pub use work::{Work, WorkTimes};
 
 #[cfg(test)]
 mod send_sync {

@@ -25,6 +25,20 @@ enum State<T> {
     Driven(Box<dyn Control<T>>),
 }
 
+/// When a waited-on collective ran: see [`Work::wait_times`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct WorkTimes {
+    /// Its first poll began ([`Work::started_at`]).
+    pub started: Instant,
+    /// This rank had seen every other participant's fingerprint: all of them had called the
+    /// collective by then (as late as this rank looked; `started` where it never saw them all,
+    /// as when the collective failed). The gap from `started` is waiting for the slowest peer to
+    /// call it; the rest, up to `finished`, is moving and combining the data.
+    pub arrived: Instant,
+    /// It completed.
+    pub finished: Instant,
+}
+
 // The result is only ever moved out, never pinned in place.
 impl<T> Unpin for Work<T> {}
 
@@ -53,13 +67,55 @@ impl<T> Work<T> {
 
     /// As [`Work::wait`], and also when the collective completed (which is earlier than the
     /// return when it completed in the background before the wait).
-    pub fn wait_timed(mut self) -> (Result<T, CollectiveError>, Instant) {
+    pub fn wait_timed(self) -> (Result<T, CollectiveError>, Instant) {
+        let (result, times) = self.wait_times();
+        (result, times.finished)
+    }
+
+    /// As [`Work::wait`], with when the collective began to run and when it completed.
+    pub fn wait_times(mut self) -> (Result<T, CollectiveError>, WorkTimes) {
         let result = match &mut self.state {
             State::Driven(control) => control.wait(),
             State::Ready(result, _) => result.take().expect("a Work is waited on once"),
         };
-        let at = self.finished_at().unwrap_or_else(Instant::now);
-        (result, at)
+        let finished = self.finished_at().unwrap_or_else(Instant::now);
+        let started = self.started_at().unwrap_or(finished).min(finished);
+        let arrived = match &self.state {
+            State::Driven(control) => control.arrived_at(),
+            State::Ready(..) => None,
+        }
+        .unwrap_or(started)
+        .clamp(started, finished);
+        (
+            result,
+            WorkTimes {
+                started,
+                arrived,
+                finished,
+            },
+        )
+    }
+
+    /// When the collective began to run on some thread (its first frames left then): the call
+    /// itself for a small collective, a poll on the communication runtime or the first wait
+    /// otherwise. `None` while nothing has run it yet. The gap from the call to this instant is
+    /// the scheduling delay a bucket pays before its first byte moves.
+    pub fn started_at(&self) -> Option<Instant> {
+        match &self.state {
+            State::Ready(_, at) => Some(*at),
+            State::Driven(control) => control.started_at(),
+        }
+    }
+
+    /// Runs, on this thread and without blocking, whatever part of the collective has become
+    /// possible since it last ran (frames that arrived are combined and forwarded); returns
+    /// whether it has completed. For collectives of a [`crate::Communicator::caller_driven`]
+    /// handle, whose caller looks in between its own work; harmless on any other.
+    pub fn progress(&self) -> bool {
+        match &self.state {
+            State::Ready(..) => true,
+            State::Driven(control) => control.progress(),
+        }
     }
 
     /// When the collective completed (successfully or not); `None` while it runs.

@@ -83,6 +83,76 @@ fn futures_can_be_awaited() {
 }
 
 #[test]
+fn the_times_of_a_work_split_waiting_for_a_late_peer_from_the_transfer() {
+    let late = Duration::from_millis(80);
+    // Eager (the call runs it) and not (the runtime does), in chunks of the default size.
+    for bytes in [256usize, 256 * 1024] {
+        let comms = Communicator::in_process(3, CommConfig::default());
+        let times = run_ranks(comms, DEADLINE, move |comm| {
+            if comm.rank() == 2 {
+                std::thread::sleep(late);
+            }
+            let called = std::time::Instant::now();
+            let work = comm.all_reduce(vec![1.0f32; bytes / 4], ReduceOp::Sum);
+            let (sum, t) = work.wait_times();
+            assert_eq!(sum.unwrap(), vec![3.0; bytes / 4]);
+            assert!(called <= t.started && t.started <= t.arrived && t.arrived <= t.finished);
+            (
+                t.started - called,
+                t.arrived - t.started,
+                t.finished - t.arrived,
+            )
+        });
+        for (rank, &(scheduled, waited, moved)) in times.iter().enumerate() {
+            let what = format!("{bytes} B, rank {rank}: {times:?}");
+            assert!(scheduled < late / 2, "{what}");
+            assert!(moved < late / 2, "{what}");
+            if rank == 2 {
+                assert!(
+                    waited < late / 2,
+                    "the late rank found the others in: {what}"
+                );
+            } else {
+                assert!(waited >= late * 3 / 4, "waited for the late rank: {what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_caller_driven_collective_moves_only_when_its_caller_looks() {
+    // Large enough not to be finished by the call's own first step.
+    let n = 256 * 1024;
+    let comms = Communicator::in_process(2, CommConfig::default());
+    let sums = run_ranks(comms, DEADLINE, move |comm| {
+        if comm.rank() == 1 {
+            // Late, so that rank 0's call has returned before any frame of this rank came.
+            std::thread::sleep(Duration::from_millis(100));
+            return comm
+                .all_reduce(vec![1.0f32; n], ReduceOp::Sum)
+                .wait()
+                .unwrap();
+        }
+        let work = comm
+            .caller_driven()
+            .all_reduce(vec![2.0f32; n], ReduceOp::Sum);
+        // The peer's frames arrive meanwhile; no communication thread takes them up.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!work.is_finished(), "a thread other than the caller ran it");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !work.progress() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "progress never finished it"
+            );
+            std::thread::yield_now();
+        }
+        work.wait().unwrap()
+    });
+    assert_eq!(sums, vec![vec![3.0f32; n]; 2]);
+}
+
+#[test]
 fn send_and_recv_match_in_call_order() {
     let comms = chaos_world(4, config(), Duration::from_micros(300), 4);
     let got = run_ranks(comms, DEADLINE, |comm| {

@@ -133,11 +133,54 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         st.bytes / st.steps / 1024,
         st.buckets / st.steps,
     )];
+    lines.extend(bucket_lines(st));
     if ranks > 1 {
         lines.push(format!(
             "scaling         compute is {:.1}% of the step (the rest waits on communication): \
              the upper bound on this run's scaling efficiency",
             100.0 * (1.0 - exposed / step_ms.max(1e-9)).max(0.0)
+        ));
+    }
+    lines
+}
+
+/// Most buckets the report lists (the last ones backward fills: they decide the exposed time).
+const LISTED_BUCKETS: usize = 4;
+
+/// Each bucket's mean timeline: when it was ready, handed to the communicator, first moved and
+/// done, in ms from the start of backward, and how far past backward's end it finished.
+fn bucket_lines(st: &StepStats) -> Vec<String> {
+    let n = st.timeline.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let backward = 1e3 * st.backward.as_secs_f64() / st.steps.max(1) as f64;
+    let mut lines = vec![format!(
+        "buckets         mean times in ms from the start of backward, which ends at {backward:.2}{}:",
+        if n > LISTED_BUCKETS {
+            format!(" (the last {LISTED_BUCKETS} of {n} buckets)")
+        } else {
+            String::new()
+        }
+    )];
+    for (b, t) in st
+        .timeline
+        .iter()
+        .enumerate()
+        .skip(n.saturating_sub(LISTED_BUCKETS))
+    {
+        let steps = t.steps.max(1) as f64;
+        let ms = |d: Duration| 1e3 * d.as_secs_f64() / steps;
+        lines.push(format!(
+            "                #{b} ({} KiB): ready {:.2}, called {:.2}, first frame {:.2}, every \
+             peer in {:.2}, done {:.2} ({:.2} after backward)",
+            t.bytes / t.steps.max(1) / 1024,
+            ms(t.ready),
+            ms(t.called),
+            ms(t.started),
+            ms(t.peers),
+            ms(t.finished),
+            (ms(t.finished) - backward).max(0.0),
         ));
     }
     lines
@@ -163,6 +206,8 @@ pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String
 
 #[cfg(test)]
 mod tests {
+    use bonfire::BucketTimes;
+
     use super::*;
 
     #[test]
@@ -185,5 +230,44 @@ mod tests {
         );
         assert!(Throughput::default().line("images").is_none());
         assert!(data_parallel_lines(None, 1.0, 2).is_empty());
+    }
+
+    #[test]
+    fn the_bucket_timeline_is_a_mean_per_step_from_the_start_of_backward() {
+        let ms = Duration::from_millis;
+        let bucket = |ready, finished| BucketTimes {
+            steps: 2,
+            bytes: 2 * 80 * 1024,
+            ready: ms(ready),
+            called: ms(ready),
+            started: ms(ready + 2),
+            peers: ms(ready + 4),
+            finished: ms(finished),
+        };
+        let st = StepStats {
+            steps: 2,
+            backward: ms(100),
+            communication: ms(10),
+            exposed: ms(4),
+            bytes: 2 * 5 * 80 * 1024,
+            buckets: 10,
+            device_packed: 0,
+            timeline: (0..5).map(|b| bucket(20 * b, 20 * b + 8)).collect(),
+        };
+        let lines = data_parallel_lines(Some(&st), 0.2, 2);
+        assert!(
+            lines[1].ends_with("which ends at 50.00 (the last 4 of 5 buckets):"),
+            "{lines:#?}"
+        );
+        assert_eq!(lines.len(), 1 + 1 + 4 + 1, "{lines:#?}");
+        assert_eq!(
+            lines[5].trim(),
+            "#4 (80 KiB): ready 40.00, called 40.00, first frame 41.00, every peer in 42.00, \
+             done 44.00 (0.00 after backward)"
+        );
+        assert!(
+            lines[2].trim().starts_with("#1 (80 KiB): ready 10.00"),
+            "{lines:#?}"
+        );
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bonfire::backend::{DataParallelConfig, FailurePolicy, GradDType, bind_thread};
+use bonfire::backend::{DataParallelConfig, FailurePolicy, GradDType, Overlap, bind_thread};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_testkit::nets::{
     Batch, DpFlex, Net, SmallCnn, SmallTransformer, max_abs_diff, parameters, random_batches,
@@ -92,9 +92,39 @@ where
             assert_eq!(stats.steps, 1);
             assert!(stats.buckets >= 1 && stats.bytes > 0, "{stats:?}");
             assert!((0.0..=1.0).contains(&stats.hidden_fraction()));
+            assert_timeline_adds_up(&stats);
             parameters(&model)
         },
     )
+}
+
+/// One timeline entry per bucket, each in the order ready, called, first frame, peers in, done;
+/// buckets ready and called in order; their bytes the step's; and the exposed time is how far the last
+/// bucket finished past backward's end.
+fn assert_timeline_adds_up(stats: &bonfire::StepStats) {
+    let t = &stats.timeline;
+    assert_eq!(t.len() as u64, stats.buckets, "{stats:#?}");
+    assert_eq!(t.iter().map(|b| b.bytes).sum::<u64>(), stats.bytes);
+    for b in t {
+        assert_eq!(b.steps, 1);
+        assert!(
+            b.ready <= b.called
+                && b.called <= b.started
+                && b.started <= b.peers
+                && b.peers <= b.finished,
+            "{b:?}"
+        );
+    }
+    assert!(t.windows(2).all(|w| w[0].called <= w[1].called), "{t:#?}");
+    // Planned in the order gradients become final: no bucket waits behind a later one.
+    assert!(t.windows(2).all(|w| w[0].ready <= w[1].ready), "{t:#?}");
+    let last = t.iter().map(|b| b.finished).max().unwrap();
+    let past = last.saturating_sub(stats.backward);
+    let gap = past.abs_diff(stats.exposed);
+    assert!(
+        gap < Duration::from_micros(1),
+        "{past:?} against {stats:#?}"
+    );
 }
 
 fn assert_matches(reference: &Params, ranks: &[Params], tolerance: f32, what: &str) {
@@ -158,6 +188,29 @@ fn three_ranks_with_many_small_buckets_match_one_rank() {
     };
     let ranks = data_parallel(3, SmallCnn::new, &batches, 1, dp);
     assert_matches(&reference, &ranks, TOLERANCE, "cnn, 3 ranks, small buckets");
+}
+
+#[test]
+fn every_overlap_mode_gives_the_same_bits() {
+    // Many buckets in flight, moved by the runtime's threads, by backward's own thread at each
+    // hook, or only after backward: who moves the bytes must not change a bit.
+    let batches = random_batches(13, STEPS, 12, SmallCnn::<DpFlex>::FEATURES, 10);
+    let reference = single(SmallCnn::new, &batches, 1);
+    let run = |overlap| {
+        let dp = DataParallelConfig {
+            bucket_cap_bytes: 256,
+            first_bucket_cap_bytes: 64,
+            overlap,
+            ..config()
+        };
+        data_parallel(3, SmallCnn::new, &batches, 1, dp)
+    };
+    let threads = run(Overlap::Threads);
+    assert_matches(&reference, &threads, TOLERANCE, "cnn, 3 ranks, threads");
+    for overlap in [Overlap::Hooks, Overlap::End] {
+        let ranks = run(overlap);
+        assert_eq!(ranks, threads, "{overlap:?} against Threads");
+    }
 }
 
 #[test]

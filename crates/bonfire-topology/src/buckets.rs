@@ -1,10 +1,16 @@
 //! The gradient bucket plan: which parameters share a bucket, in what order buckets go out.
 //!
-//! Policy (the same on every rank, because it depends only on the parameter sizes in module
-//! order and the caps):
-//! - Parameters are taken in **reverse** module order, because backward produces the last
-//!   layers' gradients first; a bucket is closed when adding the next parameter would take it
-//!   past the cap, so buckets fill in roughly the order gradients become ready.
+//! Policy (the same on every rank, because it depends only on the parameter sizes, the order
+//! they are taken in and the caps):
+//! - Parameters are taken in the order their gradients become final in backward, as PyTorch
+//!   DDP rebuilds its buckets after the first iteration: the data-parallel layer observes that
+//!   order in its first backward and every rank uses rank 0's ([`BucketPlan::in_order`]).
+//!   Without an observed order ([`BucketPlan::new`]) they are taken in **reverse** module
+//!   order, since backward produces the last layers' gradients first. A parameter used twice (a
+//!   tied embedding and output head) is final only at its first use's backward, so module order
+//!   can put it in the first bucket and hold every bucket back until backward ends.
+//! - A bucket is closed when adding the next parameter would take it past the cap, so buckets
+//!   fill in the order gradients become ready.
 //! - The first bucket has its own, smaller cap so communication starts early in backward
 //!   (PyTorch DDP does the same with 1 MiB).
 //! - A parameter larger than the cap gets a bucket of its own; no parameter is split.
@@ -31,20 +37,47 @@ pub struct BucketPlan {
 
 impl BucketPlan {
     /// Plans buckets for parameters of `numels` elements (module order), `elem_bytes` bytes each,
-    /// with `cap_bytes` per bucket and `first_cap_bytes` for the first one.
+    /// with `cap_bytes` per bucket and `first_cap_bytes` for the first one, taking them in
+    /// reverse module order.
     pub fn new(
         numels: &[usize],
         elem_bytes: usize,
         cap_bytes: usize,
         first_cap_bytes: usize,
     ) -> Self {
+        let order: Vec<usize> = (0..numels.len()).rev().collect();
+        Self::in_order(numels, &order, elem_bytes, cap_bytes, first_cap_bytes)
+    }
+
+    /// As [`BucketPlan::new`], taking the parameters in `order` (indices in module order: the
+    /// order their gradients become final). Indices out of range or repeated are skipped, and
+    /// parameters `order` leaves out follow in reverse module order, so every parameter has a
+    /// place.
+    pub fn in_order(
+        numels: &[usize],
+        order: &[usize],
+        elem_bytes: usize,
+        cap_bytes: usize,
+        first_cap_bytes: usize,
+    ) -> Self {
+        let mut seen = vec![false; numels.len()];
+        let mut taken = Vec::with_capacity(numels.len());
+        for &p in order
+            .iter()
+            .chain((0..numels.len()).rev().collect::<Vec<_>>().iter())
+        {
+            if p < numels.len() && !seen[p] {
+                seen[p] = true;
+                taken.push(p);
+            }
+        }
         let mut buckets = Vec::new();
         let mut current = Bucket {
             params: Vec::new(),
             offsets: Vec::new(),
             len: 0,
         };
-        for p in (0..numels.len()).rev() {
+        for p in taken {
             let cap = if buckets.is_empty() {
                 first_cap_bytes.min(cap_bytes)
             } else {
@@ -102,6 +135,25 @@ impl BucketPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_observed_order_is_followed_and_completed() {
+        // Parameter 0 (a tied embedding) is final last; 2 never got a gradient and follows;
+        // 9 is no parameter and the second 3 a repeat.
+        let plan = BucketPlan::in_order(&[4, 1, 1, 1], &[3, 1, 9, 3, 0], 4, 8, 4);
+        let got: Vec<Vec<usize>> = plan.buckets().iter().map(|b| b.params.clone()).collect();
+        assert_eq!(got, vec![vec![3], vec![1], vec![0], vec![2]]);
+        assert_eq!(plan.num_params(), 4);
+        assert_eq!(plan.place(2), (3, 0));
+        let plan = BucketPlan::in_order(&[1, 1, 1, 1], &[2, 3], 4, 8, 4);
+        let got: Vec<Vec<usize>> = plan.buckets().iter().map(|b| b.params.clone()).collect();
+        assert_eq!(got, vec![vec![2], vec![3, 1], vec![0]]);
+        let reverse: Vec<usize> = (0..4).rev().collect();
+        assert_eq!(
+            BucketPlan::in_order(&[4, 1, 1, 1], &reverse, 4, 8, 4),
+            BucketPlan::new(&[4, 1, 1, 1], 4, 8, 4)
+        );
+    }
 
     #[test]
     fn reverse_order_caps_and_oversized_parameters() {

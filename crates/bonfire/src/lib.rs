@@ -59,9 +59,9 @@ pub use world::{InitError, World, init, init_from, init_with, init_with_transpor
 pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
-    BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy, GradDType,
-    NoSyncGuard, StepStats, accumulate, discard_kept_gradients, keep_gradients, last_step_stats,
-    no_sync, replicate, sync_buffers, total_stats,
+    BucketTimes, BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
+    GradDType, NoSyncGuard, Overlap, StepStats, accumulate, discard_kept_gradients, keep_gradients,
+    last_step_stats, no_sync, replicate, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,

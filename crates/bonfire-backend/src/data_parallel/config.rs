@@ -14,6 +14,33 @@ pub enum GradDType {
     Bf16,
 }
 
+/// Who moves a bucket's bytes while backward is still running.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overlap {
+    /// A bucket's all-reduce starts when the bucket is full; the communication runtime's threads
+    /// run it while backward goes on (PyTorch DDP's way). The default: best where those threads
+    /// find a free core (a GPU computes, or the node has cores to spare).
+    #[default]
+    Threads,
+    /// A bucket's all-reduce starts when the bucket is full, and backward's own thread runs it,
+    /// a little at each gradient hook (between backward's ops), then to the end once backward
+    /// is done: no other thread is woken, so nothing competes with compute for a core.
+    Hooks,
+    /// Every all-reduce starts when backward is done (no overlap).
+    End,
+}
+
+impl Overlap {
+    fn parse(v: &str) -> Option<Overlap> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "threads" => Some(Overlap::Threads),
+            "hooks" => Some(Overlap::Hooks),
+            "end" => Some(Overlap::End),
+            _ => None,
+        }
+    }
+}
+
 /// What a rank does when gradient synchronisation fails (a peer died, left early, timed out, or
 /// runs a different model). Burn's ops cannot return errors, so `backward` cannot either.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,6 +75,8 @@ pub struct DataParallelConfig {
     /// bonfire code in backward. For measuring what the decorator itself costs
     /// (`benches/dp-overhead`); the gradients are the same either way.
     pub sync_alone: bool,
+    /// Who moves buckets while backward runs (see [`Overlap`]).
+    pub overlap: Overlap,
 }
 
 impl Default for DataParallelConfig {
@@ -59,6 +88,7 @@ impl Default for DataParallelConfig {
             failure: FailurePolicy::Exit,
             device_pack: true,
             sync_alone: false,
+            overlap: Overlap::Threads,
         }
     }
 }
@@ -76,6 +106,9 @@ impl DataParallelConfig {
         }
         if let Ok(v) = std::env::var("BONFIRE_SYNC_ALONE") {
             config.sync_alone = parse_switch(&v).ok_or(ConfigError::SyncAlone { value: v })?;
+        }
+        if let Ok(v) = std::env::var("BONFIRE_OVERLAP") {
+            config.overlap = Overlap::parse(&v).ok_or(ConfigError::Overlap { value: v })?;
         }
         Ok(config)
     }
@@ -147,6 +180,12 @@ pub enum ConfigError {
         /// The value found.
         value: String,
     },
+    /// `BONFIRE_OVERLAP` is not a known mode.
+    #[error("BONFIRE_OVERLAP={value:?}: expected threads, hooks or end")]
+    Overlap {
+        /// The value found.
+        value: String,
+    },
 }
 
 #[cfg(test)]
@@ -176,5 +215,8 @@ mod tests {
         assert_eq!(parse_switch(" Off"), Some(false));
         assert_eq!(parse_switch("1"), Some(true));
         assert_eq!(parse_switch("maybe"), None);
+        assert_eq!(Overlap::parse(" Hooks"), Some(Overlap::Hooks));
+        assert_eq!(Overlap::parse("end"), Some(Overlap::End));
+        assert_eq!(Overlap::parse("sometimes"), None);
     }
 }

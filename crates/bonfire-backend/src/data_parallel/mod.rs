@@ -26,7 +26,7 @@ mod sync;
 
 pub use backend::DataParallel;
 pub use buffers::{BufferSync, sync_buffers};
-pub use config::{ConfigError, DataParallelConfig, FailurePolicy, GradDType};
+pub use config::{ConfigError, DataParallelConfig, FailurePolicy, GradDType, Overlap};
 pub use context::{
     BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,
 };
@@ -34,5 +34,5 @@ pub use error::SyncError;
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
-pub use stats::StepStats;
+pub use stats::{BucketTimes, StepStats};
 pub use sync::{NoSyncGuard, no_sync};

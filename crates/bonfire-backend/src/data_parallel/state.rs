@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bonfire_collectives::{CollectiveError, Communicator, Work};
+use bonfire_collectives::{CollectiveError, Communicator, Work, WorkTimes};
 use bonfire_topology::{BucketPlan, stable_hash};
 
 use super::config::{DataParallelConfig, GradDType};
@@ -24,6 +24,10 @@ pub(crate) struct SyncState {
     pub(crate) params: Vec<ParamInfo>,
     pub(crate) index: HashMap<u64, usize>,
     pub(crate) plan: Option<Arc<BucketPlan>>,
+    /// The order (parameter indices) in which rank 0's gradients became final in its first
+    /// synchronised backward: the order buckets are planned in. `None` until that backward has
+    /// ended; until then no plan is made.
+    pub(crate) order: Option<Vec<usize>>,
     /// Fingerprint of the plan all ranks were found to agree on.
     pub(crate) agreed: Option<u64>,
     /// Gradient sums of unsynchronised backward passes, per parameter (empty: none).
@@ -40,6 +44,10 @@ pub(crate) struct Step {
     pub(crate) plan: Option<Arc<BucketPlan>>,
     pub(crate) buffers: Vec<Vec<f32>>,
     pub(crate) remaining: Vec<usize>,
+    /// Parameter indices in the order their gradients arrived.
+    pub(crate) arrivals: Vec<usize>,
+    /// Per bucket, when its last gradient arrived.
+    pub(crate) ready: Vec<Option<Instant>>,
     pub(crate) launched: Vec<Inflight>,
     /// Per bucket, the parameters whose gradients wait on the device to be packed together.
     pub(crate) pending: Vec<Vec<usize>>,
@@ -59,7 +67,13 @@ pub(crate) struct Agreement {
 }
 
 pub(crate) struct Inflight {
-    pub(crate) started: Instant,
+    /// When its last gradient was in the bucket (or backward ended, for a bucket some of whose
+    /// parameters got no gradient).
+    pub(crate) ready: Instant,
+    /// When its all-reduce was called (a bucket is called in order: after every earlier one).
+    pub(crate) called: Instant,
+    /// Bytes its all-reduce moves.
+    pub(crate) bytes: u64,
     pub(crate) work: Reduction,
 }
 
@@ -70,14 +84,29 @@ pub(crate) enum Reduction {
 }
 
 impl Reduction {
-    /// Waits on this thread (which does the collective's remaining work itself) and returns the
-    /// reduced values as f32, with the time the all-reduce completed.
-    pub(crate) fn wait(self) -> (Result<Vec<f32>, CollectiveError>, Instant) {
+    /// Runs what has become possible of it on this thread, without blocking.
+    pub(crate) fn progress(&self) {
         match self {
-            Reduction::F32(w) => w.wait_timed(),
+            Reduction::F32(w) => {
+                w.progress();
+            }
             Reduction::Bf16(w) => {
-                let (r, at) = w.wait_timed();
-                (r.map(|v| v.into_iter().map(|x| x.to_f32()).collect()), at)
+                w.progress();
+            }
+        }
+    }
+
+    /// Waits on this thread (which does the collective's remaining work itself) and returns the
+    /// reduced values as f32, with when the all-reduce began to run and when it completed.
+    pub(crate) fn wait(self) -> (Result<Vec<f32>, CollectiveError>, WorkTimes) {
+        match self {
+            Reduction::F32(w) => w.wait_times(),
+            Reduction::Bf16(w) => {
+                let (r, times) = w.wait_times();
+                (
+                    r.map(|v| v.into_iter().map(|x| x.to_f32()).collect()),
+                    times,
+                )
             }
         }
     }
@@ -89,20 +118,25 @@ impl SyncState {
         self.index = params.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
         self.params = params;
         self.plan = None;
+        self.order = None;
         self.agreed = None;
         self.accum = None;
         self.residual.clear();
     }
 
+    /// The bucket plan, made on first use once every parameter's size and the gradient order are
+    /// known (`None` before).
     pub(crate) fn plan(&mut self, config: &DataParallelConfig) -> Option<Arc<BucketPlan>> {
         if self.plan.is_none() {
             let numels: Option<Vec<usize>> = self.params.iter().map(|p| p.numel).collect();
+            let order = self.order.as_ref()?;
             let elem = match config.grad_dtype {
                 GradDType::F32 => 4,
                 GradDType::Bf16 => 2,
             };
-            let plan = BucketPlan::new(
+            let plan = BucketPlan::in_order(
                 &numels?,
+                order,
                 elem,
                 config.bucket_cap_bytes,
                 config.first_bucket_cap_bytes,
@@ -127,6 +161,12 @@ impl SyncState {
         for p in &self.params {
             words.push(p.id);
             words.push(p.numel.unwrap_or(u64::MAX as usize) as u64);
+        }
+        if let Some(plan) = &self.plan {
+            for b in plan.buckets() {
+                words.push(b.params.len() as u64);
+                words.extend(b.params.iter().map(|&p| p as u64));
+            }
         }
         let fp = stable_hash(&words);
         let first = self.agreed != Some(fp);

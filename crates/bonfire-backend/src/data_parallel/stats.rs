@@ -29,6 +29,49 @@ pub struct StepStats {
     /// to the host in one transfer). 0 on host backends (Flex, NdArray), or with
     /// `BONFIRE_DEVICE_PACK=0`.
     pub device_packed: u64,
+    /// Each bucket's times, in bucket order (the order backward fills them and they are sent).
+    /// For one step as measured; in [`total_stats`] summed over the steps that had this bucket
+    /// plan (each entry's `steps` says how many: divide by it).
+    ///
+    /// [`total_stats`]: crate::total_stats
+    pub timeline: Vec<BucketTimes>,
+}
+
+/// When one bucket became ready, was handed to the communicator, began to move and was done,
+/// each measured from the start of backward. The gaps say where a bucket's exposed time goes:
+/// `called - ready` is waiting behind an earlier bucket (buckets are sent in order), `started -
+/// called` is scheduling (no thread ran the all-reduce yet), `peers - started` is waiting for the
+/// slowest peer to call the same all-reduce (its backward is behind this rank's), and `finished -
+/// peers` is moving and combining the data.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BucketTimes {
+    /// Steps summed into this entry (1 for one step).
+    pub steps: u64,
+    /// Bytes the bucket's all-reduce moved (gradients and presence flags, in the sent dtype).
+    pub bytes: u64,
+    /// Its last gradient was final (for a bucket some of whose parameters got no gradient:
+    /// backward's end).
+    pub ready: Duration,
+    /// Its all-reduce was called.
+    pub called: Duration,
+    /// Its all-reduce began to run on some thread: its first frames left.
+    pub started: Duration,
+    /// This rank had seen that every peer had called the all-reduce.
+    pub peers: Duration,
+    /// Its all-reduce completed.
+    pub finished: Duration,
+}
+
+impl BucketTimes {
+    fn add(&mut self, other: &BucketTimes) {
+        self.steps += other.steps;
+        self.bytes += other.bytes;
+        self.ready += other.ready;
+        self.called += other.called;
+        self.started += other.started;
+        self.peers += other.peers;
+        self.finished += other.finished;
+    }
 }
 
 impl StepStats {
@@ -49,5 +92,14 @@ impl StepStats {
         self.bytes += other.bytes;
         self.buckets += other.buckets;
         self.device_packed += other.device_packed;
+        if self.timeline.len() == other.timeline.len() {
+            for (mine, theirs) in self.timeline.iter_mut().zip(&other.timeline) {
+                mine.add(theirs);
+            }
+        } else {
+            // A new bucket plan (a parameter's size became known): times of the old one would
+            // not line up with it.
+            self.timeline = other.timeline.clone();
+        }
     }
 }

@@ -21,13 +21,13 @@ use burn_backend::{Backend, DType, Shape, TensorData};
 use half::bf16;
 
 use super::DataParallel;
-use super::config::GradDType;
+use super::config::{GradDType, Overlap};
 use super::context::Replica;
 use super::device_pack;
 use super::error::SyncError;
 use super::local;
 use super::state::{Agreement, Inflight, ParamInfo, Reduction, Step, SyncState};
-use super::stats::StepStats;
+use super::stats::{BucketTimes, StepStats};
 
 thread_local! {
     static NO_SYNC: Cell<u32> = const { Cell::new(0) };
@@ -124,6 +124,8 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
         plan: plan.clone(),
         buffers: Vec::new(),
         remaining: Vec::new(),
+        arrivals: Vec::new(),
+        ready: Vec::new(),
         launched: Vec::new(),
         pending: Vec::new(),
         packed: 0,
@@ -135,12 +137,13 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
         step.agreement = st.agree(&rep.comm, &rep.config);
         step.buffers = st.fresh_buffers(plan);
         step.remaining = vec![0; plan.buckets().len()];
+        step.ready = vec![None; plan.buckets().len()];
         step.pending = vec![Vec::new(); plan.buckets().len()];
         for p in &params {
             let i = st.index[&id_of(p.param_id)];
             step.remaining[plan.place(i).0] += 1;
         }
-        launch_ready(rep, &mut st.residual, &mut step);
+        launch_ready(rep, &mut st.residual, &mut step, false);
     }
     st.step = Some(step);
 }
@@ -166,6 +169,7 @@ pub(crate) fn gradient<B: Backend>(
     let Some(&i) = index.get(&id) else {
         rep.fail(SyncError::UnknownParameter { id });
     };
+    step.arrivals.push(i);
     let shape = local::shape::<B>(unsafe { &*tensor.0 });
     let dtype = unsafe { burn_backend::TensorMetadata::dtype(&*tensor.0) };
     // With a plan, a device gradient waits for the rest of its bucket to be packed with it.
@@ -202,9 +206,15 @@ pub(crate) fn gradient<B: Backend>(
         };
         step.remaining[b] = step.remaining[b].saturating_sub(1);
         if step.remaining[b] == 0 {
+            step.ready[b] = Some(Instant::now());
             flush::<B>(rep, &plan, step, b);
         }
-        launch_ready(rep, residual, step);
+        launch_ready(rep, residual, step, false);
+        if rep.config.overlap == Overlap::Hooks {
+            for inflight in &step.launched {
+                inflight.work.progress();
+            }
+        }
     }
 }
 
@@ -276,8 +286,13 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         .expect("one backend per rank");
 
     if step.plan.is_none() {
-        // First sight of some parameters: their sizes are known now. Plan, agree, and read
-        // every gradient into the new layout.
+        // First sight of some parameters, or the first synchronised backward: their sizes and
+        // the order their gradients come in are known now. Plan, agree, and read every gradient
+        // into the new layout.
+        if st.order.is_none() {
+            let n = st.params.len();
+            st.order = Some(agree_order(rep, n, &step.arrivals));
+        }
         let Some(plan) = st.plan(&rep.config) else {
             let params = st
                 .params
@@ -290,6 +305,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         step.agreement = st.agree(&rep.comm, &rep.config);
         step.buffers = st.fresh_buffers(&plan);
         step.remaining = vec![0; plan.buckets().len()];
+        step.ready = vec![None; plan.buckets().len()];
         for (i, r) in refs.iter().enumerate() {
             if let Some(r) = r {
                 let grad = read::<B>(rep, &r.tensor);
@@ -305,10 +321,13 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     for r in step.remaining.iter_mut() {
         *r = 0;
     }
+    for r in step.ready.iter_mut() {
+        r.get_or_insert(backward_end);
+    }
     let SyncState {
         residual, params, ..
     } = &mut *st;
-    launch_ready(rep, residual, &mut step);
+    launch_ready(rep, residual, &mut step, true);
 
     // Outside Burn's graph lock now: safe to wait on peers.
     if let Some(agreement) = step.agreement.take() {
@@ -316,9 +335,21 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     }
     let world = rep.comm.size();
     let mut intervals = Vec::with_capacity(step.launched.len());
+    let mut timeline = Vec::with_capacity(step.launched.len());
+    let since = |at: Instant| at.saturating_duration_since(step.started);
     for (b, inflight) in step.launched.drain(..).enumerate() {
-        let (result, done) = inflight.work.wait();
-        intervals.push((inflight.started, done));
+        let (result, times) = inflight.work.wait();
+        let done = times.finished;
+        intervals.push((inflight.called, done));
+        timeline.push(BucketTimes {
+            steps: 1,
+            bytes: inflight.bytes,
+            ready: since(inflight.ready),
+            called: since(inflight.called),
+            started: since(times.started.max(inflight.called)),
+            peers: since(times.arrived.max(inflight.called)),
+            finished: since(done),
+        });
         let reduced = match result {
             Ok(v) => v,
             Err(source) => rep.fail(SyncError::AllReduce {
@@ -371,9 +402,33 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         bytes: step.bytes,
         buckets: intervals.len() as u64,
         device_packed: step.packed,
+        timeline,
     };
     drop(st);
     rep.record(stats);
+}
+
+/// The order every rank plans its buckets in: the order in which rank 0's gradients became final
+/// in this backward (PyTorch DDP likewise rebuilds its buckets in rank 0's observed order after
+/// the first iteration). Parameters without a gradient on rank 0 are left out: the plan puts
+/// them last.
+fn agree_order(rep: &Replica, n: usize, arrivals: &[usize]) -> Vec<usize> {
+    // Each parameter's position in the order, so that every rank sends a buffer of one size.
+    let mut key = vec![i64::MAX; n];
+    for (pos, &p) in arrivals.iter().enumerate() {
+        if p < n && key[p] == i64::MAX {
+            key[p] = pos as i64;
+        }
+    }
+    if rep.comm.size() > 1 {
+        key = match rep.comm.broadcast(key, 0).wait() {
+            Ok(key) => key,
+            Err(e) => rep.fail(SyncError::PlanCheck(e)),
+        };
+    }
+    let mut order: Vec<usize> = (0..n).filter(|&p| key[p] != i64::MAX).collect();
+    order.sort_by_key(|&p| key[p]);
+    order
 }
 
 /// Writes bucket `b`'s averages into its gradients with one upload and one launch of the fused
@@ -447,10 +502,21 @@ fn add_to_bucket(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize, grad: &[
     b
 }
 
-/// Starts, in bucket order, every bucket whose gradients have all arrived.
-fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
+/// Starts, in bucket order, every bucket whose gradients have all arrived (with
+/// [`Overlap::End`], only once backward is `finishing`).
+fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step, finishing: bool) {
     let Some(plan) = step.plan.clone() else {
         return;
+    };
+    if rep.config.overlap == Overlap::End && !finishing {
+        return;
+    }
+    let caller_driven;
+    let comm = if rep.config.overlap == Overlap::Hooks {
+        caller_driven = rep.comm.caller_driven();
+        &caller_driven
+    } else {
+        &rep.comm
     };
     while step.launched.len() < plan.buckets().len() && step.remaining[step.launched.len()] == 0 {
         let b = step.launched.len();
@@ -460,8 +526,9 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
         } else {
             ReduceOp::Sum
         };
-        let comm = &rep.comm;
-        let started = Instant::now();
+        let called = Instant::now();
+        let ready = step.ready.get(b).copied().flatten().unwrap_or(called);
+        let bytes_before = step.bytes;
         let work = match rep.config.grad_dtype {
             GradDType::F32 => {
                 step.bytes += (buf.len() * 4) as u64;
@@ -478,7 +545,12 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step) {
                 Reduction::Bf16(comm.all_reduce(send, op))
             }
         };
-        step.launched.push(Inflight { started, work });
+        step.launched.push(Inflight {
+            ready,
+            called,
+            bytes: step.bytes - bytes_before,
+            work,
+        });
     }
 }
 

@@ -11,6 +11,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
 
 use bonfire_collectives::{CollectiveError, Communicator};
 use rand_burn::SeedableRng;
@@ -28,12 +29,21 @@ use crate::FailurePolicy;
 ///   inputs' placements (a *fallback*, counted in `fallbacks` under the op's name: a place where
 ///   the plan leaks) or from an explicit read of a sharded tensor (`into_data`, a checkpoint).
 /// - Bytes are each rank's contribution (its buffer's size in f32).
+/// - `all_reduce_time`: the time the all-reduces held up this rank's thread, host staging
+///   included; `all_reduce_peer_wait` is the part spent before every peer had called the same
+///   all-reduce (the group's ranks drifting apart, not the transfer). What is left of
+///   `all_reduce_time` is the most that overlapping the transfer with compute could save.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TpStats {
     /// All-reduces run.
     pub all_reduces: u64,
     /// Bytes this rank contributed to them.
     pub all_reduce_bytes: u64,
+    /// Time the all-reduces took on this rank's thread, from reading the partial tensor to the
+    /// summed one written back.
+    pub all_reduce_time: Duration,
+    /// Part of `all_reduce_time` spent before every peer had called the all-reduce.
+    pub all_reduce_peer_wait: Duration,
     /// Gathers run.
     pub gathers: u64,
     /// Bytes this rank contributed to them.
@@ -55,6 +65,10 @@ impl TpStats {
         TpStats {
             all_reduces: self.all_reduces - earlier.all_reduces,
             all_reduce_bytes: self.all_reduce_bytes - earlier.all_reduce_bytes,
+            all_reduce_time: self.all_reduce_time.saturating_sub(earlier.all_reduce_time),
+            all_reduce_peer_wait: self
+                .all_reduce_peer_wait
+                .saturating_sub(earlier.all_reduce_peer_wait),
             gathers: self.gathers - earlier.gathers,
             gather_bytes: self.gather_bytes - earlier.gather_bytes,
             broadcasts: self.broadcasts - earlier.broadcasts,

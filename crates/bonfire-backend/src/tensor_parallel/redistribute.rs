@@ -4,6 +4,7 @@
 //! host copies of the tensors (f32), like the data-parallel host path.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bonfire_topology::ReduceOp;
 use burn_backend::tensor::FloatTensor;
@@ -75,19 +76,20 @@ pub(crate) fn all_reduce<B: Backend>(
     op: &'static str,
     how: ReduceOp,
 ) -> FloatTensor<B> {
+    let began = Instant::now();
     let (shape, dtype, device) = (local.shape(), local.dtype(), B::float_device(&local));
     let values = to_host::<B>(local);
-    {
-        let mut s = g.stats();
-        s.all_reduces += 1;
-        s.all_reduce_bytes += 4 * values.len() as u64;
-    }
-    let summed = g
-        .comm
-        .all_reduce(values, how)
-        .wait()
-        .unwrap_or_else(|e| g.fail(op, e));
-    from_host::<B>(summed, shape, dtype, &device)
+    let bytes = 4 * values.len() as u64;
+    let (summed, times) = g.comm.all_reduce(values, how).wait_times();
+    let summed = summed.unwrap_or_else(|e| g.fail(op, e));
+    let out = from_host::<B>(summed, shape, dtype, &device);
+    let mut s = g.stats();
+    s.all_reduces += 1;
+    s.all_reduce_bytes += bytes;
+    s.all_reduce_time += began.elapsed();
+    s.all_reduce_peer_wait += times.arrived - times.started;
+    drop(s);
+    out
 }
 
 /// The whole tensor from every rank's part under `Shard { dim, blocks }`.

@@ -81,6 +81,10 @@ struct Figures {
     gathers: f64,
     fallbacks: u64,
     dp_bytes: f64,
+    /// Mean per step: time the tensor-parallel all-reduces held the thread, and the part of it
+    /// spent waiting for a peer to call them.
+    all_reduce_ms: f64,
+    peer_wait_ms: f64,
     loss: f32,
 }
 
@@ -101,7 +105,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         args.warmup
     );
     println!(
-        "# {:>3} {:>3} {:>8} {:>10} {:>10} {:>13} {:>13} {:>10} {:>16} {:>16} {:>8} {:>9} {:>12}",
+        "# {:>3} {:>3} {:>8} {:>10} {:>10} {:>13} {:>13} {:>10} {:>16} {:>16} {:>8} {:>9} {:>12} {:>10} {:>10}",
         "dp",
         "tp",
         "threads",
@@ -114,7 +118,9 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         "megatron bytes",
         "gathers",
         "fallbacks",
-        "dp bytes"
+        "dp bytes",
+        "allred ms",
+        "peer wait"
     );
     let dir = std::env::temp_dir().join(format!("bonfire-bench-tp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|source| CliError::ResultFile {
@@ -177,7 +183,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         })?;
         let megatron = megatron_bytes(&args, dp, tp);
         println!(
-            "  {:>3} {:>3} {:>8} {:>10.1} {:>10.0} {:>13} {:>13} {:>10.0} {:>16.0} {:>16} {:>8.0} {:>9} {:>12.0}",
+            "  {:>3} {:>3} {:>8} {:>10.1} {:>10.0} {:>13} {:>13} {:>10.0} {:>16.0} {:>16} {:>8.0} {:>9} {:>12.0} {:>10.2} {:>10.2}",
             f.dp,
             f.tp,
             f.threads,
@@ -190,12 +196,14 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             megatron,
             f.gathers,
             f.fallbacks,
-            f.dp_bytes
+            f.dp_bytes,
+            f.all_reduce_ms,
+            f.peer_wait_ms
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "# bytes are each rank's all-reduce buffers per step (f32); megatron: (4 x layers + 2) x batch x context x width + 3 x batch x context, x 4 bytes, with batch the replica's (0 at tp = 1); dp bytes: each rank's data-parallel gradient all-reduce per step (its shards, f32, one flag per parameter)"
+        "# bytes are each rank's all-reduce buffers per step (f32); megatron: (4 x layers + 2) x batch x context x width + 3 x batch x context, x 4 bytes, with batch the replica's (0 at tp = 1); dp bytes: each rank's data-parallel gradient all-reduce per step (its shards, f32, one flag per parameter); allred ms: per step, the time the tensor-parallel all-reduces held rank 0's thread (host staging included: the most that overlapping them with compute could save), peer wait: the part of it before every peer had called the all-reduce"
     );
     Ok(())
 }
@@ -305,6 +313,8 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
             let d = after.since(&before);
             comm.all_reduces += d.all_reduces;
             comm.all_reduce_bytes += d.all_reduce_bytes;
+            comm.all_reduce_time += d.all_reduce_time;
+            comm.all_reduce_peer_wait += d.all_reduce_peer_wait;
             comm.gathers += d.gathers;
             for (op, n) in d.fallbacks {
                 *comm.fallbacks.entry(op).or_default() += n;
@@ -333,6 +343,8 @@ fn rank(args: &Args, result: &Path) -> Result<(), CliError> {
             gathers: comm.gathers as f64 / steps,
             fallbacks: comm.fallback_total(),
             dp_bytes,
+            all_reduce_ms: 1e3 * comm.all_reduce_time.as_secs_f64() / steps,
+            peer_wait_ms: 1e3 * comm.all_reduce_peer_wait.as_secs_f64() / steps,
             loss,
         };
         let text = serde_json::to_string(&f).map_err(|source| CliError::ResultJson {

@@ -1,14 +1,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
 
 use bonfire_topology::{GroupId, Mesh, NodeId, NodeLayout, Rank, ReduceOp};
 use bonfire_transport::{InProcess, Transport};
 use tokio::runtime::Handle;
 
 use crate::driven::{Driven, Start};
-use crate::driver::{self, Exchange};
+use crate::driver::{self, Arrived, Exchange};
 use crate::exec::Arith;
 use crate::fingerprint::{Fingerprint, OpKind};
 use crate::reducer::{HostReducer, Reducer};
@@ -523,7 +522,7 @@ impl Communicator {
         op: &'static str,
         bytes: usize,
         job: impl Future<Output = Result<U, CollectiveError>> + Send + 'static,
-        arrived: Arc<OnceLock<Instant>>,
+        arrived: Arrived,
     ) -> Work<U> {
         let eager = self.caller_driven || bytes <= self.group.config.small_bytes;
         let driven = Driven::start(

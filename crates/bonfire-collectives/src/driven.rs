@@ -24,7 +24,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -34,6 +34,7 @@ use bonfire_transport::Transport;
 use tokio::runtime::Handle;
 
 use crate::CollectiveError;
+use crate::driver::Arrived;
 
 /// How long a waiting thread keeps looking (yielding its core between looks) before it parks.
 ///
@@ -52,7 +53,7 @@ pub(crate) struct Start {
     /// Only its holder polls it (see [`crate::Communicator::caller_driven`]).
     pub(crate) held: bool,
     /// Set by the collective when every peer's arrival has been seen.
-    pub(crate) arrived: Option<Arc<OnceLock<Instant>>>,
+    pub(crate) arrived: Option<Arrived>,
 }
 
 type Job<T> = Pin<Box<dyn Future<Output = Result<T, CollectiveError>> + Send>>;
@@ -65,7 +66,7 @@ pub(crate) struct Driven<T> {
     /// This rank and the collective, for the error a panic becomes.
     me: Rank,
     /// When this rank had seen every peer's arrival (set by the collective).
-    arrived: Option<Arc<OnceLock<Instant>>>,
+    arrived: Option<Arrived>,
     op: &'static str,
     /// Set by every wake-up; cleared when a poll begins.
     woken: AtomicBool,
@@ -322,7 +323,7 @@ pub(crate) trait Control<T>: Send + Sync {
     fn is_finished(&self) -> bool;
     fn started_at(&self) -> Option<Instant>;
     fn progress(&self) -> bool;
-    fn arrived_at(&self) -> Option<Instant>;
+    fn arrived_at(&self) -> Option<(Instant, Option<Rank>)>;
     fn finished_at(&self) -> Option<Instant>;
     fn poll_result(&self, cx: &mut Context<'_>) -> Poll<Result<T, CollectiveError>>;
     fn release(&self);
@@ -345,7 +346,7 @@ impl<T: Send + 'static> Control<T> for Arc<Driven<T>> {
         Driven::progress(self)
     }
 
-    fn arrived_at(&self) -> Option<Instant> {
+    fn arrived_at(&self) -> Option<(Instant, Option<Rank>)> {
         self.arrived.as_ref().and_then(|a| a.get().copied())
     }
 

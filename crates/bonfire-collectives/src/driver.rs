@@ -41,6 +41,10 @@ const ABORT_PATIENCE: Duration = Duration::from_secs(5);
 /// shows a mismatch that explains the failure.
 const EXPLAIN_GRACE: Duration = Duration::from_millis(250);
 
+/// When a rank had seen every other participant's arrival, and whose came last (`None` without
+/// other participants).
+pub(crate) type Arrived = Arc<OnceLock<(std::time::Instant, Option<Rank>)>>;
+
 /// Who takes part in one exchange, and how.
 pub(crate) struct Exchange {
     pub(crate) transport: Arc<dyn Transport>,
@@ -54,9 +58,9 @@ pub(crate) struct Exchange {
     pub(crate) context: u64,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) timeout: Duration,
-    /// Set when this rank has seen every other participant's arrival: all of them had called
-    /// the collective by then.
-    pub(crate) arrived: Arc<OnceLock<std::time::Instant>>,
+    /// Set when this rank has seen every other participant's arrival (all of them had called
+    /// the collective by then), with the participant whose arrival it saw last.
+    pub(crate) arrived: Arrived,
 }
 
 impl Exchange {
@@ -192,7 +196,7 @@ async fn run_inner(
         pending: ex.others().collect(),
     };
     if waiter.pending.is_empty() {
-        ex.arrived.get_or_init(std::time::Instant::now);
+        ex.arrived.get_or_init(|| (std::time::Instant::now(), None));
     }
     let result = run_program(&mut waiter, program, buf, arith).await;
     match result {
@@ -419,7 +423,8 @@ impl Waiter<'_> {
             }
             self.pending.swap_remove(i);
             if self.pending.is_empty() {
-                ex.arrived.get_or_init(std::time::Instant::now);
+                ex.arrived
+                    .get_or_init(|| (std::time::Instant::now(), Some(ex.world(m))));
             }
         }
         Ok(())

@@ -3,6 +3,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use bonfire_topology::Rank;
+
 use crate::CollectiveError;
 use crate::driven::Control;
 
@@ -35,6 +37,9 @@ pub struct WorkTimes {
     /// as when the collective failed). The gap from `started` is waiting for the slowest peer to
     /// call it; the rest, up to `finished`, is moving and combining the data.
     pub arrived: Instant,
+    /// The peer whose call this rank saw last: the one `arrived` waited for (`None` without
+    /// peers, or when the collective failed before it saw them all).
+    pub last_peer: Option<Rank>,
     /// It completed.
     pub finished: Instant,
 }
@@ -80,17 +85,18 @@ impl<T> Work<T> {
         };
         let finished = self.finished_at().unwrap_or_else(Instant::now);
         let started = self.started_at().unwrap_or(finished).min(finished);
-        let arrived = match &self.state {
+        let (arrived, last_peer) = match &self.state {
             State::Driven(control) => control.arrived_at(),
             State::Ready(..) => None,
         }
-        .unwrap_or(started)
-        .clamp(started, finished);
+        .unwrap_or((started, None));
+        let arrived = arrived.clamp(started, finished);
         (
             result,
             WorkTimes {
                 started,
                 arrived,
+                last_peer,
                 finished,
             },
         )

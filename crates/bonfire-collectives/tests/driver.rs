@@ -101,9 +101,10 @@ fn the_times_of_a_work_split_waiting_for_a_late_peer_from_the_transfer() {
                 t.started - called,
                 t.arrived - t.started,
                 t.finished - t.arrived,
+                t.last_peer.map(|r| r.index()),
             )
         });
-        for (rank, &(scheduled, waited, moved)) in times.iter().enumerate() {
+        for (rank, &(scheduled, waited, moved, last)) in times.iter().enumerate() {
             let what = format!("{bytes} B, rank {rank}: {times:?}");
             assert!(scheduled < late / 2, "{what}");
             assert!(moved < late / 2, "{what}");
@@ -114,6 +115,7 @@ fn the_times_of_a_work_split_waiting_for_a_late_peer_from_the_transfer() {
                 );
             } else {
                 assert!(waited >= late * 3 / 4, "waited for the late rank: {what}");
+                assert_eq!(last, Some(2), "named the late rank: {what}");
             }
         }
     }

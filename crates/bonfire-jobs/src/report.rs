@@ -134,6 +134,7 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         st.buckets / st.steps,
     )];
     lines.extend(bucket_lines(st));
+    lines.extend(late_line(st));
     if ranks > 1 {
         lines.push(format!(
             "scaling         compute is {:.1}% of the step (the rest waits on communication): \
@@ -186,6 +187,28 @@ fn bucket_lines(st: &StepStats) -> Vec<String> {
     lines
 }
 
+/// `waited for      rank 1 in 40 of 48 steps (2.61 ms past backward each)`: the peers this rank
+/// waited for after its own backward, the latest first by time.
+fn late_line(st: &StepStats) -> Option<String> {
+    let mut late: Vec<_> = st.late_peers.iter().collect();
+    if late.is_empty() {
+        return None;
+    }
+    late.sort_by_key(|(_, l)| std::cmp::Reverse(l.waited));
+    let parts: Vec<String> = late
+        .iter()
+        .map(|(rank, l)| {
+            format!(
+                "rank {rank} in {} of {} steps ({:.2} ms past backward each)",
+                l.steps,
+                st.steps,
+                1e3 * l.waited.as_secs_f64() / l.steps.max(1) as f64
+            )
+        })
+        .collect();
+    Some(format!("waited for      {}", parts.join(", ")))
+}
+
 /// `checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and
 /// runs/vision-1/accuracy.png`.
 pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String {
@@ -206,7 +229,7 @@ pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String
 
 #[cfg(test)]
 mod tests {
-    use bonfire::BucketTimes;
+    use bonfire::{BucketTimes, LatePeer};
 
     use super::*;
 
@@ -253,13 +276,35 @@ mod tests {
             buckets: 10,
             device_packed: 0,
             timeline: (0..5).map(|b| bucket(20 * b, 20 * b + 8)).collect(),
+            late_peers: [
+                (
+                    1,
+                    LatePeer {
+                        steps: 1,
+                        waited: ms(3),
+                    },
+                ),
+                (
+                    2,
+                    LatePeer {
+                        steps: 2,
+                        waited: ms(1),
+                    },
+                ),
+            ]
+            .into(),
         };
         let lines = data_parallel_lines(Some(&st), 0.2, 2);
         assert!(
             lines[1].ends_with("which ends at 50.00 (the last 4 of 5 buckets):"),
             "{lines:#?}"
         );
-        assert_eq!(lines.len(), 1 + 1 + 4 + 1, "{lines:#?}");
+        assert_eq!(lines.len(), 1 + 1 + 4 + 1 + 1, "{lines:#?}");
+        assert_eq!(
+            lines[6],
+            "waited for      rank 1 in 1 of 2 steps (3.00 ms past backward each), rank 2 in 2 of \
+             2 steps (0.50 ms past backward each)"
+        );
         assert_eq!(
             lines[5].trim(),
             "#4 (80 KiB): ready 40.00, called 40.00, first frame 41.00, every peer in 42.00, \

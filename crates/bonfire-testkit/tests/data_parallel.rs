@@ -93,6 +93,12 @@ where
             assert!(stats.buckets >= 1 && stats.bytes > 0, "{stats:?}");
             assert!((0.0..=1.0).contains(&stats.hidden_fraction()));
             assert_timeline_adds_up(&stats);
+            // The step that planned the buckets is left out of the summed timeline.
+            let total = bonfire::total_stats().expect("bound");
+            assert!(
+                total.timeline.iter().all(|b| b.steps + 1 == total.steps),
+                "{total:#?}"
+            );
             parameters(&model)
         },
     )
@@ -125,6 +131,12 @@ fn assert_timeline_adds_up(stats: &bonfire::StepStats) {
         gap < Duration::from_micros(1),
         "{past:?} against {stats:#?}"
     );
+    // A peer waited for after backward accounts for part of the exposed time, no more.
+    assert!(stats.late_peers.len() <= 1, "{stats:#?}");
+    for late in stats.late_peers.values() {
+        assert_eq!(late.steps, 1);
+        assert!(late.waited <= stats.exposed, "{stats:#?}");
+    }
 }
 
 fn assert_matches(reference: &Params, ranks: &[Params], tolerance: f32, what: &str) {

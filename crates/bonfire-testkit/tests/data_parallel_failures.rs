@@ -29,6 +29,18 @@ fn two_ranks<F>(timeout: Duration, f: F) -> Vec<Option<String>>
 where
     F: Fn(usize) + Send + Sync + 'static,
 {
+    two_ranks_with(timeout, |_| config(), f)
+}
+
+/// As [`two_ranks`], rank `r` bound with `dp(r)`.
+fn two_ranks_with<F>(
+    timeout: Duration,
+    dp: fn(usize) -> DataParallelConfig,
+    f: F,
+) -> Vec<Option<String>>
+where
+    F: Fn(usize) + Send + Sync + 'static,
+{
     let comms = Communicator::in_process(
         2,
         CommConfig {
@@ -43,7 +55,7 @@ where
         .map(|(r, comm)| {
             let f = f.clone();
             std::thread::spawn(move || {
-                let _bind = bind_thread(comm, config());
+                let _bind = bind_thread(comm, dp(r));
                 f(r)
             })
         })
@@ -111,6 +123,30 @@ fn a_rank_that_stops_early_fails_the_other_within_the_timeout() {
         "{:?}",
         start.elapsed()
     );
+}
+
+#[test]
+fn ranks_with_other_bucket_settings_are_named_before_anything_is_averaged() {
+    let device = Device::default();
+    let batches = random_batches(4, 2, 4, SmallCnn::<DpFlex>::FEATURES, 10);
+    let models = Arc::new(Mutex::new(vec![
+        Some(seeded::<DpFlex, _>(1, &device, SmallCnn::new)),
+        Some(seeded::<DpFlex, _>(1, &device, SmallCnn::new)),
+    ]));
+    let caps = |r: usize| DataParallelConfig {
+        bucket_cap_bytes: if r == 0 { 25 << 20 } else { 1 << 10 },
+        ..config()
+    };
+    let out = two_ranks_with(Duration::from_secs(10), caps, move |r| {
+        let device = Device::default();
+        let model = models.lock().unwrap()[r].take().unwrap();
+        let _ = train(bonfire::replicate(model), &batches, 1, &device);
+    });
+    for msg in &out {
+        let msg = msg.as_deref().expect("both ranks fail");
+        assert!(msg.contains("ranks [1]"), "names the rank: {msg}");
+        assert!(msg.contains("bucket settings"), "{msg}");
+    }
 }
 
 /// Two heads; which ones a rank uses is up to the test.

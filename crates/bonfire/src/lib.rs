@@ -60,8 +60,8 @@ pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
     BucketTimes, BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, NoSyncGuard, Overlap, StepStats, accumulate, discard_kept_gradients, keep_gradients,
-    last_step_stats, no_sync, replicate, sync_buffers, total_stats,
+    GradDType, LatePeer, NoSyncGuard, Overlap, StepStats, accumulate, discard_kept_gradients,
+    keep_gradients, last_step_stats, no_sync, replicate, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,

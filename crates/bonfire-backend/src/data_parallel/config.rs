@@ -24,7 +24,8 @@ pub enum Overlap {
     Threads,
     /// A bucket's all-reduce starts when the bucket is full, and backward's own thread runs it,
     /// a little at each gradient hook (between backward's ops), then to the end once backward
-    /// is done: no other thread is woken, so nothing competes with compute for a core.
+    /// is done: no communication thread is woken to run it (the transport's reader still files
+    /// frames as they come), so almost nothing competes with compute for a core.
     Hooks,
     /// Every all-reduce starts when backward is done (no overlap).
     End,

@@ -34,5 +34,5 @@ pub use error::SyncError;
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
-pub use stats::{BucketTimes, StepStats};
+pub use stats::{BucketTimes, LatePeer, StepStats};
 pub use sync::{NoSyncGuard, no_sync};

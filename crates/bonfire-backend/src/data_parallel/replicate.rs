@@ -15,8 +15,9 @@ use super::{local, sync};
 
 /// Makes `module` a replica of rank 0's, as the constructor of PyTorch's
 /// `DistributedDataParallel` does: every float parameter (values and id) is broadcast from rank 0,
-/// marked for gradient synchronisation, and registered with `DataParallel` in module order, which
-/// is the order buckets are planned in. Call it on every rank, after [`bonfire::init`] and before
+/// marked for gradient synchronisation, and registered with `DataParallel` in module order. The
+/// first synchronised backward after it observes the order gradients become final, and buckets
+/// are planned in rank 0's order from then on. Call it on every rank, after [`bonfire::init`] and before
 /// the first forward pass; call it again after loading a checkpoint on rank 0 only.
 ///
 /// At world size 1 it only registers the parameters, and leaves them unmarked: `DataParallel`

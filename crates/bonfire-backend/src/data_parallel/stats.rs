@@ -1,5 +1,6 @@
 //! Per-step statistics of gradient synchronisation.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// What one backward's gradient synchronisation cost on this rank (or, from [`total_stats`], the
@@ -31,10 +32,25 @@ pub struct StepStats {
     pub device_packed: u64,
     /// Each bucket's times, in bucket order (the order backward fills them and they are sent).
     /// For one step as measured; in [`total_stats`] summed over the steps that had this bucket
-    /// plan (each entry's `steps` says how many: divide by it).
+    /// plan (each entry's `steps` says how many: divide by it). Empty for the step that made the
+    /// plan (the first synchronised backward, whose gradients are all read at its end).
     ///
     /// [`total_stats`]: crate::total_stats
     pub timeline: Vec<BucketTimes>,
+    /// Who this rank waited for once its backward had ended: for each step whose last bucket
+    /// was held up by a peer that had not yet called it, that peer (world rank) and how long
+    /// past the end of backward this rank saw its call. Summed over steps in
+    /// [`total_stats`](crate::total_stats).
+    pub late_peers: BTreeMap<usize, LatePeer>,
+}
+
+/// A peer this rank waited for after its own backward (see [`StepStats::late_peers`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LatePeer {
+    /// Steps in which it was the last to call the final bucket, past this rank's backward.
+    pub steps: u64,
+    /// The time waited for it in those steps.
+    pub waited: Duration,
 }
 
 /// When one bucket became ready, was handed to the communicator, began to move and was done,
@@ -49,8 +65,9 @@ pub struct BucketTimes {
     pub steps: u64,
     /// Bytes the bucket's all-reduce moved (gradients and presence flags, in the sent dtype).
     pub bytes: u64,
-    /// Its last gradient was final (for a bucket some of whose parameters got no gradient:
-    /// backward's end).
+    /// Its last gradient was final (for a bucket some of whose parameters got no gradient in
+    /// this backward: backward's end; for one with no parameter in this backward's graph:
+    /// backward's start, when it was called).
     pub ready: Duration,
     /// Its all-reduce was called.
     pub called: Duration,
@@ -92,13 +109,20 @@ impl StepStats {
         self.bytes += other.bytes;
         self.buckets += other.buckets;
         self.device_packed += other.device_packed;
-        if self.timeline.len() == other.timeline.len() {
+        for (&rank, late) in &other.late_peers {
+            let mine = self.late_peers.entry(rank).or_default();
+            mine.steps += late.steps;
+            mine.waited += late.waited;
+        }
+        if other.timeline.is_empty() {
+            // A step that planned the buckets (or had none): nothing to add.
+        } else if self.timeline.len() == other.timeline.len() {
             for (mine, theirs) in self.timeline.iter_mut().zip(&other.timeline) {
                 mine.add(theirs);
             }
         } else {
-            // A new bucket plan (a parameter's size became known): times of the old one would
-            // not line up with it.
+            // A new bucket plan (after `replicate`, or a parameter first seen): times of the
+            // old one would not line up with it.
             self.timeline = other.timeline.clone();
         }
     }

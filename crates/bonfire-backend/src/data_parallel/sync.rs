@@ -11,6 +11,7 @@
 //! caught (and named) instead of silently averaged with nothing.
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use bonfire_kernels::reference::pack_with_feedback_reference;
@@ -27,7 +28,7 @@ use super::device_pack;
 use super::error::SyncError;
 use super::local;
 use super::state::{Agreement, Inflight, ParamInfo, Reduction, Step, SyncState};
-use super::stats::{BucketTimes, StepStats};
+use super::stats::{BucketTimes, LatePeer, StepStats};
 
 thread_local! {
     static NO_SYNC: Cell<u32> = const { Cell::new(0) };
@@ -176,7 +177,8 @@ pub(crate) fn gradient<B: Backend>(
     let on_device = step.plan.is_some()
         && rep.config.device_pack
         && device_pack::supports::<B>(unsafe { &*tensor.0 });
-    let grad = (!on_device).then(|| read::<B>(rep, &tensor));
+    // Without a plan (the first synchronised backward) every gradient is read at the end.
+    let grad = (step.plan.is_some() && !on_device).then(|| read::<B>(rep, &tensor));
     let n = shape.num_elements();
     match params[i].numel {
         Some(known) if known != n => rep.fail(SyncError::SizeChanged {
@@ -285,11 +287,17 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         .downcast::<Vec<Option<GradRef<B>>>>()
         .expect("one backend per rank");
 
-    if step.plan.is_none() {
+    let planning = step.plan.is_none();
+    if planning {
         // First sight of some parameters, or the first synchronised backward: their sizes and
         // the order their gradients come in are known now. Plan, agree, and read every gradient
         // into the new layout.
         if st.order.is_none() {
+            // Every rank's parameters first, so that a rank with another model is named (the
+            // order's broadcast would only say its size differs).
+            if let Some(agreement) = st.agree(&rep.comm, &rep.config) {
+                check_agreement(agreement, rep);
+            }
             let n = st.params.len();
             st.order = Some(agree_order(rep, n, &step.arrivals));
         }
@@ -336,11 +344,26 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     let world = rep.comm.size();
     let mut intervals = Vec::with_capacity(step.launched.len());
     let mut timeline = Vec::with_capacity(step.launched.len());
+    let mut late_peers = BTreeMap::new();
+    let last_bucket = step.launched.len().saturating_sub(1);
     let since = |at: Instant| at.saturating_duration_since(step.started);
     for (b, inflight) in step.launched.drain(..).enumerate() {
         let (result, times) = inflight.work.wait();
         let done = times.finished;
         intervals.push((inflight.called, done));
+        let own_end = backward_end.max(times.started);
+        if b == last_bucket
+            && let Some(peer) = times.last_peer
+            && times.arrived > own_end
+        {
+            late_peers.insert(
+                peer.index(),
+                LatePeer {
+                    steps: 1,
+                    waited: times.arrived - own_end,
+                },
+            );
+        }
         timeline.push(BucketTimes {
             steps: 1,
             bytes: inflight.bytes,
@@ -390,6 +413,11 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             }
         }
     }
+    if planning {
+        // Every bucket of the planning step was read at the end: its times would say nothing
+        // about the plan (and would skew the means in `total_stats`).
+        timeline.clear();
+    }
     let stats = StepStats {
         steps: 1,
         backward: backward_end - step.started,
@@ -403,6 +431,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         buckets: intervals.len() as u64,
         device_packed: step.packed,
         timeline,
+        late_peers,
     };
     drop(st);
     rep.record(stats);

@@ -236,6 +236,18 @@ impl<'a, J: Job> Runner<'a, J> {
 
     /// One rank: join the job, take the settled run, train.
     fn run_rank(&self, reporter: &mut dyn Reporter) -> Result<Finished<J>, JobError> {
+        // This thread computes the rank's steps: make it worker 0 of a rayon pool of its own
+        // (`RAYON_NUM_THREADS` threads in all), so that the CPU backends' parallel ops run on it
+        // instead of being handed to a pool thread that sleeps between ops after spinning (a
+        // second busy thread per rank, which on a node whose every core runs a rank takes another
+        // rank's core; BENCHMARKS.md, "Who is late"). Other threads keep rayon's global pool, so
+        // none of them can wait on a worker that is busy training. A pool that cannot be made
+        // leaves the global one in use.
+        let _compute = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("bonfire-compute-{i}"))
+            .use_current_thread()
+            .build()
+            .ok();
         let world = bonfire::init()?;
         let mut silent = Silent;
         let reporter: &mut dyn Reporter = if world.is_main() {

@@ -67,17 +67,12 @@ impl<T> Work<T> {
     /// for a quarter of a millisecond, yielding its core between looks, before it parks), so a
     /// small collective completes without any thread hand-over.
     pub fn wait(self) -> Result<T, CollectiveError> {
-        self.wait_timed().0
+        self.wait_times().0
     }
 
-    /// As [`Work::wait`], and also when the collective completed (which is earlier than the
-    /// return when it completed in the background before the wait).
-    pub fn wait_timed(self) -> (Result<T, CollectiveError>, Instant) {
-        let (result, times) = self.wait_times();
-        (result, times.finished)
-    }
-
-    /// As [`Work::wait`], with when the collective began to run and when it completed.
+    /// As [`Work::wait`], with when the collective began to run, when every peer had called it
+    /// and when it completed (which is earlier than the return when it completed in the
+    /// background before the wait).
     pub fn wait_times(mut self) -> (Result<T, CollectiveError>, WorkTimes) {
         let result = match &mut self.state {
             State::Driven(control) => control.wait(),

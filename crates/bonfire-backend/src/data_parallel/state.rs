@@ -44,7 +44,8 @@ pub(crate) struct Step {
     pub(crate) plan: Option<Arc<BucketPlan>>,
     pub(crate) buffers: Vec<Vec<f32>>,
     pub(crate) remaining: Vec<usize>,
-    /// Parameter indices in the order their gradients arrived.
+    /// Parameter indices in the order their gradients arrived (recorded in a step without a
+    /// plan only: the one that makes it).
     pub(crate) arrivals: Vec<usize>,
     /// Per bucket, when its last gradient arrived.
     pub(crate) ready: Vec<Option<Instant>>,

@@ -170,7 +170,10 @@ pub(crate) fn gradient<B: Backend>(
     let Some(&i) = index.get(&id) else {
         rep.fail(SyncError::UnknownParameter { id });
     };
-    step.arrivals.push(i);
+    if step.plan.is_none() {
+        // The planning step: the order gradients come in is the plan's.
+        step.arrivals.push(i);
+    }
     let shape = local::shape::<B>(unsafe { &*tensor.0 });
     let dtype = unsafe { burn_backend::TensorMetadata::dtype(&*tensor.0) };
     // With a plan, a device gradient waits for the rest of its bucket to be packed with it.

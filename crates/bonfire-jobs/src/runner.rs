@@ -237,7 +237,7 @@ impl<'a, J: Job> Runner<'a, J> {
     /// One rank: join the job, take the settled run, train.
     fn run_rank(&self, reporter: &mut dyn Reporter) -> Result<Finished<J>, JobError> {
         // This thread computes the rank's steps (`RAYON_NUM_THREADS` threads in all).
-        let _compute = compute_on_this_thread(0);
+        let _compute = bonfire::compute_on_this_thread();
         let world = bonfire::init()?;
         let mut silent = Silent;
         let reporter: &mut dyn Reporter = if world.is_main() {
@@ -311,50 +311,4 @@ fn handed_down<J: Job>() -> Result<Option<Settings<J::Config>>, JobError> {
         });
     }
     Ok(Some(handoff.settings))
-}
-
-/// Makes the calling thread worker 0 of a rayon pool of its own, of `threads` threads in all (0:
-/// `RAYON_NUM_THREADS`, else one per core), so that the CPU backends' parallel ops called on it
-/// run on it instead of being handed to a pool thread that sleeps between ops after spinning (a
-/// second busy thread per rank, which on a node whose every core runs a rank takes another
-/// rank's core; BENCHMARKS.md, "Who is late"). Other threads keep rayon's global pool, so none
-/// of them can wait on a worker that is busy training. `None` (the global pool stays in use)
-/// when the pool cannot be made.
-fn compute_on_this_thread(threads: usize) -> Option<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("bonfire-compute-{i}"))
-        .use_current_thread()
-        .build()
-        .ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use rayon::prelude::*;
-
-    use super::*;
-
-    /// The thread that made the pool runs one-thread parallel work itself; before, it went to a
-    /// thread of rayon's global pool.
-    #[test]
-    fn a_rank_thread_runs_its_parallel_ops_itself() {
-        std::thread::spawn(|| {
-            let me = std::thread::current().id();
-            let _pool = compute_on_this_thread(1).expect("a pool");
-            let ran_on: Vec<_> = (0..64)
-                .into_par_iter()
-                .map(|_| std::thread::current().id())
-                .collect();
-            assert!(ran_on.iter().all(|&t| t == me), "{ran_on:?}");
-        })
-        .join()
-        .unwrap();
-        // Any other thread still has the global pool.
-        let other: Vec<_> = (0..4)
-            .into_par_iter()
-            .map(|_| rayon::current_thread_index())
-            .collect();
-        assert!(other.iter().all(Option::is_some), "{other:?}");
-    }
 }

@@ -50,9 +50,14 @@
 //! With default features off, bonfire builds without wgpu, the data sets and the models.
 
 pub mod checkpoint;
+mod compute;
 mod world;
 
 pub use checkpoint::{CheckpointError, Resume, resume_or_start, save_checkpoint};
+pub use compute::{
+    ComputeThread, HEAP_BLOCK_MAX, HEAP_KEEP, HeapSetting, compute_on_this_thread, compute_threads,
+    steady_heap,
+};
 
 pub use world::{InitError, World, init, init_from, init_with, init_with_transport};
 

@@ -184,7 +184,9 @@ impl Drop for World {
 /// `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
 ///
 /// First it installs bonfire's log subscriber ([`crate::init_logging`]: `BONFIRE_LOG`, else
-/// `RUST_LOG`, lines prefixed with the rank) unless the program installed one of its own.
+/// `RUST_LOG`, lines prefixed with the rank) unless the program installed one of its own, and
+/// fixes glibc's `malloc` thresholds so that freed tensors stay in the process for the next step
+/// ([`crate::steady_heap`]; `BONFIRE_MALLOC=system` leaves them alone).
 ///
 /// ```no_run
 /// let world = bonfire::init()?;
@@ -215,6 +217,8 @@ pub fn init_from(env: JobEnv, config: CommConfig) -> Result<World, InitError> {
 
 fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<World, InitError> {
     bonfire_launch::init_logging()?;
+    let heap = crate::steady_heap();
+    tracing::debug!(?heap, "malloc thresholds");
     if let Some(t) = env.timeout {
         config.timeout = t;
     }

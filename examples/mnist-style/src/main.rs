@@ -86,6 +86,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // bonfire (optional, CPU backends): this thread runs its own parallel ops, one busy thread
+    // per rank instead of two
+    let _compute = bonfire::compute_on_this_thread();
     let world = match bonfire::init() {
         // bonfire: join the job
         Ok(w) => w,

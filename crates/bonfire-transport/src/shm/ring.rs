@@ -17,6 +17,12 @@ const MAGIC: u64 = 0x6266_7368_6d72_6731;
 pub(crate) const DATA_OFFSET: usize = 4096;
 /// How long one sleep lasts before the other process's liveness is checked again.
 const TICK: Duration = Duration::from_millis(20);
+#[cfg(test)]
+thread_local! {
+    /// Yields this thread has made in ring waits (tests only).
+    pub(crate) static YIELDED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Busy-wait iterations before yielding, and yields before sleeping.
 const SPINS: u32 = 64;
 const YIELDS: u32 = 64;
@@ -65,7 +71,10 @@ pub(crate) enum RingStop {
 /// Who waits: the consumer (for data), or the producer (for room, until an optional deadline).
 #[derive(Copy, Clone)]
 enum Side {
+    /// The rest of a frame that is being written.
     Consumer,
+    /// The next frame, which may be a whole step away: no yields (see [`Ring::wait_data`]).
+    NextFrame,
     Producer(Option<Instant>),
 }
 
@@ -237,6 +246,14 @@ impl Ring {
 
     /// Consumer: waits until something is published that nobody has taken (another thread of
     /// this rank may take it first).
+    ///
+    /// It spins briefly, then sleeps, and never yields: the next frame may be a whole training
+    /// step away, and a yielding thread is a runnable one. Where this rank's compute shares its
+    /// core with the reader threads of the node (two ranks on two cores), each yield handed the
+    /// core to the other yielding reader and back, 64 times per frame, and the rank computed
+    /// its backward about 1 ms slower per step, which kept it late for good (BENCHMARKS.md,
+    /// issue 30, "The reader thread's yields"). A waiting collective takes ready frames itself
+    /// ([`crate::Transport::progress`]), so the reader thread's wake-up is off the short path.
     pub(crate) fn wait_data(&self, peer: &Process, stop: &AtomicBool) -> Result<(), RingStop> {
         let c = self.control();
         self.wait(
@@ -245,7 +262,7 @@ impl Ring {
             || c.head.load(Ordering::Acquire) != c.tail.load(Ordering::Acquire),
             peer,
             stop,
-            Side::Consumer,
+            Side::NextFrame,
         )
     }
 
@@ -310,7 +327,12 @@ impl Ring {
     ) -> Result<(), RingStop> {
         let (producer, deadline) = match side {
             Side::Producer(deadline) => (true, deadline),
-            Side::Consumer => (false, None),
+            Side::Consumer | Side::NextFrame => (false, None),
+        };
+        let yields = if matches!(side, Side::NextFrame) {
+            0
+        } else {
+            YIELDS
         };
         let c = self.control();
         for _ in 0..SPINS {
@@ -319,10 +341,12 @@ impl Ring {
             }
             std::hint::spin_loop();
         }
-        for _ in 0..YIELDS {
+        for _ in 0..yields {
             if ready() {
                 return Ok(());
             }
+            #[cfg(test)]
+            YIELDED.with(|y| y.set(y.get() + 1));
             std::thread::yield_now();
         }
         loop {

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 
 use super::link::{OutLink, start_reader};
-use super::ring::{Ring, RingStop};
+use super::ring::{Ring, RingStop, YIELDED};
 use super::segment::Segment;
 use super::sys::Process;
 use super::{ShmConfig, TransportMode};
@@ -314,4 +314,36 @@ async fn without_a_usable_directory_auto_falls_back_and_shm_fails() {
     for r in &quic {
         r.shutdown().await;
     }
+}
+
+/// A thread waiting for the next frame spins, then sleeps; it never yields. Where ranks share
+/// cores, each yield handed a computing rank's core to a reader thread and back (64 per frame,
+/// about 1 ms of a 5 ms step; BENCHMARKS.md, issue 30), and the rank stayed late for good.
+#[test]
+fn waiting_for_the_next_frame_sleeps_without_yielding() {
+    let dir = temp_dir("no-yields");
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let stop = AtomicBool::new(false);
+    let writer = std::thread::spawn(move || {
+        let stop = AtomicBool::new(false);
+        for round in 0..3u8 {
+            std::thread::sleep(Duration::from_millis(20));
+            producer.write(&[&[round; 16]], &me(), &stop).unwrap();
+        }
+        producer
+    });
+    for round in 0..3u8 {
+        consumer.wait_data(&me(), &stop).unwrap();
+        let mut got = Vec::new();
+        consumer
+            .read(16, &me(), &stop, |p| got.extend_from_slice(p))
+            .unwrap();
+        assert_eq!(got, vec![round; 16]);
+    }
+    let _producer = writer.join().unwrap();
+    assert_eq!(
+        YIELDED.with(std::cell::Cell::get),
+        0,
+        "the consumer yielded while it waited for frames 20 ms apart"
+    );
 }

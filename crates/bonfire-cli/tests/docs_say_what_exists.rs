@@ -213,6 +213,8 @@ const FOREIGN_TYPES: &[&str] = &[
     "LearnerBuilder",
     "SupervisedTraining",
     "Adam",
+    // PyTorch's ZeRO stage 1, named where bonfire's is compared with it.
+    "ZeroRedundancyOptimizer",
     "AdamConfig",
     "Sgd",
     "SgdConfig",

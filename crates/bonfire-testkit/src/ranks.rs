@@ -58,3 +58,26 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
         "non-string panic".into()
     }
 }
+
+/// `world` ranks over the in-process transport, each collective timing out after `timeout`.
+pub fn in_process_ranks(world: usize, timeout: Duration) -> Vec<Communicator> {
+    Communicator::in_process(
+        world,
+        bonfire_collectives::CommConfig {
+            timeout,
+            ..bonfire_collectives::CommConfig::default()
+        },
+    )
+}
+
+/// Binds the calling thread, a rank of a check, to `comm` for `DataParallel`, with failures as
+/// panics (so the check names them) instead of exits.
+pub fn bind_rank(comm: Communicator) -> bonfire_backend::BindGuard {
+    bonfire_backend::bind_thread(
+        comm,
+        bonfire_backend::DataParallelConfig {
+            failure: bonfire_backend::FailurePolicy::Panic,
+            ..bonfire_backend::DataParallelConfig::default()
+        },
+    )
+}

@@ -65,8 +65,9 @@ pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
     BucketTimes, BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, LatePeer, NoSyncGuard, Overlap, StepStats, accumulate, discard_kept_gradients,
-    keep_gradients, last_step_stats, no_sync, replicate, sync_buffers, total_stats,
+    GradDType, LatePeer, NoSyncGuard, Overlap, Sharded, StepStats, accumulate,
+    discard_kept_gradients, keep_gradients, last_step_stats, no_sync, replicate, sharded,
+    sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
@@ -174,6 +175,8 @@ pub mod book {
     pub struct GettingStarted;
     #[doc = include_str!("../../../book/src/porting.md")]
     pub struct Porting;
+    #[doc = include_str!("../../../book/src/sharding.md")]
+    pub struct Sharding;
     #[doc = include_str!("../../../book/src/concepts.md")]
     pub struct Concepts;
     #[doc = include_str!("../../../book/src/troubleshooting.md")]

@@ -20,9 +20,10 @@ use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
 use data::Digits;
@@ -38,6 +39,7 @@ struct Args {
     train_size: usize,
     seed: u64,
     dump: Option<PathBuf>,
+    zero: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -49,6 +51,7 @@ fn parse() -> Result<Args, String> {
         train_size: 6000,
         seed: 42,
         dump: None,
+        zero: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -62,10 +65,13 @@ fn parse() -> Result<Args, String> {
             "--train-size" => a.train_size = value()?.parse().map_err(|_| bad(&flag))?,
             "--seed" => a.seed = value()?.parse().map_err(|_| bad(&flag))?,
             "--dump" => a.dump = Some(value()?.into()),
+            "--zero" => a.zero = true,
             "-h" | "--help" => {
                 println!(
                     "mnist-style [--epochs N] [--steps N] [--batch PER_RANK] [--lr LR] \
-                     [--train-size N] [--seed S] [--dump DIR]"
+                     [--train-size N] [--seed S] [--dump DIR] [--zero]\n  \
+                     --zero: each rank keeps the optimizer's state for its share of the \
+                     parameters only (bonfire::sharded, ZeRO stage 1)"
                 );
                 std::process::exit(0);
             }
@@ -102,9 +108,14 @@ fn main() -> ExitCode {
     B::seed(&device, args.seed);
 
     let model = bonfire::replicate(Cnn::<B>::new(&device)); // bonfire: rank 0's weights everywhere
-    let mut optim = SgdConfig::new()
+    let sgd = SgdConfig::new()
         .with_momentum(Some(MomentumConfig::new()))
         .init();
+    let mut optim = if args.zero {
+        Optim::Sharded(bonfire::sharded(sgd)) // bonfire (optional): ZeRO stage 1
+    } else {
+        Optim::Whole(sgd)
+    };
     let train = Digits::generate(args.train_size, args.seed);
     let test = Digits::generate(1000, args.seed + 1);
     let sampler = DistributedSampler::new(train.len(), size, rank, args.seed); // bonfire: my shard
@@ -148,6 +159,15 @@ fn main() -> ExitCode {
             );
         }
     }
+    if let Optim::Sharded(o) = &optim
+        && let Some((mine, all)) = o.owned_elements()
+    {
+        eprintln!(
+            "rank {rank}: optimizer state for {mine} of the model's {all} parameter elements \
+             ({} parameter tensor(s))",
+            Optimizer::<Cnn<B>, B>::to_record(o).len()
+        );
+    }
     if let Some(dir) = &args.dump
         && let Err(e) = dump(&model, dir, rank)
     {
@@ -155,6 +175,23 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// SGD with momentum over the CNN, whole on every rank or sharded over the ranks.
+enum Optim {
+    Whole(Sgd),
+    Sharded(bonfire::Sharded<Sgd>),
+}
+
+type Sgd = OptimizerAdaptor<burn::optim::Sgd<<B as AutodiffBackend>::InnerBackend>, Cnn<B>, B>;
+
+impl Optim {
+    fn step(&mut self, lr: f64, model: Cnn<B>, grads: GradientsParams) -> Cnn<B> {
+        match self {
+            Optim::Whole(o) => o.step(lr, model, grads),
+            Optim::Sharded(o) => o.step(lr, model, grads),
+        }
+    }
 }
 
 fn accuracy(model: &Cnn<B>, test: &Digits, device: &FlexDevice) -> f64 {

@@ -23,7 +23,7 @@ fn params(path: &Path) -> Vec<f32> {
         .collect()
 }
 
-fn two_ranks(dump: &Path) -> (Vec<f32>, Vec<f32>) {
+fn two_ranks(dump: &Path, extra: &[&str]) -> (Vec<f32>, Vec<f32>) {
     let mut c = LaunchConfig::local(2, BIN);
     c.args = [
         "--steps",
@@ -37,6 +37,7 @@ fn two_ranks(dump: &Path) -> (Vec<f32>, Vec<f32>) {
     .iter()
     .map(Into::into)
     .chain([dump.as_os_str().to_owned()])
+    .chain(extra.iter().map(Into::into))
     .collect();
     launch(&c).expect("the two-rank job succeeds");
     (
@@ -67,7 +68,7 @@ fn two_processes_over_quic_match_one_process_with_the_whole_batch() {
     let reference = params(&one.join("rank0.bin"));
 
     let two = scratch("two");
-    let (r0, r1) = two_ranks(&two);
+    let (r0, r1) = two_ranks(&two, &[]);
     assert_eq!(r0, r1, "the replicas differ");
     assert_eq!(r0.len(), reference.len());
     let diff = r0
@@ -96,8 +97,14 @@ fn two_processes_over_quic_match_one_process_with_the_whole_batch() {
 
     // Same seed, same bits.
     let again = scratch("again");
-    assert_eq!(two_ranks(&again).0, r0, "a second run differs");
-    for d in [one, two, initial, again] {
+    assert_eq!(two_ranks(&again, &[]).0, r0, "a second run differs");
+
+    // The optimizer's state sharded over the two processes (ZeRO stage 1): the same bits.
+    let zero = scratch("zero");
+    let (z0, z1) = two_ranks(&zero, &["--zero"]);
+    assert_eq!(z0, z1, "the replicas differ under --zero");
+    assert!(z0 == r0, "--zero changed the parameters");
+    for d in [one, two, initial, again, zero] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -131,6 +131,15 @@ pub enum SyncError {
         #[source]
         source: CollectiveError,
     },
+    /// A step of [`crate::Sharded`] failed: its all-gather, or a model that changed.
+    #[error("sharded optimizer step: {what}{}", source.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
+    Sharded {
+        /// What failed, with the sizes.
+        what: String,
+        /// The collective's error, which names the peer.
+        #[source]
+        source: Option<CollectiveError>,
+    },
     /// Broadcasting rank 0's parameters (`replicate`) failed.
     #[error("broadcasting parameter {param} ({what}): {source}")]
     Broadcast {

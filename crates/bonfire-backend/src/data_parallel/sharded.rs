@@ -1,0 +1,418 @@
+//! ZeRO stage 1: the optimizer's state sharded over the data-parallel replicas.
+//!
+//! Every rank still holds the whole model and averages whole gradients in backward (that is
+//! `DataParallel`'s part); under [`Sharded`] each rank's optimizer keeps state for, and updates,
+//! only the parameters it owns, and the updated parameters are then gathered from their owners
+//! in one all-gather. With Adam (two moments of 4 bytes per element) this cuts the optimizer's
+//! state per rank to about 1/N of DDP's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::LearningRate;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SimpleOptimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn_backend::distributed::DistributedParamId;
+
+use super::context::{self, Replica};
+use super::error::SyncError;
+use super::local;
+
+/// Wraps any Burn optimizer so that each data-parallel rank keeps optimizer state for, and
+/// steps, only the parameters it owns (ZeRO stage 1, as PyTorch's `ZeroRedundancyOptimizer`).
+///
+/// ```ignore
+/// let mut optim = bonfire::sharded(AdamConfig::new().init()); // was: AdamConfig::new().init()
+/// // ...the same loop: loss.backward(), then
+/// model = optim.step(lr, model, GradientsParams::from_grads(grads, &model));
+/// ```
+///
+/// On its first step it gives every parameter an owner: largest first, each goes to the rank
+/// that owns the fewest elements so far, so every rank computes the same balanced plan. Then every
+/// step drops the gradients of parameters this rank does not own, lets the wrapped optimizer step
+/// the rest (so it creates state only for them), and all-gathers the updated values from their
+/// owners. The parameters after each step are bitwise those of the unwrapped optimizer: the
+/// owner computes exactly the update every rank would have.
+///
+/// The optimizer's record ([`Optimizer::to_record`]) is this rank's share: save it per rank and
+/// load it on the same number of ranks, or, for Burn's optimizers (`OptimizerAdaptor`), gather
+/// the whole state with [`Sharded::consolidated_record`] and load it at any world size with
+/// [`Sharded::load_consolidated_record`]. At world size 1 the wrapper steps everything itself
+/// and [`Sharded::owned_elements`] stays `None`.
+#[derive(Clone)]
+pub struct Sharded<O> {
+    inner: O,
+    plan: Option<Arc<Ownership>>,
+}
+
+/// Wraps `optimizer` for ZeRO stage 1; see [`Sharded`].
+pub fn sharded<O>(optimizer: O) -> Sharded<O> {
+    Sharded {
+        inner: optimizer,
+        plan: None,
+    }
+}
+
+/// Who owns what, planned on the first step.
+struct Ownership {
+    rank: usize,
+    ranks: usize,
+    /// Each parameter's owner.
+    owner: HashMap<ParamId, usize>,
+    /// Elements each rank owns (the all-gather's counts).
+    counts: Vec<usize>,
+    /// Elements of the whole model.
+    elements: usize,
+}
+
+impl<O> Sharded<O> {
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// Elements of the parameters this rank owns, and of the whole model; `None` before the
+    /// first step.
+    pub fn owned_elements(&self) -> Option<(usize, usize)> {
+        self.plan.as_ref().map(|p| (p.counts[p.rank], p.elements))
+    }
+}
+
+impl<O, M, B> Optimizer<M, B> for Sharded<O>
+where
+    O: Optimizer<M, B>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    type Record = O::Record;
+
+    fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
+        let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
+            return self.inner.step(lr, module, grads);
+        };
+        module.visit(&mut Unowned::<B> {
+            plan: &plan,
+            grads: vec![&mut grads],
+            _backend: std::marker::PhantomData,
+        });
+        let module = self.inner.step(lr, module, grads);
+        gather(&rep, &plan, module)
+    }
+
+    fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
+        let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
+            return self.inner.step_multi(lr, module, grads);
+        };
+        module.visit(&mut Unowned::<B> {
+            plan: &plan,
+            grads: grads.grads.iter_mut().map(|(g, _)| g).collect(),
+            _backend: std::marker::PhantomData,
+        });
+        let module = self.inner.step_multi(lr, module, grads);
+        gather(&rep, &plan, module)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        self.inner.to_record()
+    }
+
+    fn load_record(self, record: Self::Record) -> Self {
+        Sharded {
+            inner: self.inner.load_record(record),
+            plan: self.plan,
+        }
+    }
+}
+
+impl<O> Sharded<O> {
+    /// The rank's replica and the ownership plan, made on the first call; `None` for a job of
+    /// one (nothing to shard).
+    fn plan_for<M, B>(&mut self, module: &M) -> Option<(Arc<Replica>, Arc<Ownership>)>
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let mut sizes = Sizes::<B> {
+            params: Vec::new(),
+            device: None,
+        };
+        module.visit(&mut sizes);
+        let rep = context::for_device(&sizes.device?);
+        let ranks = rep.comm.size();
+        if ranks < 2 {
+            return None;
+        }
+        let plan = self.plan.get_or_insert_with(|| {
+            // Largest first, each to the least loaded rank (the lowest on ties): the same plan
+            // on every rank, and within the largest tensor of an even split.
+            let mut by_size: Vec<usize> = (0..sizes.params.len()).collect();
+            by_size.sort_by_key(|&i| (std::cmp::Reverse(sizes.params[i].1), i));
+            let mut counts = vec![0usize; ranks];
+            let mut owner = HashMap::with_capacity(sizes.params.len());
+            for i in by_size {
+                let (id, numel) = sizes.params[i];
+                let r = (0..ranks).min_by_key(|&r| (counts[r], r)).unwrap_or(0);
+                counts[r] += numel;
+                owner.insert(id, r);
+            }
+            Arc::new(Ownership {
+                rank: rep.comm.rank(),
+                ranks,
+                owner,
+                counts,
+                elements: sizes.params.iter().map(|&(_, n)| n).sum(),
+            })
+        });
+        Some((rep, plan.clone()))
+    }
+}
+
+/// The float parameters' ids and sizes (this rank's part of each), in module order.
+struct Sizes<B: AutodiffBackend> {
+    params: Vec<(ParamId, usize)>,
+    device: Option<B::Device>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        if self.device.is_none() {
+            self.device = Some(tensor.device());
+        }
+        let inner = tensor.inner().into_primitive().tensor();
+        let numel = local::shape::<B::InnerBackend>(&inner).num_elements();
+        self.params.push((param.id, numel));
+    }
+}
+
+/// Drops the gradients of the parameters another rank owns.
+struct Unowned<'a, B> {
+    plan: &'a Ownership,
+    grads: Vec<&'a mut GradientsParams>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Unowned<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.plan.owner.get(&param.id) != Some(&self.plan.rank) {
+            for grads in &mut self.grads {
+                grads.remove::<B::InnerBackend, D>(param.id);
+            }
+        }
+    }
+}
+
+/// Every rank's updated parameters, from their owners, in one all-gather.
+fn gather<B: AutodiffBackend, M: AutodiffModule<B>>(
+    rep: &Arc<Replica>,
+    plan: &Ownership,
+    module: M,
+) -> M {
+    let mut mine = Mine::<B> {
+        plan,
+        rep,
+        values: Vec::with_capacity(plan.counts[plan.rank]),
+        _backend: std::marker::PhantomData,
+    };
+    module.visit(&mut mine);
+    let values = mine.values;
+    if values.len() != plan.counts[plan.rank] {
+        rep.fail(SyncError::Sharded {
+            what: format!(
+                "this rank's parameters have {} elements where the plan of the first step \
+                 gave it {}",
+                values.len(),
+                plan.counts[plan.rank]
+            ),
+            source: None,
+        });
+    }
+    let all = rep
+        .comm
+        .all_gather_uneven(values, &plan.counts)
+        .wait()
+        .unwrap_or_else(|source| {
+            rep.fail(SyncError::Sharded {
+                what: format!(
+                    "all-gather of the updated parameters ({} elements over {} ranks, {:?} each)",
+                    plan.elements, plan.ranks, plan.counts
+                ),
+                source: Some(source),
+            })
+        });
+    let mut at = Vec::with_capacity(plan.ranks);
+    let mut offset = 0;
+    for &n in &plan.counts {
+        at.push(offset);
+        offset += n;
+    }
+    module.map(&mut Theirs { plan, rep, all, at })
+}
+
+/// This rank's owned parameters, as f32, in module order.
+struct Mine<'a, B> {
+    plan: &'a Ownership,
+    rep: &'a Arc<Replica>,
+    values: Vec<f32>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Mine<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.plan.owner.get(&param.id) != Some(&self.plan.rank) {
+            return;
+        }
+        let inner = param.val().inner().into_primitive().tensor();
+        let data = local::read::<B::InnerBackend>(inner).unwrap_or_else(|e| {
+            self.rep.fail(SyncError::Read {
+                what: format!("parameter {}", param.id),
+                reason: e.to_string(),
+            })
+        });
+        let data = data.convert::<f32>();
+        self.values.extend_from_slice(
+            data.as_slice::<f32>()
+                .expect("a tensor converted to f32 holds f32"),
+        );
+    }
+}
+
+/// Writes the parameters other ranks own from the gathered values.
+struct Theirs<'a> {
+    plan: &'a Ownership,
+    rep: &'a Arc<Replica>,
+    all: Vec<f32>,
+    /// Where each rank's next parameter starts in `all`.
+    at: Vec<usize>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Theirs<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(&owner) = self.plan.owner.get(&param.id) else {
+            self.rep.fail(SyncError::Sharded {
+                what: format!(
+                    "parameter {} was not in the model at the first sharded step",
+                    param.id
+                ),
+                source: None,
+            })
+        };
+        let (id, tensor, mapper) = param.consume();
+        let inner = tensor.clone().inner().into_primitive().tensor();
+        let shape = local::shape::<B::InnerBackend>(&inner);
+        let numel = shape.num_elements();
+        let from = self.at[owner];
+        self.at[owner] += numel;
+        if owner == self.plan.rank {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let dtype: DType = tensor.dtype();
+        let data =
+            TensorData::new(self.all[from..from + numel].to_vec(), shape).convert_dtype(dtype);
+        let device = tensor.device();
+        let require_grad = tensor.is_require_grad();
+        let distributed = tensor.is_distributed();
+        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
+        let mut fresh: Tensor<B, D> =
+            Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed)));
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        if distributed {
+            fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// The state of a [`Sharded`] Burn optimizer (any `SimpleOptimizer` behind Burn's
+/// `OptimizerAdaptor`: Adam, AdamW, SGD, ...) as one record, as PyTorch's
+/// `ZeroRedundancyOptimizer.consolidate_state_dict`.
+impl<O, M, B> Sharded<OptimizerAdaptor<O, M, B>>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    /// The whole optimizer state, every rank's share, on every rank: what the unwrapped
+    /// optimizer's `to_record` returns, for a checkpoint written by one rank that loads at any
+    /// world size. A collective: call it on every rank. Before the first step, or alone, it is
+    /// this rank's own record.
+    pub fn consolidated_record(
+        &self,
+        device: &B::Device,
+    ) -> <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record {
+        let mine = self.inner.to_record();
+        let Some(plan) = self.plan.as_ref() else {
+            return mine;
+        };
+        let rep = context::for_device(device);
+        let fail = |what: String, source| -> ! {
+            rep.fail(SyncError::Sharded {
+                what,
+                source: Some(source),
+            })
+        };
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let bytes = recorder.record(mine, ()).unwrap_or_else(|e| {
+            rep.fail(SyncError::Sharded {
+                what: format!("encoding this rank's optimizer state: {e}"),
+                source: None,
+            })
+        });
+        let sizes = rep
+            .comm
+            .all_gather(vec![bytes.len() as i64])
+            .wait()
+            .unwrap_or_else(|e| fail("all-gather of the optimizer states' sizes".into(), e));
+        let counts: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
+        let all = rep
+            .comm
+            .all_gather_uneven(bytes, &counts)
+            .wait()
+            .unwrap_or_else(|e| {
+                fail(
+                    format!("all-gather of the optimizer states ({counts:?} bytes per rank)"),
+                    e,
+                )
+            });
+        let mut whole = self.inner.to_record();
+        whole.clear();
+        let mut at = 0;
+        for (r, &n) in counts.iter().enumerate() {
+            let part: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record = recorder
+                .load(all[at..at + n].to_vec(), device)
+                .unwrap_or_else(|e| {
+                    rep.fail(SyncError::Sharded {
+                        what: format!("decoding rank {r}'s optimizer state ({n} bytes): {e}"),
+                        source: None,
+                    })
+                });
+            whole.extend(part);
+            at += n;
+        }
+        debug_assert_eq!(plan.ranks, counts.len());
+        whole
+    }
+
+    /// Loads a whole optimizer state (from [`Sharded::consolidated_record`], or from the
+    /// unwrapped optimizer's checkpoint) and keeps only the state of the parameters this rank
+    /// owns. Call it on every rank, with the model the state belongs to.
+    pub fn load_consolidated_record(
+        mut self,
+        mut record: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record,
+        module: &M,
+    ) -> Self {
+        if let Some((_, plan)) = self.plan_for::<M, B>(module) {
+            record.retain(|id, _| plan.owner.get(id) == Some(&plan.rank));
+        }
+        Sharded {
+            inner: self.inner.load_record(record),
+            plan: self.plan,
+        }
+    }
+}

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use bonfire_topology::{NodeLayout, Rank};
 use bytes::Bytes;
@@ -150,7 +151,8 @@ impl JobTransport {
     }
 
     /// Ends the job for this rank cleanly: each shared-memory lane says goodbye and waits until
-    /// its peer has filed every frame, then the QUIC links do the same. Idempotent.
+    /// its peer has filed every frame, then the QUIC links do the same, each for at most
+    /// 10 seconds (a peer that is alive but stopped or stuck takes nothing). Idempotent.
     pub async fn shutdown(&self) {
         // Finishing blocks (the writers drain their rings): run it off the runtime's workers.
         let finishing: Vec<_> = self
@@ -159,17 +161,28 @@ impl JobTransport {
             .flatten()
             .map(|link| {
                 let link = link.clone();
-                tokio::task::spawn_blocking(move || link.finish())
+                tokio::task::spawn_blocking(move || (link.peer(), link.finish(GOODBYE_WAIT)))
             })
             .collect();
         for f in finishing {
-            let _ = f.await;
+            if let Ok((peer, false)) = f.await {
+                tracing::warn!(
+                    peer = peer.0,
+                    "rank {} did not take this rank's last frames on the shared-memory lane \
+                     within {GOODBYE_WAIT:?}; closing the lane anyway",
+                    peer.0
+                );
+            }
         }
         self.quic.shutdown().await;
         // The readers see this within a tick and end.
         self.stop.store(true, Ordering::Release);
     }
 }
+
+/// How long a rank ending its job waits for each peer to take the frames it sent last (the QUIC
+/// links wait as long).
+pub(crate) const GOODBYE_WAIT: Duration = Duration::from_secs(10);
 
 impl Drop for JobTransport {
     fn drop(&mut self) {

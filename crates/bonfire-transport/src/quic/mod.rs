@@ -180,7 +180,7 @@ impl QuicTransport {
                 let _ = s.await;
             }
         };
-        let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
+        let _ = tokio::time::timeout(crate::job::GOODBYE_WAIT, drain).await;
         for link in self.links.iter().flatten() {
             link.conn
                 .close(VarInt::from_u32(CLOSE_SHUTDOWN), b"shut down");

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bonfire_topology::Rank;
 use bytes::Bytes;
@@ -213,13 +213,32 @@ impl OutLink {
         }
     }
 
+    /// The rank this lane writes to.
+    pub(crate) fn peer(&self) -> Rank {
+        self.peer
+    }
+
     /// Ends the lane: the writer says goodbye after the queued frames and waits until the peer
-    /// has filed them all. Blocks until then (bounded by the peer's liveness and `stop`).
-    pub(crate) fn finish(&self) {
+    /// has filed them all, for at most `within`. A peer that is alive but takes nothing (stopped,
+    /// or stuck) would hold that wait forever: past `within` this sets the job's `stop`, which
+    /// ends the writer's wait within a tick, and returns false.
+    pub(crate) fn finish(&self, within: Duration) -> bool {
         drop(crate::lock(&self.queue).take());
-        if let Some(w) = crate::lock(&self.writer).take() {
-            let _ = w.join();
+        let Some(w) = crate::lock(&self.writer).take() else {
+            return true;
+        };
+        let deadline = Instant::now() + within;
+        let mut drained = true;
+        while !w.is_finished() {
+            if Instant::now() >= deadline {
+                self.producer.stop.store(true, Ordering::Release);
+                drained = false;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
+        let _ = w.join();
+        drained
     }
 }
 

@@ -113,7 +113,7 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
         }
         link.send(tag(i as u32), f.clone()).unwrap();
     }
-    link.finish();
+    assert!(link.finish(Duration::from_secs(10)));
     reader.join().unwrap();
     taking.store(false, Ordering::Relaxed);
     taker.join().unwrap();
@@ -159,7 +159,7 @@ fn a_direct_write_nobody_reads_gives_up_at_its_deadline_and_ends_the_lane() {
     ));
     assert!(link.send(tag(2), Bytes::from_static(b"x")).is_err());
     stop.store(true, std::sync::atomic::Ordering::Release);
-    link.finish();
+    assert!(link.finish(Duration::from_secs(10)));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -346,4 +346,48 @@ fn waiting_for_the_next_frame_sleeps_without_yielding() {
         0,
         "the consumer yielded while it waited for frames 20 ms apart"
     );
+}
+
+/// A peer that is alive but takes nothing (stopped by SIGSTOP, or stuck) cannot hold a rank's
+/// shutdown: the goodbye waits at most the given time. Before, the writer waited for the peer to
+/// drain the ring as long as the peer lived, and the chaos campaign's stall trial hung.
+#[test]
+fn a_live_peer_that_takes_nothing_cannot_hold_the_goodbye() {
+    let dir = temp_dir("goodbye");
+    let (producer, _consumer) = ring_pair(&dir, 4096);
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let link = OutLink::start(
+        Rank(0),
+        Rank(1),
+        producer,
+        Process::watch(child.id()).unwrap(),
+        mailbox,
+        stop.clone(),
+    )
+    .unwrap();
+    // More than the ring holds; nobody reads it.
+    link.send(tag(0), Bytes::from(vec![3u8; 10_000])).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    std::thread::spawn(move || {
+        let _ = done.send(link.finish(Duration::from_millis(300)));
+    });
+    let drained = finished
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the goodbye still waits for a peer that takes nothing");
+    let took = t.elapsed();
+    assert!(
+        !drained,
+        "the peer took nothing, yet the lane reports drained"
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(stop.load(Ordering::Acquire), "the writer was told to stop");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -132,10 +132,11 @@ pub enum HeapSetting {
 ///
 /// glibc adjusts both thresholds as a program runs, and where a heap's top happens to be free
 /// when it checks depends on which thread freed what first. Measured on the mnist-style example
-/// at 2 ranks on 2 cores (BENCHMARKS.md, issue 30, "Page faults"), one rank in some runs took
-/// 1.0-1.4 million page faults where the other took 0.08-0.45 million, spent 1.5-1.9 s more in
-/// the kernel, and computed its backward about 1 ms slower per step; the other rank waited for
-/// it every step. With the thresholds fixed every rank takes 33-59 thousand, run after run.
+/// at 2 ranks on 2 cores (BENCHMARKS.md, "Page faults decided which rank was late"), one rank
+/// in some runs took 0.84-1.37 million page faults where the other took 0.08-0.54 million,
+/// spent 1.3-1.9 s in the kernel, and computed its backward about 1 ms slower per step; the
+/// other rank waited for it every step. With the thresholds fixed every rank takes 33-59
+/// thousand, run after run.
 ///
 /// The cost is memory that stays with the process: its heaps keep their peak size (plus
 /// [`HEAP_KEEP`]) until it exits, as PyTorch's caching allocators keep theirs.

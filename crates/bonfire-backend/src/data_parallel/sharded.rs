@@ -136,8 +136,9 @@ impl<O> Sharded<O> {
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
+        // Sizes are read only to plan; after that only the device is looked up.
         let mut sizes = Sizes::<B> {
-            params: Vec::new(),
+            params: self.plan.is_none().then(Vec::new),
             device: None,
         };
         module.visit(&mut sizes);
@@ -147,14 +148,15 @@ impl<O> Sharded<O> {
             return None;
         }
         let plan = self.plan.get_or_insert_with(|| {
+            let sizes = sizes.params.unwrap_or_default();
             // Largest first, each to the least loaded rank (the lowest on ties): the same plan
             // on every rank, and within the largest tensor of an even split.
-            let mut by_size: Vec<usize> = (0..sizes.params.len()).collect();
-            by_size.sort_by_key(|&i| (std::cmp::Reverse(sizes.params[i].1), i));
+            let mut by_size: Vec<usize> = (0..sizes.len()).collect();
+            by_size.sort_by_key(|&i| (std::cmp::Reverse(sizes[i].1), i));
             let mut counts = vec![0usize; ranks];
-            let mut owner = HashMap::with_capacity(sizes.params.len());
+            let mut owner = HashMap::with_capacity(sizes.len());
             for i in by_size {
-                let (id, numel) = sizes.params[i];
+                let (id, numel) = sizes[i];
                 let r = (0..ranks).min_by_key(|&r| (counts[r], r)).unwrap_or(0);
                 counts[r] += numel;
                 owner.insert(id, r);
@@ -164,28 +166,34 @@ impl<O> Sharded<O> {
                 ranks,
                 owner,
                 counts,
-                elements: sizes.params.iter().map(|&(_, n)| n).sum(),
+                elements: sizes.iter().map(|&(_, n)| n).sum(),
             })
         });
         Some((rep, plan.clone()))
     }
 }
 
-/// The float parameters' ids and sizes (this rank's part of each), in module order.
+/// The device of the parameters, and (when `params` is given) the float parameters' ids and
+/// sizes (this rank's part of each), in module order.
 struct Sizes<B: AutodiffBackend> {
-    params: Vec<(ParamId, usize)>,
+    params: Option<Vec<(ParamId, usize)>>,
     device: Option<B::Device>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.device.is_some() && self.params.is_none() {
+            return;
+        }
         let tensor = param.val();
         if self.device.is_none() {
             self.device = Some(tensor.device());
         }
-        let inner = tensor.inner().into_primitive().tensor();
-        let numel = local::shape::<B::InnerBackend>(&inner).num_elements();
-        self.params.push((param.id, numel));
+        if let Some(params) = &mut self.params {
+            let inner = tensor.inner().into_primitive().tensor();
+            let numel = local::shape::<B::InnerBackend>(&inner).num_elements();
+            params.push((param.id, numel));
+        }
     }
 }
 
@@ -380,8 +388,7 @@ where
                     e,
                 )
             });
-        let mut whole = self.inner.to_record();
-        whole.clear();
+        let mut whole = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record::default();
         let mut at = 0;
         for (r, &n) in counts.iter().enumerate() {
             let part: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record = recorder

@@ -17,15 +17,15 @@ const MAGIC: u64 = 0x6266_7368_6d72_6731;
 pub(crate) const DATA_OFFSET: usize = 4096;
 /// How long one sleep lasts before the other process's liveness is checked again.
 const TICK: Duration = Duration::from_millis(20);
+/// Busy-wait iterations before yielding, and yields before sleeping.
+const SPINS: u32 = 64;
+const YIELDS: u32 = 64;
+
 #[cfg(test)]
 thread_local! {
     /// Yields this thread has made in ring waits (tests only).
     pub(crate) static YIELDED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
-
-/// Busy-wait iterations before yielding, and yields before sleeping.
-const SPINS: u32 = 64;
-const YIELDS: u32 = 64;
 
 /// The control block at the start of the segment: the creator's settings, then each counter on
 /// its own cache line.
@@ -252,7 +252,7 @@ impl Ring {
     /// core with the reader threads of the node (two ranks on two cores), each yield handed the
     /// core to the other yielding reader and back, 64 times per frame, and the rank computed
     /// its backward about 1 ms slower per step, which kept it late for good (BENCHMARKS.md,
-    /// issue 30, "The reader thread's yields"). A waiting collective takes ready frames itself
+    /// "Page faults decided which rank was late"). A waiting collective takes ready frames itself
     /// ([`crate::Transport::progress`]), so the reader thread's wake-up is off the short path.
     pub(crate) fn wait_data(&self, peer: &Process, stop: &AtomicBool) -> Result<(), RingStop> {
         let c = self.control();
@@ -325,14 +325,10 @@ impl Ring {
         stop: &AtomicBool,
         side: Side,
     ) -> Result<(), RingStop> {
-        let (producer, deadline) = match side {
-            Side::Producer(deadline) => (true, deadline),
-            Side::Consumer | Side::NextFrame => (false, None),
-        };
-        let yields = if matches!(side, Side::NextFrame) {
-            0
-        } else {
-            YIELDS
+        let (producer, deadline, yields) = match side {
+            Side::Producer(deadline) => (true, deadline, YIELDS),
+            Side::Consumer => (false, None, YIELDS),
+            Side::NextFrame => (false, None, 0),
         };
         let c = self.control();
         for _ in 0..SPINS {

@@ -9,13 +9,17 @@ at random from the rank's equal shard of the training windows (the first 90% of 
 with betas (0.9, 0.99) and eps 1e-5, warmup then cosine to a tenth. Each step reads the loss
 (`.item()`), as the bonfire job does for its progress line.
 
-    python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1] [--json PATH]
+    python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1] [--zero] [--json PATH]
 
 `--dp 2` runs two processes with DistributedDataParallel over gloo on 127.0.0.1, one compute
 thread each (`torch.set_num_threads`), as bonfire's job gives each of its two ranks on two cores.
 It prints, per dp size, the characters per second over all ranks during the training steps
 (wall time from the first step to the last, evaluation and start-up excluded: what the bonfire
-job's `throughput` line measures), and the loss of the last step.
+job's `throughput` line measures), and the loss of the last step. With `--zero` the Adam of a
+run of several ranks is wrapped in `torch.distributed.optim.ZeroRedundancyOptimizer` (ZeRO stage 1,
+the peer of `bonfire train gpt --zero 1`). Each row also gives the model state of the rank
+holding the most (parameters, gradients and the optimizer's state tensors, in bytes) and every
+rank's peak resident memory (`ru_maxrss`).
 
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
@@ -72,7 +76,12 @@ def rank_main(rank, world, port, args, out):
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
+    if args.zero and world > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                      lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
     gen = torch.Generator().manual_seed(args.seed + rank)
     offsets = torch.arange(args.context + 1)
     start = None
@@ -91,12 +100,30 @@ def rank_main(rank, world, port, args, out):
         loss.backward()
         opt.step()
         loss_value = loss.item()
+        if step == args.steps - 1:
+            # Gradients are still alive here (the next zero_grad frees them).
+            grad_bytes = sum(q.grad.numel() * q.grad.element_size()
+                             for q in model.parameters() if q.grad is not None)
     elapsed = time.perf_counter() - start
+    import resource
+    local = opt.optim if hasattr(opt, "optim") else opt
+    state_bytes = sum(t.numel() * t.element_size() for st in local.state.values()
+                      for t in st.values() if torch.is_tensor(t))
+    param_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
+    mine = {"rank": rank, "optimizer_bytes": state_bytes, "param_bytes": param_bytes,
+            "grad_bytes": grad_bytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if world > 1:
+        import torch.distributed as dist
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
     if rank == 0:
         chars_per_s = world * args.batch * args.context * (args.steps - 1) / elapsed
         with open(out, "w") as f:
             json.dump({"dp": world, "chars_per_s": chars_per_s, "loss": loss_value,
-                       "seconds": elapsed, "steps": args.steps - 1}, f)
+                       "seconds": elapsed, "steps": args.steps - 1, "zero": bool(args.zero and world > 1),
+                       "ranks": everyone}, f)
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -123,6 +150,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer around Adam (dp > 1)")
     p.add_argument("--json")
     args = p.parse_args()
     try:
@@ -134,8 +162,10 @@ def main():
     import tempfile
     rows = []
     print(f"# PyTorch {torch.__version__} DDP (gloo), GPT {args.layers} layers x {args.embd}, context "
-          f"{args.context}, batch {args.batch} per rank, {args.threads} thread(s) per rank, {args.steps} steps")
-    print(f"# {'dp':>3} {'chars/s':>10} {'per rank':>10} {'loss':>8}")
+          f"{args.context}, batch {args.batch} per rank, {args.threads} thread(s) per rank, {args.steps} steps"
+          + (", ZeroRedundancyOptimizer(Adam)" if args.zero else ""))
+    print(f"# {'dp':>3} {'chars/s':>10} {'per rank':>10} {'loss':>8} {'params MiB':>10} {'grads MiB':>9} "
+          f"{'optim MiB (most)':>16} {'state MiB':>9}  peak RSS MiB by rank")
     for dp in [int(d) for d in args.dp.split(",")]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
@@ -147,7 +177,13 @@ def main():
             r = json.load(f)
         os.unlink(out)
         rows.append(r)
-        print(f"  {dp:>3} {r['chars_per_s']:>10.0f} {r['chars_per_s'] / dp:>10.0f} {r['loss']:>8.4f}")
+        mib = lambda b: b / (1 << 20)
+        most = max(x["optimizer_bytes"] for x in r["ranks"])
+        x0 = r["ranks"][0]
+        peaks = ", ".join(f"{mib(x['peak_rss']):.0f}" for x in r["ranks"])
+        print(f"  {dp:>3} {r['chars_per_s']:>10.0f} {r['chars_per_s'] / dp:>10.0f} {r['loss']:>8.4f} "
+              f"{mib(x0['param_bytes']):>10.2f} {mib(x0['grad_bytes']):>9.2f} {mib(most):>16.2f} "
+              f"{mib(x0['param_bytes'] + x0['grad_bytes'] + most):>9.2f}  {peaks}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -344,7 +344,7 @@ fn accumulation_and_bf16_gradients_train() {
 #[test]
 fn bad_input_exits_2_with_a_message() {
     let dir = scratch("gpt-bad");
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["--tp", "3"],
             "--tp 3 with --heads 4: the tensor-parallel size must divide the heads",
@@ -364,6 +364,11 @@ fn bad_input_exits_2_with_a_message() {
         ),
         (&["--resume", "--checkpoint-dir", "nowhere"], "nowhere"),
         (&["--sample", "x", "--checkpoint-dir", "nowhere"], "nowhere"),
+        (&["--zero", "2"], "2 is not in 1..=1"),
+        (
+            &["--zero", "1", "--tp", "2", "--dataset", "embedded"],
+            "--zero 1 with --tp 2",
+        ),
     ];
     for (args, needle) in cases {
         let out = bonfire(&dir, &[&["train", "gpt"], args].concat())
@@ -371,11 +376,87 @@ fn bad_input_exits_2_with_a_message() {
             .unwrap();
         assert_clean_failure(&out, needle);
     }
+    // The refused --zero with --tp left no run directory behind.
+    assert!(!dir.join("runs/gpt-1").exists());
     assert_clean_failure(
         &bonfire(&dir, &["train", "gpt", "--sample", "x"])
             .output()
             .unwrap(),
         "no run in ./runs to sample from",
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The digest of every evaluation's weights in the run of `dir`, which has `evals` of them.
+fn digests(dir: &std::path::Path, evals: usize) -> Vec<String> {
+    let s = state(dir, evals);
+    let h = s["history"].as_array().unwrap();
+    assert_eq!(h.len(), evals);
+    h.iter()
+        .map(|r| r["param_digest"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `--zero 1`: each rank keeps Adam's state for its share of the parameters (the report shows
+/// the share), and every evaluation's weights are the bits of the run without it. Checkpoints
+/// hold the whole state, so a run killed without `--zero` resumes with it, and the other way
+/// round, and both end where the uninterrupted run does.
+#[test]
+fn zero_shards_the_optimizer_and_changes_no_bit() {
+    let dir = scratch("gpt-zero");
+    let run = |name: &str, zero: bool| {
+        let out = bonfire(&dir, &TINY)
+            .args(["--steps", "60", "--checkpoint-dir", name])
+            .args(if zero { &["--zero", "1"][..] } else { &[][..] })
+            .output()
+            .unwrap();
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        log
+    };
+    let log = run("plain", false);
+    assert!(
+        log.contains("optimizer state") && log.contains("(whole on every rank)"),
+        "{log}"
+    );
+    let plain = digests(&dir.join("plain"), 6);
+    let log = run("sharded", true);
+    assert!(
+        log.contains("its state sharded over the replicas (ZeRO-1)"),
+        "{log}"
+    );
+    // `optimizer state 0.07 MiB on the rank with most (ZeRO-1: 52% of the whole 0.13 MiB)`.
+    let share: f64 = log
+        .split("(ZeRO-1: ")
+        .nth(1)
+        .and_then(|rest| rest.split('%').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no ZeRO-1 share in: {log}"));
+    assert!(
+        (50.0..65.0).contains(&share),
+        "{share}% of the state on one of 2 ranks: {log}"
+    );
+    assert_eq!(digests(&dir.join("sharded"), 6), plain);
+
+    for (name, first, then) in [("to-zero", false, true), ("from-zero", true, false)] {
+        let killed = dir.join(name);
+        let mut cmd = bonfire(&dir, &TINY);
+        cmd.args(["--steps", "60", "--checkpoint-dir"]).arg(&killed);
+        if first {
+            cmd.args(["--zero", "1"]);
+        }
+        let done = kill_after_first_checkpoint(&mut cmd, &killed);
+        assert_ne!(done, "epoch-6", "the job finished before it was killed");
+        let mut resume = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"]);
+        resume.arg(&killed);
+        if then {
+            resume.args(["--zero", "1"]);
+        }
+        let out = resume.output().unwrap();
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        assert!(log.contains("resuming from"), "{log}");
+        assert_eq!(digests(&killed, 6), plain, "{name}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -227,11 +227,116 @@ pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String
     )
 }
 
+/// What each rank of a data-parallel run held of the model's state after training, and its
+/// peak resident memory: the end report's `model state` line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelMemory {
+    /// Bytes of the parameters, whole on every rank.
+    pub parameters: usize,
+    /// Bytes of the gradients backward leaves for the optimizer: those of every trained
+    /// parameter, whole on every rank (with or without ZeRO stage 1, which averages whole
+    /// gradients).
+    pub gradients: usize,
+    /// Bytes of each rank's optimizer state, by rank, as Burn records it at full precision
+    /// (sharded: each rank's share; the whole state is their sum).
+    pub optimizer: Vec<usize>,
+    /// Each rank's peak resident memory (the kernel's `VmHWM`), by rank; `None` where the
+    /// system does not say.
+    pub peak_resident: Vec<Option<usize>>,
+    /// Whether the optimizer's state was sharded over the ranks (ZeRO stage 1).
+    pub sharded: bool,
+}
+
+impl ModelMemory {
+    /// The largest rank's model state in bytes: parameters, gradients and optimizer state.
+    pub fn per_rank(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer.iter().copied().max().unwrap_or(0)
+    }
+
+    /// The end report's line.
+    pub fn line(&self) -> String {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let most = self.optimizer.iter().copied().max().unwrap_or(0);
+        let whole: usize = self.optimizer.iter().sum();
+        let optimizer = if self.sharded {
+            format!(
+                "optimizer state {:.2} MiB on the rank with most (ZeRO-1: {:.0}% of the whole \
+                 {:.2} MiB)",
+                mib(most),
+                100.0 * most as f64 / whole.max(1) as f64,
+                mib(whole)
+            )
+        } else {
+            format!("optimizer state {:.2} MiB (whole on every rank)", mib(most))
+        };
+        let peaks: Vec<String> = self
+            .peak_resident
+            .iter()
+            .map(|p| p.map_or_else(|| "?".into(), |b| format!("{:.0}", mib(b))))
+            .collect();
+        format!(
+            "model state     per rank: parameters {:.2} MiB, gradients {:.2} MiB, {optimizer}: \
+             {:.2} MiB; peak resident memory by rank {} MiB",
+            mib(self.parameters),
+            mib(self.gradients),
+            mib(self.per_rank()),
+            peaks.join(", ")
+        )
+    }
+}
+
+/// This process's peak resident memory in bytes (Linux's `VmHWM`); `None` elsewhere.
+pub fn peak_resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use bonfire::{BucketTimes, LatePeer};
 
     use super::*;
+
+    #[test]
+    fn the_model_state_line_gives_the_largest_share_and_every_peak() {
+        let mib = 1 << 20;
+        let sharded = ModelMemory {
+            parameters: 3 * mib,
+            gradients: 3 * mib,
+            optimizer: vec![3 * mib, 3 * mib + mib / 2],
+            peak_resident: vec![Some(200 * mib), None],
+            sharded: true,
+        };
+        assert_eq!(sharded.per_rank(), 9 * mib + mib / 2);
+        assert_eq!(
+            sharded.line(),
+            "model state     per rank: parameters 3.00 MiB, gradients 3.00 MiB, optimizer state \
+             3.50 MiB on the rank with most (ZeRO-1: 54% of the whole 6.50 MiB): 9.50 MiB; peak \
+             resident memory by rank 200, ? MiB"
+        );
+        let whole = ModelMemory {
+            optimizer: vec![6 * mib; 2],
+            sharded: false,
+            ..sharded
+        };
+        assert!(
+            whole
+                .line()
+                .contains("optimizer state 6.00 MiB (whole on every rank): 12.00 MiB"),
+            "{}",
+            whole.line()
+        );
+        // This process has touched more than a MiB by now.
+        assert!(peak_resident_bytes().is_some_and(|b| b > mib));
+    }
 
     #[test]
     fn report_lines_read_as_before() {

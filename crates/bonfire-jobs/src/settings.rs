@@ -41,6 +41,10 @@ pub struct RunOptions {
     pub max_restarts: u32,
     /// Draw the loss plot on a logarithmic scale.
     pub log_loss: bool,
+    /// Shard the optimizer's state over the data-parallel replicas: `Some(1)` is ZeRO stage 1
+    /// ([`bonfire::sharded`]), the only stage bonfire has (default: `None`, every rank keeps the
+    /// whole state). It changes no result, so a resumed run may turn it on or off.
+    pub zero: Option<u8>,
 }
 
 /// A settled run: what every rank trains with.
@@ -64,6 +68,16 @@ pub struct Settings<C> {
     /// Whether the loss plot has a logarithmic scale.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub log_loss: bool,
+    /// The ZeRO stage the optimizer's state is sharded with (`None`: not sharded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<u8>,
+}
+
+impl<C> Settings<C> {
+    /// Whether each data-parallel rank keeps only its share of the optimizer's state.
+    pub fn sharded_optimizer(&self) -> bool {
+        self.zero.is_some()
+    }
 }
 
 /// The runs of job `job` under `base` (`<base>/<job>-N`): the newest (highest N), if any, and
@@ -99,18 +113,39 @@ pub fn settle<J: Job>(
     reporter: &mut dyn Reporter,
 ) -> Result<Settings<J::Config>, JobError> {
     job.check(request)?;
+    if let Some(stage) = options.zero.filter(|&s| s != 1) {
+        return Err(JobError::Invalid {
+            flag: "--zero",
+            given: stage.to_string(),
+            why: "bonfire has ZeRO stage 1 (the optimizer's state sharded over the replicas) only",
+        });
+    }
     if let (Some(world), Some(ranks)) = (world_size, job.requested_ranks(request))
         && world != ranks
     {
         return Err(JobError::RanksMismatch { ranks, world });
     }
-    if options.resume {
+    let settings = if options.resume {
         settle_resumed(job, request, options)
     } else if crate::rank::restart_round() > 0 {
         settle_restarted(job, request, options, world_size, reporter)
     } else {
         settle_fresh(job, request, options, world_size, reporter)
+    }?;
+    let tp = settings.config.tensor_parallel();
+    if settings.zero.is_some() && tp > 1 {
+        if !settings.resume {
+            // The fresh run's directory, made empty just now (never one with checkpoints).
+            let _ = std::fs::remove_dir(&settings.checkpoint_dir);
+        }
+        return Err(JobError::Invalid {
+            flag: "--zero",
+            given: format!("1 with --tp {tp}"),
+            why: "the sharded optimizer runs over data-parallel replicas of a whole model; with \
+                  tensor parallelism its checkpoint would not be gathered in one order",
+        });
     }
+    Ok(settings)
 }
 
 /// A fresh run started again by the launcher after a failure (`BONFIRE_RESTART_ROUND` above
@@ -191,6 +226,7 @@ fn settle_resumed<J: Job>(
         data_dir,
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
+        zero: options.zero,
     })
 }
 
@@ -232,6 +268,7 @@ fn settle_fresh<J: Job>(
         data_dir,
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
+        zero: options.zero,
     })
 }
 

@@ -95,6 +95,11 @@ pub(crate) struct GptArgs {
     /// Draw loss.png with a logarithmic loss axis
     #[arg(long)]
     log_loss: bool,
+    /// Shard Adam's state over the data-parallel ranks: each keeps and updates its share of the
+    /// parameters, then they all-gather the updated ones (ZeRO stage 1; the same weights, bit
+    /// for bit). 1 is the only stage bonfire has
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=1))]
+    zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint every rank can read [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -147,6 +152,7 @@ impl GptArgs {
             keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
+            zero: self.zero,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),

@@ -85,6 +85,11 @@ pub(crate) struct VisionArgs {
     /// Draw loss.png with a logarithmic loss axis
     #[arg(long)]
     log_loss: bool,
+    /// Shard Adam's state over the data-parallel ranks: each keeps and updates its share of the
+    /// parameters, then they all-gather the updated ones (ZeRO stage 1; the same weights, bit
+    /// for bit). 1 is the only stage bonfire has
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=1))]
+    zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint every rank can read [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -140,6 +145,7 @@ impl VisionArgs {
             keep_checkpoints: self.keep_checkpoints.map(|k| k as usize),
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
+            zero: self.zero,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -148,7 +154,7 @@ impl VisionArgs {
 }
 
 /// The flags every job's ranks take from the settled run: the backend, where its checkpoints go
-/// and how many stay, the data cache, and whether it resumes.
+/// and how many stay, the data cache, whether it resumes, and whether the optimizer is sharded.
 pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     v.push("--backend".into());
     v.push(s.backend.to_string().into());
@@ -165,6 +171,10 @@ pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     }
     if s.log_loss {
         v.push("--log-loss".into());
+    }
+    if let Some(stage) = s.zero {
+        v.push("--zero".into());
+        v.push(stage.to_string().into());
     }
 }
 

@@ -293,6 +293,9 @@ pub type GptState = JobState<GptJob>;
 /// What a rank of a GPT run measured, besides the state: what the end report shows.
 #[derive(Clone, Debug)]
 pub struct GptReport {
+    /// What each rank held of the model's state, and its peak resident memory (data-parallel
+    /// runs; `None` with tensor parallelism).
+    pub memory: Option<crate::report::ModelMemory>,
     /// Where this rank's training time went (see [`crate::stragglers::StepSplit`]).
     pub split: crate::stragglers::StepSplit,
     /// This run's training (a resumed run counts only the rounds it trained).

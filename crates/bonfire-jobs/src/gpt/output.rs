@@ -37,7 +37,7 @@ pub(super) fn start_line(
          {mesh} ({windows_per_replica} training windows per replica), backend {} ({} compute \
          thread(s) per rank); GPT of {params} parameters ({} layers, {} heads, width {}, context \
          {}); {} step(s) of {} sequence(s) x {} per replica{}, {} characters per step; Adam lr \
-         {} (warmup {}, cosine to {}){}",
+         {} (warmup {}, cosine to {}){}{}",
         c.dataset,
         corpus.train().len(),
         corpus.val().len(),
@@ -61,6 +61,11 @@ pub(super) fn start_line(
         c.warmup,
         c.lr / 10.0,
         if c.bf16 { ", bf16 gradients" } else { "" },
+        if s.sharded_optimizer() {
+            ", its state sharded over the replicas (ZeRO-1)"
+        } else {
+            ""
+        },
     )
 }
 
@@ -116,6 +121,7 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
         state.config.dp(),
     ));
     lines.extend(report.split.line());
+    lines.extend(report.memory.as_ref().map(crate::report::ModelMemory::line));
     if let Some(tp) = &report.tp_stats {
         lines.push(format!(
             "tensor parallel {} rank(s) per replica; on rank 0 this run (evaluations and samples \

@@ -20,8 +20,7 @@ use burn::module::{AutodiffModule, Module};
 use std::collections::HashMap;
 
 use burn::module::{ModuleVisitor, Param, ParamId};
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{Adam, AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{Adam, AdamConfig, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -30,14 +29,15 @@ use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION,
 use crate::JobError;
 use crate::checkpoint::State;
 use crate::data::{mix64, param_digest};
+use crate::optim::{JobOptimizer, model_memory};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
 
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
-/// The job's optimizer: Adam over the GPT.
-type Optim<A> = OptimizerAdaptor<Adam, Gpt<A>, A>;
+/// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
+type Optim<A> = JobOptimizer<Adam, Gpt<A>, A>;
 
 /// An optimizer's state (a map from parameter to state) recorded in the model's parameter order.
 /// Burn records the map in its own iteration order, which differs between processes; under
@@ -133,7 +133,10 @@ fn run_on<A: AutodiffBackend>(
             &output::start_line(&s, &corpus, params, shard.len(), replicas),
         );
     }
-    let optim = AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>();
+    let optim = JobOptimizer::new(
+        AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>(),
+        s.sharded_optimizer(),
+    );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     let mut model = bonfire::replicate(split(model)?);
@@ -180,11 +183,19 @@ fn run_on<A: AutodiffBackend>(
             ranks,
         });
         state.epochs_done = round + 1;
-        record_round(ctx, &state, &model, &optim)?;
+        record_round(ctx, &state, &model, &optim, &device)?;
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
+    // Under tensor parallelism a rank's parameters are parts, which the model's shapes do not
+    // show, and reading the optimizer's state gathers it: data-parallel runs only.
+    let memory = if c.tp == 1 {
+        Some(model_memory(ctx, &model, &optim)?)
+    } else {
+        None
+    };
     let report = GptReport {
+        memory,
         split,
         throughput,
         stats: bonfire::total_stats(),
@@ -219,13 +230,14 @@ fn resume<A: AutodiffBackend>(
         move |source| JobError::ReadRecord { dir, what, source }
     };
     let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
-    let optim = optim.load_record(
+    let optim = optim.load_whole_record(
         recorder
             .load::<Ordered<_>>(loaded.optimizer, device)
             .map_err(bad("optimizer state"))?
             .0
             .into_iter()
             .collect(),
+        &model,
     );
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
@@ -400,12 +412,14 @@ fn generate<B: Backend>(model: &Gpt<B>, c: &GptRunConfig, sampling: &Sampling) -
 }
 
 /// Every rank encodes the round's records (under tensor parallelism that gathers the whole
-/// tensors over the group); rank 0 writes the checkpoint and the plot and says its lines.
+/// tensors over the group; a sharded optimizer gathers its state from every rank); rank 0
+/// writes the checkpoint and the plot and says its lines.
 fn record_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     state: &GptState,
     model: &Gpt<A>,
     optim: &Optim<A>,
+    device: &A::Device,
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
@@ -413,7 +427,7 @@ fn record_round<A: AutodiffBackend>(
         .record(model.clone().into_record(), ())
         .map_err(encode("model"))?;
     let optim_bytes = recorder
-        .record(Ordered::new(optim.to_record(), model), ())
+        .record(Ordered::new(optim.whole_record(device), model), ())
         .map_err(encode("optimizer state"))?;
     let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
     let Some(dir) = saved else {

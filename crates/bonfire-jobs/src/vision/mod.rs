@@ -201,6 +201,8 @@ pub type VisionState = JobState<Vision>;
 /// What a rank of a vision run measured, besides the state: what the end report shows.
 #[derive(Clone, Debug)]
 pub struct VisionReport {
+    /// What each rank held of the model's state, and its peak resident memory.
+    pub memory: crate::report::ModelMemory,
     /// Where this rank's training time went (see [`crate::stragglers::StepSplit`]).
     pub split: crate::stragglers::StepSplit,
     /// This run's training (a resumed run counts only the epochs it trained).

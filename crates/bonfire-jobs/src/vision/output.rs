@@ -27,7 +27,7 @@ pub(super) fn start_line(
     format!(
         "bonfire train vision: {} ({} images, {} per rank), {} test images, {size} rank(s), \
          backend {} ({} compute thread(s) per rank), batch {} per rank, Adam lr {} (x{} per \
-         epoch){}",
+         epoch){}{}",
         train.description(),
         train.len() * size,
         train.len(),
@@ -38,6 +38,11 @@ pub(super) fn start_line(
         c.lr,
         c.lr_decay,
         if c.bf16 { ", bf16 gradients" } else { "" },
+        if s.sharded_optimizer() {
+            ", its state sharded over the ranks (ZeRO-1)"
+        } else {
+            ""
+        },
     )
 }
 
@@ -86,6 +91,7 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.ranks,
     ));
     lines.extend(report.split.line());
+    lines.push(report.memory.line());
     lines.extend(crate::stragglers::report_line(
         state.history.iter().map(|r| (r.epoch, r.ranks.as_slice())),
     ));

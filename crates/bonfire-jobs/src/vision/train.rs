@@ -9,7 +9,7 @@ use bonfire_models::{ResNet, ResNetConfig};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{Adam, AdamConfig, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor};
@@ -18,6 +18,7 @@ use super::{EpochRecord, Vision, VisionReport, VisionState, output};
 use crate::JobError;
 use crate::checkpoint::State;
 use crate::data::{param_digest, shuffled};
+use crate::optim::{JobOptimizer, model_memory};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
@@ -29,6 +30,8 @@ use super::VisionConfig;
 /// The training backend: `B` under bonfire's data-parallel decorator, with autodiff.
 type A<B> = Autodiff<DataParallel<B>>;
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
+/// The job's optimizer: Adam over the ResNet, whole on every rank or sharded (`--zero 1`).
+type Optim<B> = JobOptimizer<Adam, ResNet<A<B>>, A<B>>;
 
 /// Points on the training-loss curve per epoch.
 const CURVE_POINTS: usize = 20;
@@ -49,7 +52,10 @@ pub(super) fn run<B: Backend>(
     }
     <A<B> as Backend>::seed(&device, c.seed);
     let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
-    let optim = AdamConfig::new().init::<A<B>, ResNet<A<B>>>();
+    let optim = JobOptimizer::new(
+        AdamConfig::new().init::<A<B>, ResNet<A<B>>>(),
+        s.sharded_optimizer(),
+    );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     let mut model = bonfire::replicate(model);
@@ -92,11 +98,13 @@ pub(super) fn run<B: Backend>(
             ranks,
         });
         state.epochs_done = epoch + 1;
-        record_epoch(ctx, &state, &model, &optim)?;
+        record_epoch(ctx, &state, &model, &optim, &device)?;
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
+    let memory = model_memory(ctx, &model, &optim)?;
     let report = VisionReport {
+        memory,
         split,
         throughput,
         stats: bonfire::total_stats(),
@@ -139,13 +147,13 @@ fn load_data(
 
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
 /// ones unchanged.
-fn resume<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+fn resume<B: Backend>(
     ctx: &mut RankContext<'_, Vision>,
     model: ResNet<A<B>>,
-    optim: O,
+    optim: Optim<B>,
     state: &mut VisionState,
     device: &B::Device,
-) -> Result<(ResNet<A<B>>, O), JobError> {
+) -> Result<(ResNet<A<B>>, Optim<B>), JobError> {
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((model, optim));
     };
@@ -155,10 +163,11 @@ fn resume<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         move |source| JobError::ReadRecord { dir, what, source }
     };
     let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
-    let optim = optim.load_record(
+    let optim = optim.load_whole_record(
         recorder
             .load(loaded.optimizer, device)
             .map_err(bad("optimizer state"))?,
+        &model,
     );
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
@@ -183,10 +192,10 @@ struct Trained {
 }
 
 /// Trains one epoch on this rank's shard, in the epoch's order for this rank.
-fn train_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+fn train_epoch<B: Backend>(
     ctx: &mut RankContext<'_, Vision>,
     mut model: ResNet<A<B>>,
-    optim: &mut O,
+    optim: &mut Optim<B>,
     train: &ImageSet,
     epoch: usize,
     device: &B::Device,
@@ -306,14 +315,17 @@ fn evaluate<B: Backend>(
     )
 }
 
-/// Rank 0 writes the epoch's checkpoint and plots and says its line.
-fn record_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
+/// Rank 0 writes the epoch's checkpoint and plots and says its line (a sharded optimizer first
+/// gathers its state from every rank).
+fn record_epoch<B: Backend>(
     ctx: &mut RankContext<'_, Vision>,
     state: &VisionState,
     model: &ResNet<A<B>>,
-    optim: &O,
+    optim: &Optim<B>,
+    device: &B::Device,
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
+    let optim = optim.whole_record(device);
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
     let saved = ctx.save_checkpoint(
         state,
@@ -324,7 +336,7 @@ fn record_epoch<B: Backend, O: Optimizer<ResNet<A<B>>, A<B>>>(
         },
         || {
             recorder
-                .record(optim.to_record(), ())
+                .record(optim, ())
                 .map_err(encode("optimizer state"))
         },
     )?;

@@ -171,7 +171,8 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     }
 
     // A checkpoint whose vocabulary is not the text's: refused before any rank starts. (Edited
-    // by hand, so its checksums go too: a checkpoint without them loads unchecked.)
+    // by hand, so its checksums go too: a checkpoint without them loads, unchecked, only with
+    // --allow-unchecked; without it, it is passed over for epoch 5.)
     let latest = killed.join("epoch-6/state.json");
     let mut st: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&latest).unwrap()).unwrap();
@@ -179,8 +180,10 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     st["epochs"] = 7.into();
     std::fs::write(&latest, serde_json::to_vec(&st).unwrap()).unwrap();
     std::fs::remove_file(killed.join("epoch-6/SHA256SUMS")).unwrap();
+    let mut unchecked = resume.clone();
+    unchecked.push("--allow-unchecked");
     assert_clean_failure(
-        &bonfire(&dir, &resume).output().unwrap(),
+        &bonfire(&dir, &unchecked).output().unwrap(),
         "is not the vocabulary of the embedded text here",
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -458,5 +461,71 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
         assert!(log.contains("resuming from"), "{log}");
         assert_eq!(digests(&killed, 6), plain, "{name}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Damaged checkpoints never panic a rank. A `latest` naming a path outside the run and a newest
+/// checkpoint without SHA256SUMS (its model cut in half) are passed over, with a notice each,
+/// and the run trains the lost round again to the uninterrupted run's bits. Loaded anyway
+/// (`--allow-unchecked`), the cut model is an error naming the file, not a backtrace.
+#[test]
+fn damaged_checkpoints_are_passed_over_or_refused_without_a_panic() {
+    let dir = scratch("gpt-damaged");
+    let run = dir.join("run");
+    let out = bonfire(&dir, &TINY)
+        .args(["--steps", "30", "--checkpoint-dir"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let want = digests(&run, 3);
+    let cut = |epoch: &std::path::Path| {
+        let model = epoch.join("model.bin");
+        let bytes = std::fs::read(&model).unwrap();
+        std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+        std::fs::remove_file(epoch.join("SHA256SUMS")).unwrap();
+    };
+    cut(&run.join("epoch-3"));
+    std::fs::write(run.join("latest"), "../../../etc").unwrap();
+    let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("passed over checkpoint latest names \"../../../etc\"")
+            && log.contains("passed over checkpoint epoch-3: no SHA256SUMS")
+            && log.contains("resuming from"),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+    assert_eq!(digests(&run, 3), want);
+
+    // A run killed after its first checkpoint, whose model is then cut and its sums removed.
+    let killed = dir.join("killed");
+    let done = kill_after_first_checkpoint(
+        bonfire(&dir, &TINY)
+            .args(["--steps", "60", "--checkpoint-dir"])
+            .arg(&killed),
+        &killed,
+    );
+    assert_ne!(done, "epoch-6", "the job finished before it was killed");
+    cut(&killed.join(&done));
+    let out = bonfire(&dir, &["train", "gpt", "--resume", "--allow-unchecked"])
+        .arg("--checkpoint-dir")
+        .arg(&killed)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(
+        log.contains("model") && log.contains("not a Burn 0.21 binary record"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("panicked") && !log.contains("stack backtrace"),
+        "{log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,9 +5,13 @@
 //! a complete one.
 //!
 //! Loading checks every file against `SHA256SUMS`. A checkpoint that fails (a file missing,
-//! truncated or changed on disk) is skipped, with the reason kept for the caller to report, and
-//! the next older one is tried; only when none is usable does loading fail, naming each
-//! problem. Checkpoints written before checksums existed (no `SHA256SUMS`) load unchecked.
+//! truncated or changed on disk, no `SHA256SUMS` at all, a state whose epochs and records
+//! disagree) is skipped, with the reason kept for the caller to report, and the next older one is
+//! tried; only when none is usable does loading fail, naming each problem. Checkpoints without
+//! `SHA256SUMS` (written before checksums existed) load only when asked ([`Unchecked::Allow`],
+//! `--allow-unchecked`). `latest` is a hint: a name in it that is not an `epoch-N` of the
+//! directory is passed over too. The model's and optimizer's bytes are decoded by [`decode`],
+//! which fails with a message where Burn's own recorder would panic.
 
 use std::fs;
 use std::io::Write;
@@ -17,6 +21,17 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::JobError;
+
+/// Whether a checkpoint without `SHA256SUMS` loads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Unchecked {
+    /// It is passed over, as a damaged one is (the default).
+    #[default]
+    Refuse,
+    /// It loads unchecked (`--allow-unchecked`): for checkpoints written before bonfire
+    /// checksummed them.
+    Allow,
+}
 
 /// Everything a checkpoint holds but the tensors: the settings that decide the result (`C`),
 /// and what each epoch measured (`R`). Written as `state.json`.
@@ -60,7 +75,9 @@ pub struct Checkpoint<C, R> {
     pub skipped: Vec<String>,
 }
 
-use bonfire::checkpoint::{LATEST, SUMS, epochs, recorded_sum, sha256_hex as sha256, sums_text};
+use bonfire::checkpoint::{
+    LATEST, SUMS, epoch_of, epochs, recorded_sum, sha256_hex as sha256, sums_text,
+};
 
 const STATE: &str = "state.json";
 const MODEL: &str = "model.bin";
@@ -104,32 +121,62 @@ pub fn save<C: Serialize, R: Serialize>(
     Ok(dir)
 }
 
-/// The newest complete checkpoint under `root`, if `latest` names one.
-pub fn latest(root: &Path) -> Result<Option<PathBuf>, JobError> {
+/// What `latest` under `root` says: `None` when there is no `latest`; the directory it names
+/// when that is an `epoch-N` of `root`, else why not (a damaged or hostile `latest` never
+/// points elsewhere: `../x`, an absolute path, `epoch-05`).
+fn named_latest(root: &Path) -> Result<Option<Result<PathBuf, String>>, JobError> {
     let path = root.join(LATEST);
     match fs::read_to_string(&path) {
-        Ok(name) => Ok(Some(root.join(name.trim()))),
+        Ok(name) => {
+            let name = name.trim();
+            Ok(Some(match epoch_of(name) {
+                Some(_) => Ok(root.join(name)),
+                None => Err(format!(
+                    "{LATEST} names {:?}, not an epoch-N checkpoint of this directory",
+                    name.chars().take(80).collect::<String>()
+                )),
+            }))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(JobError::Io { path, source: e }),
     }
 }
 
+/// The newest complete checkpoint under `root`, if it has a `latest`: the one `latest` names,
+/// or the newest `epoch-N` when `latest` names none.
+pub fn latest(root: &Path) -> Result<Option<PathBuf>, JobError> {
+    Ok(match named_latest(root)? {
+        None => None,
+        Some(Ok(dir)) => Some(dir),
+        Some(Err(_)) => epochs(root).into_iter().next().map(|(_, dir)| dir),
+    })
+}
+
 /// Where to look for a checkpoint, in order: the one `latest` names, then every other
-/// `epoch-N` directory, newest first. Fails when there is no `latest`.
-fn candidates(root: &Path) -> Result<Vec<PathBuf>, JobError> {
-    let newest = latest(root)?.ok_or_else(|| JobError::NoCheckpoint {
-        dir: root.to_path_buf(),
-    })?;
-    let older = epochs(root).into_iter().map(|(_, p)| p);
-    Ok(std::iter::once(newest.clone())
-        .chain(older.filter(|p| *p != newest))
-        .collect())
+/// `epoch-N` directory, newest first; with why `latest` was passed over, if it was. Fails when
+/// there is no `latest`.
+fn candidates(root: &Path) -> Result<(Vec<PathBuf>, Vec<String>), JobError> {
+    let (newest, notes) = match named_latest(root)? {
+        None => {
+            return Err(JobError::NoCheckpoint {
+                dir: root.to_path_buf(),
+            });
+        }
+        Some(Ok(dir)) => (Some(dir), Vec::new()),
+        Some(Err(why)) => (None, vec![why]),
+    };
+    let older: Vec<PathBuf> = epochs(root)
+        .into_iter()
+        .map(|(_, p)| p)
+        .filter(|p| Some(p) != newest.as_ref())
+        .collect();
+    Ok((newest.into_iter().chain(older).collect(), notes))
 }
 
 /// Deletes every `epoch-N` checkpoint under `root` but the newest `keep` (at least one: the one
 /// `latest` names is never deleted).
 pub fn prune(root: &Path, keep: usize) -> Result<(), JobError> {
-    let all = candidates(root)?;
+    let (all, _) = candidates(root)?;
     for dir in all.into_iter().skip(keep.max(1)) {
         fs::remove_dir_all(&dir).map_err(JobError::io(&dir))?;
     }
@@ -139,6 +186,7 @@ pub fn prune(root: &Path, keep: usize) -> Result<(), JobError> {
 /// Reads and checks the checkpoint in `dir`; the error says what is wrong with it.
 fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
     dir: &Path,
+    unchecked: Unchecked,
 ) -> Result<Checkpoint<C, R>, String> {
     let read = |name: &str| fs::read(dir.join(name)).map_err(|e| format!("{name}: {e}"));
     let (model, optimizer, state) = (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?);
@@ -159,12 +207,26 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
                 }
             }
         }
-        // Written before checkpoints carried checksums: nothing to check against.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        // Written before checkpoints carried checksums, or damaged: nothing to check against.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if unchecked == Unchecked::Refuse {
+                return Err(format!(
+                    "no {SUMS} to check its files against (written before bonfire checksummed \
+                     checkpoints, or damaged); --allow-unchecked loads it unchecked"
+                ));
+            }
+        }
         Err(e) => return Err(format!("{SUMS}: {e}")),
     }
-    let state = serde_json::from_slice(&state)
+    let state: State<C, R> = serde_json::from_slice(&state)
         .map_err(|e| format!("{STATE}: not a bonfire checkpoint state ({e})"))?;
+    if state.history.len() != state.epochs_done {
+        return Err(format!(
+            "{STATE} says {} epoch(s) done but records {}",
+            state.epochs_done,
+            state.history.len()
+        ));
+    }
     Ok(Checkpoint {
         dir: dir.to_path_buf(),
         state,
@@ -179,8 +241,9 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
 /// [`Checkpoint::skipped`]).
 pub fn load<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
+    unchecked: Unchecked,
 ) -> Result<Checkpoint<C, R>, JobError> {
-    load_at_most(root, usize::MAX)
+    load_at_most(root, usize::MAX, unchecked)
 }
 
 /// As [`load`], among the checkpoints of at most `epochs_done` epochs: the newest usable one
@@ -188,10 +251,11 @@ pub fn load<C: DeserializeOwned, R: DeserializeOwned>(
 pub fn load_at_most<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
     epochs_done: usize,
+    unchecked: Unchecked,
 ) -> Result<Checkpoint<C, R>, JobError> {
-    let mut skipped = Vec::new();
-    for dir in candidates(root)? {
-        match read_checked::<C, R>(&dir) {
+    let (candidates, mut skipped) = candidates(root)?;
+    for dir in candidates {
+        match read_checked::<C, R>(&dir, unchecked) {
             Ok(checkpoint) if checkpoint.state.epochs_done > epochs_done => {}
             Ok(checkpoint) => {
                 return Ok(Checkpoint {
@@ -215,11 +279,116 @@ pub fn load_at_most<C: DeserializeOwned, R: DeserializeOwned>(
 /// checkpoint.
 pub fn load_state<C: DeserializeOwned, R: DeserializeOwned>(
     root: &Path,
+    unchecked: Unchecked,
 ) -> Result<Option<State<C, R>>, JobError> {
     if latest(root)?.is_none() {
         return Ok(None);
     }
-    load(root).map(|c| Some(c.state))
+    load(root, unchecked).map(|c| Some(c.state))
+}
+
+/// A record of Burn's binary format at full precision (what `BinBytesRecorder` writes and the
+/// jobs' checkpoints hold), decoded without Burn's `unwrap`: bytes that are not such a record
+/// (truncated, changed, another format) are an error saying so, not a panic; a record whose
+/// tensors do not hold their shapes is one too.
+pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
+    bytes: &[u8],
+    device: &B::Device,
+) -> Result<R, String> {
+    use burn::record::{BurnRecord, FullPrecisionSettings};
+    type Item<B, R> = BurnRecord<<R as burn::record::Record<B>>::Item<FullPrecisionSettings>, B>;
+    // The first line of an error: Burn's deserialisers append advice about its old formats.
+    let first = |e: String| e.lines().next().unwrap_or_default().to_string();
+    let (record, _): (Item<B, R>, usize) =
+        bincode::serde::decode_from_slice(bytes, bincode::config::standard()).map_err(|e| {
+            format!(
+                "{} bytes that are not a Burn 0.21 binary record of this job ({})",
+                bytes.len(),
+                first(e.to_string())
+            )
+        })?;
+    quietly(|| R::from_item(record.item, device)).map_err(|why| {
+        format!(
+            "{} bytes whose tensors do not hold their shapes ({})",
+            bytes.len(),
+            first(why)
+        )
+    })
+}
+
+/// `model` with the parameters of the model record `bytes` (a checkpoint's `model.bin`, from
+/// the checkpoint in `dir`): [`decode`], then Burn's `load_record`, whose shape checks are
+/// errors here instead of panics.
+pub fn load_model<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(
+    model: M,
+    bytes: &[u8],
+    device: &B::Device,
+    dir: &Path,
+) -> Result<M, JobError> {
+    let bad = |why| JobError::DamagedRecord {
+        dir: dir.to_path_buf(),
+        what: "model",
+        why,
+    };
+    let record = decode::<B, M::Record>(bytes, device).map_err(bad)?;
+    let expected = Shapes::of(&model);
+    let loaded = quietly(|| model.load_record(record))
+        .map_err(|why| bad(format!("it does not fit this model: {why}")))?;
+    // Burn loads a parameter of any shape in place of another; the model's first op would then
+    // panic.
+    let found = Shapes::of(&loaded);
+    if let Some(i) =
+        (0..expected.0.len().max(found.0.len())).find(|&i| expected.0.get(i) != found.0.get(i))
+    {
+        return Err(bad(format!(
+            "it does not fit this model: float parameter {i} has shape {:?} where the model has \
+             {:?}",
+            found.0.get(i).map(|s| s.as_slice()),
+            expected.0.get(i).map(|s| s.as_slice()),
+        )));
+    }
+    Ok(loaded)
+}
+
+/// The shapes of a module's float parameters, in module order (read without initialising a lazy
+/// parameter, which would draw from the random generator).
+struct Shapes(Vec<burn::tensor::Shape>);
+
+impl Shapes {
+    fn of<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(module: &M) -> Self {
+        let mut shapes = Shapes(Vec::new());
+        module.visit(&mut shapes);
+        shapes
+    }
+}
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Shapes {
+    fn visit_float<const D: usize>(
+        &mut self,
+        param: &burn::module::Param<burn::tensor::Tensor<B, D>>,
+    ) {
+        self.0.push(param.lazy_shape());
+    }
+}
+
+/// Runs `f`, turning a panic into its message without printing it (Burn asserts where a damaged
+/// record would need an error: a tensor whose bytes do not fill its shape).
+pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    use std::sync::Mutex;
+    // One swap of the process's panic hook at a time.
+    static HOOK: Mutex<()> = Mutex::new(());
+    let _one = HOOK.lock().unwrap_or_else(|e| e.into_inner());
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    result.map_err(|payload| {
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
+            .unwrap_or_else(|| "a panic without a message".into())
+    })
 }
 
 #[cfg(test)]
@@ -243,22 +412,32 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
         fs::create_dir_all(&root).unwrap();
         assert!(latest(&root).unwrap().is_none());
-        assert!(load_state::<String, u32>(&root).unwrap().is_none());
-        let e = load::<String, u32>(&root).err().unwrap().to_string();
+        assert!(
+            load_state::<String, u32>(&root, Unchecked::Refuse)
+                .unwrap()
+                .is_none()
+        );
+        let e = load::<String, u32>(&root, Unchecked::Refuse)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("no checkpoint to resume from"), "{e}");
         save(&root, &state(1), b"m1", b"o1").unwrap();
         // A half-written epoch 2 (killed before its rename) is ignored.
         fs::create_dir_all(root.join(".epoch-2.tmp")).unwrap();
         fs::write(root.join(".epoch-2.tmp/model.bin"), b"partial").unwrap();
-        let l = load::<String, u32>(&root).unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
         assert_eq!(
             (l.state, l.model, l.optimizer),
             (state(1), b"m1".to_vec(), b"o1".to_vec())
         );
         save(&root, &state(2), b"m2", b"o2").unwrap();
-        let l = load::<String, u32>(&root).unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
         assert_eq!((l.state.epochs_done, l.model), (2, b"m2".to_vec()));
-        assert_eq!(load_state(&root).unwrap(), Some(state(2)));
+        assert_eq!(
+            load_state(&root, Unchecked::Refuse).unwrap(),
+            Some(state(2))
+        );
         assert!(root.join("epoch-1/model.bin").exists() && !root.join(".epoch-2.tmp").exists());
         fs::remove_dir_all(&root).unwrap();
     }
@@ -291,7 +470,7 @@ mod tests {
             .unwrap()
             .set_len(len / 2)
             .unwrap();
-        let l = load::<String, u32>(&root).unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
         assert_eq!((l.state.epochs_done, l.model), (1, b"model 1".to_vec()));
         assert_eq!(l.dir, root.join("epoch-1"));
         assert_eq!(l.skipped.len(), 2, "{:?}", l.skipped);
@@ -305,10 +484,13 @@ mod tests {
             "{}",
             l.skipped[1]
         );
-        assert_eq!(load_state(&root).unwrap(), Some(state(1)));
+        assert_eq!(
+            load_state(&root, Unchecked::Refuse).unwrap(),
+            Some(state(1))
+        );
         // With every checkpoint damaged, loading fails and names each problem.
         fs::remove_file(root.join("epoch-1/optimizer.bin")).unwrap();
-        let e = load::<String, u32>(&root).err().unwrap();
+        let e = load::<String, u32>(&root, Unchecked::Refuse).err().unwrap();
         assert!(
             matches!(e, JobError::NoUsableCheckpoint { ref problems, .. } if problems.len() == 3)
         );
@@ -335,23 +517,151 @@ mod tests {
         assert_eq!(left, ["epoch-3", "epoch-4", "latest"]);
         prune(&root, 0).unwrap();
         assert!(root.join("epoch-4").exists() && !root.join("epoch-3").exists());
-        assert_eq!(load::<String, u32>(&root).unwrap().state.epochs_done, 4);
+        assert_eq!(
+            load::<String, u32>(&root, Unchecked::Refuse)
+                .unwrap()
+                .state
+                .epochs_done,
+            4
+        );
         fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
-    fn checkpoints_without_checksums_still_load_and_garbage_state_is_refused() {
+    fn checkpoints_without_checksums_load_only_when_allowed_and_garbage_state_is_refused() {
         let root = fresh_root("legacy");
         save(&root, &state(1), b"m1", b"o1").unwrap();
-        // As written before checkpoints carried checksums.
-        fs::remove_file(root.join("epoch-1/SHA256SUMS")).unwrap();
-        assert_eq!(load::<String, u32>(&root).unwrap().model, b"m1".to_vec());
-        fs::write(root.join("epoch-1/state.json"), b"{").unwrap();
-        let e = load::<String, u32>(&root).err().unwrap().to_string();
+        save(&root, &state(2), b"m2", b"o2").unwrap();
+        // As written before checkpoints carried checksums, or with the sums lost.
+        fs::remove_file(root.join("epoch-2/SHA256SUMS")).unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
+        assert_eq!(l.model, b"m1".to_vec());
         assert!(
-            e.contains("epoch-1: state.json: not a bonfire checkpoint state"),
-            "{e}"
+            l.skipped[0].starts_with("epoch-2: no SHA256SUMS to check its files against")
+                && l.skipped[0].contains("--allow-unchecked"),
+            "{:?}",
+            l.skipped
+        );
+        let l = load::<String, u32>(&root, Unchecked::Allow).unwrap();
+        assert_eq!((l.model, l.skipped.len()), (b"m2".to_vec(), 0));
+        fs::write(root.join("epoch-2/state.json"), b"{").unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Allow).unwrap();
+        assert!(
+            l.skipped[0].starts_with("epoch-2: state.json: not a bonfire checkpoint state"),
+            "{:?}",
+            l.skipped
+        );
+        // A state whose epoch count is not its records' (a count past i64 read as "no
+        // checkpoint" where ranks agree on one): passed over.
+        let mut bad = state(1);
+        bad.epochs_done = usize::MAX;
+        fs::write(
+            root.join("epoch-2/state.json"),
+            serde_json::to_vec(&bad).unwrap(),
+        )
+        .unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Allow).unwrap();
+        assert_eq!(l.state, state(1));
+        assert_eq!(
+            l.skipped,
+            [format!(
+                "epoch-2: state.json says {} epoch(s) done but records 1",
+                usize::MAX
+            )]
         );
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_latest_that_names_no_checkpoint_here_is_passed_over() {
+        let root = fresh_root("latest");
+        let outside = fresh_root("latest-outside");
+        save(&outside, &state(9), b"elsewhere", b"o").unwrap();
+        for e in 1..=2 {
+            save(&root, &state(e), format!("m{e}").as_bytes(), b"o").unwrap();
+        }
+        let elsewhere = outside.join("epoch-9");
+        for name in [
+            "../".to_string() + &outside.file_name().unwrap().to_string_lossy() + "/epoch-9",
+            elsewhere.to_string_lossy().into_owned(),
+            "epoch-02".into(),
+            "epoch-+2".into(),
+            "".into(),
+        ] {
+            fs::write(root.join(LATEST), &name).unwrap();
+            let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
+            assert_eq!(
+                (l.model, l.dir.clone()),
+                (b"m2".to_vec(), root.join("epoch-2"))
+            );
+            assert_eq!(
+                l.skipped,
+                [format!(
+                    "latest names {name:?}, not an epoch-N checkpoint of this directory"
+                )]
+            );
+            assert_eq!(latest(&root).unwrap(), Some(root.join("epoch-2")));
+        }
+        // Pruning with a bad `latest` keeps the newest listed one.
+        prune(&root, 1).unwrap();
+        assert!(root.join("epoch-2").exists() && !root.join("epoch-1").exists());
+        assert!(elsewhere.exists());
+        fs::remove_dir_all(&root).unwrap();
+        fs::remove_dir_all(&outside).unwrap();
+    }
+
+    #[test]
+    fn a_damaged_record_is_an_error_not_a_panic() {
+        use burn::backend::Flex;
+        use burn::module::Module;
+        use burn::nn::{Linear, LinearConfig};
+        use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+        let device = Default::default();
+        let model: Linear<Flex> = LinearConfig::new(3, 2).init(&device);
+        // (Burn draws a parameter on its first read: read it before the record clones it.)
+        let weight = model.weight.val().into_data();
+        let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
+            .record(model.clone().into_record(), ())
+            .unwrap();
+        let dir = Path::new("epoch-1");
+        let fresh = || LinearConfig::new(3, 2).init::<Flex>(&device);
+        let back = load_model(fresh(), &bytes, &device, dir).unwrap();
+        assert_eq!(back.weight.val().into_data(), weight);
+        // Truncated, or with a byte changed in every position of the header: an error (Burn's
+        // recorder unwraps, and the rank died with a backtrace).
+        let half = load_model(fresh(), &bytes[..bytes.len() / 2], &device, dir)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            half.starts_with("epoch-1: the model cannot be read: ")
+                && half.contains("bytes that are not a Burn 0.21 binary record of this job"),
+            "{half}"
+        );
+        for at in 0..bytes.len().min(96) {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut damaged = bytes.clone();
+                damaged[at] ^= flip;
+                let _ = load_model(fresh(), &damaged, &device, dir);
+            }
+        }
+        // A record of another shape does not fit the model: an error naming the model.
+        let other = BinBytesRecorder::<FullPrecisionSettings>::default()
+            .record(
+                LinearConfig::new(5, 2).init::<Flex>(&device).into_record(),
+                (),
+            )
+            .unwrap();
+        let e = load_model(fresh(), &other, &device, dir)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains(
+                "does not fit this model: float parameter 0 has shape Some([5, 2]) where \
+                 the model has Some([3, 2])"
+            ),
+            "{e}"
+        );
     }
 }

@@ -170,15 +170,16 @@ pub enum JobError {
     /// The state could not be written as JSON.
     #[error("cannot encode the checkpoint state: {0}")]
     EncodeState(#[source] serde_json::Error),
-    /// A model or optimizer record cannot be read back.
-    #[error("{}: cannot read the {what}: {source}", .dir.display())]
-    ReadRecord {
+    /// A checkpoint's model or optimizer bytes are not a record that fits the job (damaged, cut
+    /// short, or another model's).
+    #[error("{}: the {what} cannot be read: {why}", .dir.display())]
+    DamagedRecord {
         /// The checkpoint.
         dir: PathBuf,
         /// `model` or `optimizer state`.
         what: &'static str,
-        /// The cause.
-        source: burn::record::RecorderError,
+        /// What is wrong.
+        why: String,
     },
     /// A model or optimizer could not be recorded as bytes.
     #[error("cannot record the {what}: {source}")]

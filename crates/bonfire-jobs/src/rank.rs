@@ -240,9 +240,12 @@ impl<'a, J: Job> RankContext<'a, J> {
         let loaded = if none_yet {
             Err(JobError::NoCheckpoint { dir: dir.clone() })
         } else {
-            checkpoint::load::<J::Config, J::Record>(&dir)
+            checkpoint::load::<J::Config, J::Record>(&dir, self.settings.unchecked())
         };
-        let mine = loaded.as_ref().map_or(-1, |l| l.state.epochs_done as i64);
+        // (A loaded state records one entry per epoch done, so its count fits.)
+        let mine = loaded.as_ref().map_or(-1, |l| {
+            i64::try_from(l.state.epochs_done).unwrap_or(i64::MAX)
+        });
         let all = self
             .world
             .comm()
@@ -281,7 +284,11 @@ impl<'a, J: Job> RankContext<'a, J> {
         let loaded = if mine == target as i64 {
             loaded?
         } else {
-            checkpoint::load_at_most::<J::Config, J::Record>(&dir, target)?
+            checkpoint::load_at_most::<J::Config, J::Record>(
+                &dir,
+                target,
+                self.settings.unchecked(),
+            )?
         };
         if loaded.state.epochs_done != target {
             return Err(JobError::CheckpointMismatch {

@@ -151,7 +151,11 @@ impl<'a, J: Job> Runner<'a, J> {
     fn run_parent(&self, reporter: &mut dyn Reporter) -> Result<Finished<J>, JobError> {
         let settings = settle(self.job, self.request, self.options, None, reporter)?;
         if settings.resume {
-            let state = checkpoint::load::<J::Config, J::Record>(&settings.checkpoint_dir)?.state;
+            let state = checkpoint::load::<J::Config, J::Record>(
+                &settings.checkpoint_dir,
+                settings.unchecked(),
+            )?
+            .state;
             if settings.epochs <= state.epochs_done {
                 reporter.say(
                     Say::Notice,
@@ -170,7 +174,7 @@ impl<'a, J: Job> Runner<'a, J> {
         if let Some(summary) = launched.summary() {
             reporter.say(Say::Notice, &format!("the run finished {summary}"));
         }
-        let state = checkpoint::load_state(&settings.checkpoint_dir)?;
+        let state = checkpoint::load_state(&settings.checkpoint_dir, settings.unchecked())?;
         Ok(self.parent_finished(settings, state))
     }
 

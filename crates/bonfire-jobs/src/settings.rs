@@ -45,6 +45,9 @@ pub struct RunOptions {
     /// ([`bonfire::sharded`]), the only stage bonfire has (default: `None`, every rank keeps the
     /// whole state). It changes no result, so a resumed run may turn it on or off.
     pub zero: Option<u8>,
+    /// Load checkpoints that have no `SHA256SUMS` (written before bonfire checksummed them),
+    /// unchecked; without it they are passed over as damaged ones are.
+    pub allow_unchecked: bool,
 }
 
 /// A settled run: what every rank trains with.
@@ -71,12 +74,28 @@ pub struct Settings<C> {
     /// The ZeRO stage the optimizer's state is sharded with (`None`: not sharded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
+    /// Whether checkpoints without `SHA256SUMS` load (unchecked).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_unchecked: bool,
 }
 
 impl<C> Settings<C> {
     /// Whether each data-parallel rank keeps only its share of the optimizer's state.
     pub fn sharded_optimizer(&self) -> bool {
         self.zero.is_some()
+    }
+
+    /// Whether checkpoints without `SHA256SUMS` load.
+    pub fn unchecked(&self) -> checkpoint::Unchecked {
+        unchecked(self.allow_unchecked)
+    }
+}
+
+fn unchecked(allow: bool) -> checkpoint::Unchecked {
+    if allow {
+        checkpoint::Unchecked::Allow
+    } else {
+        checkpoint::Unchecked::Refuse
     }
 }
 
@@ -199,7 +218,8 @@ fn settle_resumed<J: Job>(
             .0
             .ok_or(JobError::NothingToResume)?,
     };
-    let loaded = checkpoint::load::<J::Config, J::Record>(&dir)?;
+    let loaded =
+        checkpoint::load::<J::Config, J::Record>(&dir, unchecked(options.allow_unchecked))?;
     let clashes = job.clashes(request, &loaded.state.config);
     if !clashes.is_empty() {
         return Err(JobError::CannotResume { dir, clashes });
@@ -227,6 +247,7 @@ fn settle_resumed<J: Job>(
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
         zero: options.zero,
+        allow_unchecked: options.allow_unchecked,
     })
 }
 
@@ -269,6 +290,7 @@ fn settle_fresh<J: Job>(
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
         zero: options.zero,
+        allow_unchecked: options.allow_unchecked,
     })
 }
 

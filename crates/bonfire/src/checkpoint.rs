@@ -178,22 +178,28 @@ fn check(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The epoch of a checkpoint directory named `name`: `epoch-N` with N written as bonfire writes
+/// it (decimal digits, no sign, no leading zero), so that no two names mean the same epoch
+/// (`epoch-05` and `epoch-+5` are not epoch 5) and a name is never a path elsewhere.
+pub fn epoch_of(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix("epoch-")?;
+    let canonical = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'));
+    if !canonical {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 /// The `epoch-N` directories under `root`, newest first: `(N, dir)` (none when `root` cannot be
-/// read).
+/// read; names that are not [`epoch_of`] an epoch are left out).
 pub fn epochs(root: &Path) -> Vec<(usize, PathBuf)> {
     let mut found: Vec<(usize, PathBuf)> = fs::read_dir(root)
         .into_iter()
         .flatten()
         .filter_map(Result::ok)
-        .filter_map(|e| {
-            let n = e
-                .file_name()
-                .to_str()?
-                .strip_prefix("epoch-")?
-                .parse()
-                .ok()?;
-            Some((n, e.path()))
-        })
+        .filter_map(|e| Some((epoch_of(e.file_name().to_str()?)?, e.path())))
         .collect();
     found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
     found
@@ -311,7 +317,31 @@ mod tests {
         fs::remove_file(root.join("epoch-2").join(SUMS)).unwrap();
         let r = resume_or_start(&world, &root).unwrap().unwrap();
         assert_eq!(r.epoch, 1);
+        // Names that only look like an epoch are not checkpoints: `epoch-05` and `epoch-+5`
+        // would both have read as epoch 5.
+        for name in ["epoch-05", "epoch-+5", "epoch--1", "epoch-", "epoch-5x"] {
+            fs::rename(root.join("epoch-1"), root.join(name)).unwrap();
+            assert_eq!(resume_or_start(&world, &root).unwrap(), None, "{name}");
+            fs::rename(root.join(name), root.join("epoch-1")).unwrap();
+        }
         let _ = fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn only_names_bonfire_writes_are_epochs() {
+        assert_eq!(epoch_of("epoch-0"), Some(0));
+        assert_eq!(epoch_of("epoch-17"), Some(17));
+        for bad in [
+            "epoch-05",
+            "epoch-+5",
+            "epoch- 5",
+            "epoch-5/../x",
+            "../epoch-5",
+            "epoch-99999999999999999999999",
+            "Epoch-5",
+        ] {
+            assert_eq!(epoch_of(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -95,6 +95,10 @@ pub(crate) struct GptArgs {
     /// Draw loss.png with a logarithmic loss axis
     #[arg(long)]
     log_loss: bool,
+    /// Load checkpoints that have no SHA256SUMS (written before bonfire checksummed them)
+    /// without checking their files; otherwise they are passed over, as damaged ones are
+    #[arg(long)]
+    allow_unchecked: bool,
     /// Shard Adam's state over the data-parallel ranks: each keeps and updates its share of the
     /// parameters, then they all-gather the updated ones (ZeRO stage 1; the same weights, bit
     /// for bit). 1 is the only stage bonfire has
@@ -153,6 +157,7 @@ impl GptArgs {
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
             zero: self.zero,
+            allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -206,6 +211,7 @@ pub(crate) fn gpt(a: GptArgs) -> Result<(), CliError> {
             temperature: request.temperature,
             top_k: request.top_k,
             seed: request.seed,
+            allow_unchecked: a.allow_unchecked,
         })?;
         eprintln!("# sampled from {}", dir.display());
         println!("{text}");

@@ -85,6 +85,10 @@ pub(crate) struct VisionArgs {
     /// Draw loss.png with a logarithmic loss axis
     #[arg(long)]
     log_loss: bool,
+    /// Load checkpoints that have no SHA256SUMS (written before bonfire checksummed them)
+    /// without checking their files; otherwise they are passed over, as damaged ones are
+    #[arg(long)]
+    allow_unchecked: bool,
     /// Shard Adam's state over the data-parallel ranks: each keeps and updates its share of the
     /// parameters, then they all-gather the updated ones (ZeRO stage 1; the same weights, bit
     /// for bit). 1 is the only stage bonfire has
@@ -146,6 +150,7 @@ impl VisionArgs {
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
             zero: self.zero,
+            allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
             data_dir: self.data_dir.clone(),
@@ -171,6 +176,9 @@ pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     }
     if s.log_loss {
         v.push("--log-loss".into());
+    }
+    if s.allow_unchecked {
+        v.push("--allow-unchecked".into());
     }
     if let Some(stage) = s.zero {
         v.push("--zero".into());

@@ -5,8 +5,6 @@ use std::path::{Path, PathBuf};
 
 use bonfire_models::{Gpt, Sampling};
 use burn::backend::flex::{Flex, FlexDevice};
-use burn::module::Module;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 
 use super::{GptJob, GptRunConfig};
 use crate::checkpoint;
@@ -29,6 +27,8 @@ pub struct SampleRequest {
     pub top_k: Option<usize>,
     /// Seed of the draws (default: the run's seed).
     pub seed: Option<u64>,
+    /// Load a checkpoint without `SHA256SUMS`, unchecked.
+    pub allow_unchecked: bool,
 }
 
 /// The prompt and what the latest checkpoint of the run generates after it, with the directory
@@ -40,7 +40,14 @@ pub fn sample(request: &SampleRequest) -> Result<(PathBuf, String), JobError> {
             .0
             .ok_or(JobError::NothingToSample)?,
     };
-    let loaded: JobCheckpoint<GptJob> = checkpoint::load::<GptRunConfig, super::EvalRecord>(&dir)?;
+    let loaded: JobCheckpoint<GptJob> = checkpoint::load::<GptRunConfig, super::EvalRecord>(
+        &dir,
+        if request.allow_unchecked {
+            checkpoint::Unchecked::Allow
+        } else {
+            checkpoint::Unchecked::Refuse
+        },
+    )?;
     let c = &loaded.state.config;
     let vocab = c.vocab();
     let prompt = if request.prompt.is_empty() {
@@ -60,14 +67,7 @@ pub fn sample(request: &SampleRequest) -> Result<(PathBuf, String), JobError> {
     };
     let device = FlexDevice;
     let model: Gpt<Flex> = c.model().init(&device);
-    let record = BinBytesRecorder::<FullPrecisionSettings>::default()
-        .load(loaded.model, &device)
-        .map_err(|source| JobError::ReadRecord {
-            dir: loaded.dir.clone(),
-            what: "model",
-            source,
-        })?;
-    let model = model.load_record(record);
+    let model = checkpoint::load_model(model, &loaded.model, &device, &loaded.dir)?;
     let sampling = Sampling {
         temperature: request.temperature.unwrap_or(c.temperature),
         top_k: Some(request.top_k.unwrap_or(c.top_k)),

@@ -27,7 +27,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
-use crate::checkpoint::State;
+use crate::checkpoint::{self, State};
 use crate::data::{mix64, param_digest};
 use crate::optim::{JobOptimizer, model_memory};
 use crate::progress::StepProgress;
@@ -224,15 +224,13 @@ fn resume<A: AutodiffBackend>(
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((model, optim));
     };
-    let recorder = Rec::default();
     let bad = |what: &'static str| {
         let dir = loaded.dir.clone();
-        move |source| JobError::ReadRecord { dir, what, source }
+        move |why| JobError::DamagedRecord { dir, what, why }
     };
-    let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
+    let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
     let optim = optim.load_whole_record(
-        recorder
-            .load::<Ordered<_>>(loaded.optimizer, device)
+        checkpoint::decode::<A, Ordered<_>>(&loaded.optimizer, device)
             .map_err(bad("optimizer state"))?
             .0
             .into_iter()

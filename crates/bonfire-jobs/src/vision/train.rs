@@ -16,7 +16,7 @@ use burn::tensor::{ElementConversion, Int, Tensor};
 
 use super::{EpochRecord, Vision, VisionReport, VisionState, output};
 use crate::JobError;
-use crate::checkpoint::State;
+use crate::checkpoint::{self, State};
 use crate::data::{param_digest, shuffled};
 use crate::optim::{JobOptimizer, model_memory};
 use crate::progress::StepProgress;
@@ -157,16 +157,13 @@ fn resume<B: Backend>(
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((model, optim));
     };
-    let recorder = Rec::default();
     let bad = |what: &'static str| {
         let dir = loaded.dir.clone();
-        move |source| JobError::ReadRecord { dir, what, source }
+        move |why| JobError::DamagedRecord { dir, what, why }
     };
-    let model = model.load_record(recorder.load(loaded.model, device).map_err(bad("model"))?);
+    let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
     let optim = optim.load_whole_record(
-        recorder
-            .load(loaded.optimizer, device)
-            .map_err(bad("optimizer state"))?,
+        checkpoint::decode::<A<B>, _>(&loaded.optimizer, device).map_err(bad("optimizer state"))?,
         &model,
     );
     state.history = loaded.state.history;

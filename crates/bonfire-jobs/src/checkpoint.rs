@@ -294,8 +294,8 @@ const LIMIT_LARGE: usize = 2 << 30;
 
 /// A record of Burn's binary format at full precision (what `BinBytesRecorder` writes and the
 /// jobs' checkpoints hold), decoded without Burn's `unwrap`: bytes that are not such a record
-/// (truncated, changed, another format) are an error saying so, not a panic; a record whose
-/// tensors do not hold their shapes is one too.
+/// (truncated, changed, another format) are an error saying so, not a panic or an abort; so is
+/// a record with a tensor whose bytes do not hold its shape (checked before Burn converts it).
 pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
     bytes: &[u8],
     device: &B::Device,
@@ -308,21 +308,17 @@ pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
     // runs where a panic is caught.
     let decoded = quietly(|| {
         // A damaged length must not allocate what no file of this size could hold: bincode
-        // checks every claim against the configured limit (by tiers: it is a type parameter).
+        // checks every claim against the configured limit (by tiers: it is a type parameter),
+        // and the guard checks every tensor's shape against its bytes before Burn converts it.
         let standard = bincode::config::standard();
         match bytes.len() {
-            0..LIMIT_SMALL => bincode::serde::decode_from_slice::<Item<B, R>, _>(
-                bytes,
-                standard.with_limit::<{ 8 * LIMIT_SMALL }>(),
-            ),
-            LIMIT_SMALL..LIMIT_LARGE => bincode::serde::decode_from_slice::<Item<B, R>, _>(
-                bytes,
-                standard.with_limit::<{ 8 * LIMIT_LARGE }>(),
-            ),
-            _ => bincode::serde::decode_from_slice::<Item<B, R>, _>(
-                bytes,
-                standard.with_limit::<{ 1 << 44 }>(),
-            ),
+            0..LIMIT_SMALL => {
+                guarded::<Item<B, R>, _>(bytes, standard.with_limit::<{ 8 * LIMIT_SMALL }>())
+            }
+            LIMIT_SMALL..LIMIT_LARGE => {
+                guarded::<Item<B, R>, _>(bytes, standard.with_limit::<{ 8 * LIMIT_LARGE }>())
+            }
+            _ => guarded::<Item<B, R>, _>(bytes, standard.with_limit::<{ 1 << 44 }>()),
         }
     })
     .map_err(|why| {
@@ -332,11 +328,11 @@ pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
             first(why)
         )
     })?;
-    let (record, _) = decoded.map_err(|e| {
+    let record = decoded.map_err(|e| {
         format!(
             "{} bytes that are not a Burn 0.21 binary record of this job ({})",
             bytes.len(),
-            first(e.to_string())
+            first(e)
         )
     })?;
     quietly(|| R::from_item(record.item, device)).map_err(|why| {
@@ -346,6 +342,18 @@ pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
             first(why)
         )
     })
+}
+
+/// `T` from bincode's serde encoding in `bytes`, through [`Guard`](crate::record_guard::Guard).
+fn guarded<T: DeserializeOwned, C: bincode::config::Config>(
+    bytes: &[u8],
+    config: C,
+) -> Result<T, String> {
+    let mut decoder = bincode::serde::OwnedSerdeDecoder::from_reader(
+        bincode::de::read::SliceReader::new(bytes),
+        config,
+    );
+    T::deserialize(crate::record_guard::Guard(decoder.as_deserializer())).map_err(|e| e.to_string())
 }
 
 /// `model` with the parameters of the model record `bytes` (a checkpoint's `model.bin`, from
@@ -703,9 +711,8 @@ mod tests {
     /// removed; `latest` rewritten), its sums dropped half the time so that the damaged bytes
     /// reach the decoders. Every input must end in a loaded checkpoint whose model and optimizer
     /// state decode, or in a message: never a panic, an abort or an allocation the size of a
-    /// damaged length. One abort is known and not fixed (BENCHMARKS.md, "The checkpoint loader
-    /// under mutation"): a damaged dtype and shape together make Burn's deserialiser allocate by
-    /// the shape. CI runs 1,500 inputs; the campaign:
+    /// damaged length (it found three such; BENCHMARKS.md, "The checkpoint loader under
+    /// mutation"). CI runs 1,500 inputs; the campaign:
     /// `BONFIRE_FUZZ_SECS=300 cargo test --release -p bonfire-jobs --lib checkpoint_campaign -- --nocapture`
     #[test]
     fn checkpoint_campaign() {

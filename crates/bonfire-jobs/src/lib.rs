@@ -53,6 +53,7 @@ mod optim;
 pub mod plot;
 mod progress;
 pub mod rank;
+mod record_guard;
 pub mod report;
 mod runner;
 pub mod settings;

@@ -12,11 +12,12 @@
 //! ends the job on every node, naming the failure. A member that loses the leader stops its ranks
 //! and joins again, so a leader restarted by a supervisor picks the job up in a new round.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,14 +30,22 @@ use crate::launcher::{
     Failure, LaunchConfig, LaunchError, Launched, LocalRanks, name_nodes, restarts_used,
 };
 
-/// Version of the launchers' protocol; a member of another version is refused.
-const PROTOCOL: u32 = 1;
+/// Version of the launchers' protocol; a member of another version is refused. 2: a member's
+/// proof covers what it says it is (node, nodes, ranks, last round), not only the nonces.
+const PROTOCOL: u32 = 2;
 const ROLE_MEMBER: &[u8] = b"bonfire launch member";
 const ROLE_LEADER: &[u8] = b"bonfire launch leader";
 /// The longest line either side accepts.
 const MAX_LINE: usize = 4096;
-/// Time a connection gets to prove itself.
+/// Time a connection gets to prove itself: a deadline for the whole handshake, not for each
+/// read (a peer trickling a byte at a time does not hold a slot longer).
 const HANDSHAKE: Duration = Duration::from_secs(5);
+/// Handshakes in progress at once from one address; beyond it, that address's connections are
+/// closed at once (so one host cannot take every slot of [`MAX_HANDSHAKES`]).
+const MAX_HANDSHAKES_PER_ADDRESS: usize = 4;
+/// The highest round a member may say it ran: rounds count restarts from 0, so a larger one is
+/// not a launcher's (and `u32::MAX` would overflow the next round's number).
+const MAX_ROUND: u32 = 1 << 20;
 /// How often each side says it is alive.
 const HEARTBEAT: Duration = Duration::from_millis(500);
 /// Silence after which the other side's launcher is declared lost.
@@ -150,6 +159,83 @@ fn read_line(reader: &mut impl BufRead) -> Result<Vec<u8>, String> {
     }
     line.pop();
     Ok(line)
+}
+
+/// One line of at most [`MAX_LINE`] bytes, without its newline, read before `deadline`: each
+/// read waits only for what is left of it.
+fn read_line_before(
+    reader: &mut BufReader<TcpStream>,
+    deadline: Instant,
+) -> Result<Vec<u8>, String> {
+    let mut line = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "it did not finish its handshake within {HANDSHAKE:?}"
+            ));
+        }
+        let _ = reader.get_ref().set_read_timeout(Some(left));
+        let buf = match reader.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(format!("reading failed: {e}")),
+        };
+        if buf.is_empty() {
+            return Err(if line.is_empty() {
+                "the connection was closed".into()
+            } else {
+                "the connection was closed mid-line".into()
+            });
+        }
+        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        line.extend_from_slice(&buf[..take]);
+        reader.consume(take);
+        if line.len() > MAX_LINE + usize::from(done) {
+            return Err(format!("it sent a line longer than {MAX_LINE} bytes"));
+        }
+        if done {
+            line.pop();
+            return Ok(line);
+        }
+    }
+}
+
+/// `text` from a peer, safe to log: control characters escaped (a newline cannot forge a log
+/// line) and at most 200 characters.
+fn printable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(200)
+        .flat_map(char::escape_debug)
+        .collect();
+    if text.chars().count() > 200 {
+        out.push_str("...");
+    }
+    out
+}
+
+/// What a member's proof covers: the nonces of the session and what the member says it is.
+fn join_material(session: &[u8], j: &Joined) -> Vec<u8> {
+    let claims = format!(
+        "node={};nnodes={};nproc={};last_round={}",
+        j.node,
+        j.nnodes,
+        j.nproc,
+        j.last_round.map_or("none".to_string(), |r| r.to_string())
+    );
+    [session, b"|", claims.as_bytes()].concat()
 }
 
 fn write_plain(stream: &mut TcpStream, msg: &Msg) -> std::io::Result<()> {
@@ -380,6 +466,7 @@ struct Joined {
 
 /// The leader's side of a handshake on an accepted connection.
 fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), String> {
+    let deadline = Instant::now() + HANDSHAKE;
     let _ = stream.set_read_timeout(Some(HANDSHAKE));
     let _ = stream.set_write_timeout(Some(HANDSHAKE));
     let _ = stream.set_nodelay(true);
@@ -394,7 +481,7 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
     )
     .map_err(|e| format!("writing failed: {e}"))?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
-    let msg = parse(&read_line(&mut reader)?)?;
+    let msg = parse(&read_line_before(&mut reader, deadline)?)?;
     let Msg::Join {
         protocol,
         nonce: theirs,
@@ -420,11 +507,25 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
         .filter(|n| n.len() == 32)
         .ok_or_else(|| refuse("its nonce is not 32 bytes of hex".into()))?;
     let session = [&nonce[..], &theirs[..]].concat();
+    let joined = Joined {
+        node,
+        nnodes,
+        nproc,
+        last_round,
+    };
     let proof = unhex(&proof).unwrap_or_default();
-    if !secret.verify(ROLE_MEMBER, &session, &proof) {
+    if !secret.verify(ROLE_MEMBER, &join_material(&session, &joined), &proof) {
         return Err(refuse(
-            "it does not hold this job's secret (is it another job's launcher?)".into(),
+            "it does not hold this job's secret, or what it says of itself was changed on the \
+             way (is it another job's launcher?)"
+                .into(),
         ));
+    }
+    if last_round.is_some_and(|r| r > MAX_ROUND) {
+        return Err(refuse(format!(
+            "it says it ran round {}, past any round a launcher reaches ({MAX_ROUND})",
+            last_round.unwrap_or_default()
+        )));
     }
     write_plain(
         &mut stream,
@@ -433,12 +534,6 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
         },
     )
     .map_err(|e| format!("writing failed: {e}"))?;
-    let joined = Joined {
-        node,
-        nnodes,
-        nproc,
-        last_round,
-    };
     Ok((joined, Session::new(stream, reader, secret, session, true)))
 }
 
@@ -503,6 +598,7 @@ pub fn probe_leader(addr: SocketAddr, timeout: Duration) -> Result<LeaderProbe, 
 fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFailure> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
         .map_err(|e| JoinFailure::NotYet(e.to_string()))?;
+    let deadline = Instant::now() + HANDSHAKE;
     let _ = stream.set_read_timeout(Some(HANDSHAKE));
     let _ = stream.set_write_timeout(Some(HANDSHAKE));
     let _ = stream.set_nodelay(true);
@@ -512,8 +608,8 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
             .map_err(|e| JoinFailure::NotYet(e.to_string()))?,
     );
     let not_yet = JoinFailure::NotYet;
-    let challenge =
-        parse(&read_line(&mut reader).map_err(not_yet)?).map_err(JoinFailure::Refused)?;
+    let challenge = parse(&read_line_before(&mut reader, deadline).map_err(not_yet)?)
+        .map_err(JoinFailure::Refused)?;
     let Msg::Challenge {
         protocol, nonce, ..
     } = challenge
@@ -537,7 +633,7 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
         &Msg::Join {
             protocol: PROTOCOL,
             nonce: hex(&mine),
-            proof: hex(&secret.proof(ROLE_MEMBER, &session)),
+            proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, &me))),
             node: me.node,
             nnodes: me.nnodes,
             nproc: me.nproc,
@@ -545,7 +641,9 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
         },
     )
     .map_err(|e| JoinFailure::NotYet(e.to_string()))?;
-    match parse(&read_line(&mut reader).map_err(not_yet)?).map_err(JoinFailure::Refused)? {
+    match parse(&read_line_before(&mut reader, deadline).map_err(not_yet)?)
+        .map_err(JoinFailure::Refused)?
+    {
         Msg::Welcome { proof } => {
             let proof = unhex(&proof).unwrap_or_default();
             if !secret.verify(ROLE_LEADER, &session, &proof) {
@@ -555,7 +653,12 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
             }
             Ok(Session::new(stream, reader, secret, session, false))
         }
-        Msg::Refuse { why } => Err(JoinFailure::Refused(why)),
+        // Unauthenticated (the leader cannot prove it holds a secret this node does not): said
+        // as the peer said it, escaped.
+        Msg::Refuse { why } => Err(JoinFailure::Refused(format!(
+            "it refused this node: {}",
+            printable(&why)
+        ))),
         other => Err(JoinFailure::Refused(format!(
             "it sent {other:?} instead of welcoming this node"
         ))),
@@ -611,10 +714,11 @@ pub(crate) fn run(
 }
 
 /// Accepts connections until `stop` is set, admitting them on their own threads (at most
-/// [`MAX_HANDSHAKES`] at once).
+/// [`MAX_HANDSHAKES`] at once, and [`MAX_HANDSHAKES_PER_ADDRESS`] from one address).
 fn accept(listener: TcpListener, secret: Secret, events: Sender<Event>, stop: Arc<AtomicBool>) {
     let _ = listener.set_nonblocking(true);
-    let pending = Arc::new(AtomicUsize::new(0));
+    // Handshakes in progress, by the address they come from.
+    let pending: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
     while !stop.load(Ordering::Relaxed) {
         let (stream, peer) = match listener.accept() {
             Ok(s) => s,
@@ -627,15 +731,30 @@ fn accept(listener: TcpListener, secret: Secret, events: Sender<Event>, stop: Ar
                 continue;
             }
         };
-        if pending.load(Ordering::Relaxed) >= MAX_HANDSHAKES {
-            let _ = events.send(Event::Refused {
-                peer,
-                why: format!("{MAX_HANDSHAKES} handshakes were already in progress"),
-            });
-            continue;
+        {
+            let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+            let total: usize = pending.values().sum();
+            let from_peer = pending.get(&peer.ip()).copied().unwrap_or(0);
+            let full = if total >= MAX_HANDSHAKES {
+                Some(format!(
+                    "{MAX_HANDSHAKES} handshakes were already in progress"
+                ))
+            } else if from_peer >= MAX_HANDSHAKES_PER_ADDRESS {
+                Some(format!(
+                    "{MAX_HANDSHAKES_PER_ADDRESS} handshakes from {} were already in progress",
+                    peer.ip()
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = full {
+                drop(pending);
+                let _ = events.send(Event::Refused { peer, why });
+                continue;
+            }
+            *pending.entry(peer.ip()).or_default() += 1;
         }
         let _ = stream.set_nonblocking(false);
-        pending.fetch_add(1, Ordering::Relaxed);
         let (secret, events, pending) = (secret.clone(), events.clone(), pending.clone());
         std::thread::spawn(move || {
             let event = match admit(stream, &secret) {
@@ -646,7 +765,15 @@ fn accept(listener: TcpListener, secret: Secret, events: Sender<Event>, stop: Ar
                 },
                 Err(why) => Event::Refused { peer, why },
             };
-            pending.fetch_sub(1, Ordering::Relaxed);
+            {
+                let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(n) = pending.get_mut(&peer.ip()) {
+                    *n -= 1;
+                    if *n == 0 {
+                        pending.remove(&peer.ip());
+                    }
+                }
+            }
             let _ = events.send(event);
         });
     }
@@ -790,7 +917,8 @@ impl<'a> Leader<'a> {
         self.refused += 1;
         if self.refused <= 3 || self.refused.is_multiple_of(100) {
             tracing::warn!(
-                "bonfire launch: refused a connection from {peer}: {why} ({} refused so far)",
+                "bonfire launch: refused a connection from {peer}: {} ({} refused so far)",
+                printable(why),
                 self.refused
             );
         }
@@ -1060,14 +1188,30 @@ impl Member<'_> {
             nproc: self.c.nproc_per_node,
             last_round,
         };
+        let mut said = false;
         loop {
             match join(self.addr, &self.secret, me) {
                 Ok(session) => return Ok(session),
-                Err(JoinFailure::Refused(why)) => {
+                // Nothing before the leader's proof is authenticated: a stranger at the master
+                // address (or on the way) can refuse as well as the leader, so a refusal does not
+                // end the attempts; the last one is the error when the join timeout passes.
+                Err(JoinFailure::Refused(why)) if started.elapsed() >= self.c.join_timeout => {
                     return Err(LaunchError::CannotJoin {
                         master: self.master.clone(),
                         why,
                     });
+                }
+                Err(JoinFailure::Refused(why)) => {
+                    if !said {
+                        said = true;
+                        tracing::warn!(
+                            "bonfire launch: {} did not let this node join: {why}; trying again \
+                             until the join timeout ({:.0?}), as the refusal is not authenticated",
+                            self.master,
+                            self.c.join_timeout
+                        );
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
                 }
                 Err(JoinFailure::NotYet(why)) if started.elapsed() >= self.c.join_timeout => {
                     return Err(LaunchError::CannotJoin {
@@ -1346,10 +1490,16 @@ mod tests {
         };
         let mine = [7u8; 32];
         let session = [unhex(&nonce).unwrap(), mine.to_vec()].concat();
+        let me = Joined {
+            node: 1,
+            nnodes: 2,
+            nproc: 1,
+            last_round: None,
+        };
         let genuine = Msg::Join {
             protocol: PROTOCOL,
             nonce: hex(&mine),
-            proof: hex(&secret.proof(ROLE_MEMBER, &session)),
+            proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, &me))),
             node: 1,
             nnodes: 2,
             nproc: 1,
@@ -1497,5 +1647,191 @@ mod tests {
         let mut member = seal(ROLE_MEMBER);
         member.seq = 1;
         assert!(!member.open(&unhex(&b).unwrap(), b"{\"kind\":\"done\",\"round\":0}"));
+    }
+
+    /// A stranger that trickles its join line a byte at a time (each byte well within the read
+    /// timeout) loses its handshake slot when the handshake's 5 s are up, not when it stops; it
+    /// held it for as long as it kept trickling.
+    #[test]
+    fn a_trickling_stranger_holds_a_handshake_for_its_deadline_only() {
+        let secret = Secret::new(SECRET.as_bytes()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let leader = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let started = Instant::now();
+            (admit(stream, &secret).err(), started.elapsed())
+        });
+        let (mut s, mut r) = raw(&addr.to_string());
+        read_line(&mut r).unwrap();
+        let trickle = std::thread::spawn(move || {
+            // 9 s of one byte every 250 ms: the old per-read timeout never fired.
+            for _ in 0..36 {
+                if s.write_all(b"{").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        });
+        let (why, held) = leader.join().unwrap();
+        trickle.join().unwrap();
+        let why = why.expect("a trickle is not a join");
+        assert!(
+            why.contains("did not finish its handshake within 5s"),
+            "{why}"
+        );
+        assert!(
+            held < HANDSHAKE + Duration::from_millis(1500),
+            "held for {held:?}"
+        );
+    }
+
+    /// The member's proof covers what it says of itself: a relay that changes its node, or its
+    /// last round, is refused; a genuine member saying it ran round `u32::MAX` (whose next round
+    /// overflowed) is refused too.
+    #[test]
+    fn a_members_claims_are_proved_and_bounded() {
+        let secret = Secret::new(SECRET.as_bytes()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let answer = |claimed: Joined, sent: Joined| {
+            let leader_secret = secret.clone();
+            let (s, mut r) = raw(&addr);
+            let (stream, _) = listener.accept().unwrap();
+            let leader = std::thread::spawn(move || admit(stream, &leader_secret).map(|(j, _)| j));
+            let Msg::Challenge { nonce, .. } = parse(&read_line(&mut r).unwrap()).unwrap() else {
+                panic!("no challenge")
+            };
+            let mine = [3u8; 32];
+            let session = [unhex(&nonce).unwrap(), mine.to_vec()].concat();
+            let mut s = s;
+            write_plain(
+                &mut s,
+                &Msg::Join {
+                    protocol: PROTOCOL,
+                    nonce: hex(&mine),
+                    proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, &claimed))),
+                    node: sent.node,
+                    nnodes: sent.nnodes,
+                    nproc: sent.nproc,
+                    last_round: sent.last_round,
+                },
+            )
+            .unwrap();
+            leader.join().unwrap()
+        };
+        let me = Joined {
+            node: 1,
+            nnodes: 2,
+            nproc: 1,
+            last_round: Some(3),
+        };
+        let joined = answer(me, me).unwrap();
+        assert_eq!((joined.node, joined.last_round), (1, Some(3)));
+        for changed in [
+            Joined { node: 0, ..me },
+            Joined { nproc: 8, ..me },
+            Joined {
+                last_round: None,
+                ..me
+            },
+        ] {
+            let why = answer(me, changed).err().unwrap();
+            assert!(why.contains("changed on the way"), "{why}");
+        }
+        let past = Joined {
+            last_round: Some(u32::MAX),
+            ..me
+        };
+        let why = answer(past, past).err().unwrap();
+        assert!(why.contains("past any round a launcher reaches"), "{why}");
+    }
+
+    /// One address gets at most 4 handshakes in progress: its fifth connection is refused at
+    /// once, leaving the other slots to other nodes.
+    #[test]
+    fn one_address_cannot_take_every_handshake_slot() {
+        let secret = Secret::new(SECRET.as_bytes()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopper = stop.clone();
+        let acceptor = std::thread::spawn(move || accept(listener, secret, tx, stopper));
+        let silent: Vec<TcpStream> = (0..MAX_HANDSHAKES_PER_ADDRESS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let _fifth = TcpStream::connect(addr).unwrap();
+        let event = rx.recv_timeout(Duration::from_secs(3)).unwrap();
+        let Event::Refused { why, .. } = event else {
+            panic!("the fifth connection was not refused")
+        };
+        assert_eq!(
+            why,
+            format!(
+                "{MAX_HANDSHAKES_PER_ADDRESS} handshakes from 127.0.0.1 were already in progress"
+            )
+        );
+        stop.store(true, Ordering::Relaxed);
+        drop(silent);
+        acceptor.join().unwrap();
+    }
+
+    /// A stranger at the master address that refuses every join (unauthenticated: it holds no
+    /// secret) does not make a member give up at once: it tries until the join timeout, and
+    /// the error quotes the refusal escaped (its newline cannot forge a line of the log).
+    #[test]
+    fn an_unauthenticated_refusal_does_not_end_a_members_attempts() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopper = stop.clone();
+        let fake = std::thread::spawn(move || {
+            let _ = listener.set_nonblocking(true);
+            let mut answered = 0;
+            while !stopper.load(Ordering::Relaxed) {
+                let Ok((mut s, _)) = listener.accept() else {
+                    std::thread::sleep(TICK);
+                    continue;
+                };
+                let _ = s.set_nonblocking(false);
+                let _ = write_plain(
+                    &mut s,
+                    &Msg::Challenge {
+                        protocol: PROTOCOL,
+                        nonce: hex(&[1u8; 32]),
+                        unix_ms: None,
+                    },
+                );
+                let mut r = BufReader::new(s.try_clone().unwrap());
+                let _ = read_line(&mut r);
+                let _ = write_plain(
+                    &mut s,
+                    &Msg::Refuse {
+                        why: "go away\nbonfire launch: every rank succeeded".into(),
+                    },
+                );
+                answered += 1;
+            }
+            answered
+        });
+        let dir = scratch("refused");
+        let mut c = nodes(2, "true", &dir).remove(1);
+        c.master = Some(format!("127.0.0.1:{port}"));
+        c.join_timeout = Duration::from_secs(2);
+        let started = Instant::now();
+        let e = launch(&c).err().unwrap().to_string();
+        let took = started.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        let answered = fake.join().unwrap();
+        assert!(took >= Duration::from_secs(2), "gave up after {took:?}");
+        assert!(answered >= 3, "{answered} attempts");
+        assert!(
+            e.contains(r"it refused this node: go away\nbonfire launch: every rank succeeded"),
+            "{e}"
+        );
+        assert!(!e.contains('\n'), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -309,3 +309,62 @@ fn bad_plans_are_refused_with_a_message_naming_the_rule_or_parameter() {
         "{e}"
     );
 }
+
+/// A rank's program seeds its backend and builds its model (lazily: Burn draws a parameter on
+/// first use) before or after joining its tensor-parallel group: the same weights either way,
+/// run after run. A model built before joining drew its parameters inside the group from a seed
+/// the group agreed at random, so two runs of the same program started from different weights.
+#[test]
+fn a_seed_set_before_joining_the_group_decides_the_weights() {
+    fn weights(seed_first: bool) -> Params {
+        let ranks = run_ranks(
+            Communicator::in_process(2, comm_config()),
+            Duration::from_secs(120),
+            move |comm| {
+                let device = Device::default();
+                let seed = || <TpFlex as burn::tensor::backend::Backend>::seed(&device, 9);
+                let (model, group) = if seed_first {
+                    seed();
+                    let model = TpEncoder::<TpFlex>::new(&device);
+                    (model, bind_thread(comm.clone()).expect("bind the group"))
+                } else {
+                    let group = bind_thread(comm.clone()).expect("bind the group");
+                    seed();
+                    (TpEncoder::<TpFlex>::new(&device), group)
+                };
+                let model =
+                    tensor_parallel(model, &TpEncoder::<TpFlex>::plan(), &comm).expect("plan");
+                let whole = parameters(&model);
+                drop(group);
+                whole
+            },
+        );
+        assert!(
+            ranks[0] == ranks[1],
+            "the ranks read different whole weights"
+        );
+        ranks.into_iter().next().unwrap()
+    }
+    // Counted, not printed: a difference would print every weight.
+    let differ = |a: &Params, b: &Params| -> usize {
+        let values: usize = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p != q).count())
+            .sum();
+        values + a.len().abs_diff(b.len())
+    };
+    let first = weights(true);
+    let again = weights(true);
+    let after = weights(false);
+    assert_eq!(
+        differ(&first, &again),
+        0,
+        "two runs seeded before joining differ"
+    );
+    assert_eq!(
+        differ(&first, &after),
+        0,
+        "seeding before and after joining differ"
+    );
+}

@@ -81,11 +81,14 @@ impl<B: Backend> Backend for TensorParallel<B> {
     }
 
     /// Seeds the inner backend and the group's random generator (every rank of the group draws
-    /// the same numbers, so a random tensor is the same whole tensor on every rank).
+    /// the same numbers, so a random tensor is the same whole tensor on every rank). Outside a
+    /// group, the seed waits for the group this rank joins next: either order of seeding and
+    /// joining gives the same draws.
     fn seed(device: &Self::Device, seed: u64) {
         B::seed(device, seed);
-        if let Some(g) = context::current() {
-            g.reseed(seed);
+        match context::current() {
+            Some(g) => g.reseed(seed),
+            None => context::seed_before_joining(seed),
         }
     }
 

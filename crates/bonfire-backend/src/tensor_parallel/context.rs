@@ -183,10 +183,31 @@ thread_local! {
     static THREAD: RefCell<Option<Arc<TpRank>>> = const { RefCell::new(None) };
 }
 
+/// The seed the program last gave `B::seed` while no group was bound, on this thread (a rank
+/// that is a thread) and in this process (a rank that is a process).
+static SEEDED: Mutex<Option<u64>> = Mutex::new(None);
+
+thread_local! {
+    static THREAD_SEEDED: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Remembers `seed`, given to `B::seed` outside any group, for the group this thread or process
+/// joins next: a model built before its rank joins draws its parameters (lazily, on first use,
+/// inside the group) from the program's seed, as one built after joining does.
+pub(crate) fn seed_before_joining(seed: u64) {
+    THREAD_SEEDED.with(|s| s.set(Some(seed)));
+    *SEEDED.lock().unwrap_or_else(|e| e.into_inner()) = Some(seed);
+}
+
 /// The seed every rank of `comm`'s group starts its random generator from: rank 0's, broadcast.
+/// Rank 0's is the one its program gave `B::seed` before joining, if it did (see
+/// [`seed_before_joining`]); else a random one.
 fn agreed_seed(comm: &Communicator) -> Result<u64, CollectiveError> {
     let mine = if comm.rank() == 0 {
-        rand::random::<u64>()
+        THREAD_SEEDED
+            .with(std::cell::Cell::get)
+            .or_else(|| *SEEDED.lock().unwrap_or_else(|e| e.into_inner()))
+            .unwrap_or_else(rand::random::<u64>)
     } else {
         0
     };

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bonfire_topology::Rank;
 use bytes::Bytes;
 
-use super::ring::{Ring, RingStop};
+use super::ring::{Dest, Ring, RingStop};
 use super::sys::Process;
 use crate::{Mailbox, Tag, TransportError};
 
@@ -40,6 +40,11 @@ fn why(stop: &RingStop, peer: &Process) -> String {
         RingStop::TimedOut => format!(
             "stopped taking frames on the shared-memory lane (pid {} is alive, but its ring \
              stayed full until the deadline; the lane is unusable after a partial write)",
+            peer.pid()
+        ),
+        RingStop::Corrupt { head, tail } => format!(
+            "its shared-memory ring is damaged (bytes written {head}, taken {tail}: no ring \
+             holds that; pid {}): the lane is closed",
             peer.pid()
         ),
     }
@@ -309,7 +314,10 @@ impl InLink {
         };
         let mut filed = false;
         loop {
-            let available = self.ring.available();
+            // Damaged counters are the reader thread's to report.
+            let Ok(available) = self.ring.available() else {
+                return filed;
+            };
             if available < RECORD {
                 return filed;
             }
@@ -325,7 +333,7 @@ impl InLink {
             // fail.
             let taken = self
                 .ring
-                .read(RECORD, &self.process, &self.stop, |_| {})
+                .read(RECORD, &self.process, &self.stop, Dest::Nowhere)
                 .and_then(|()| self.file(tag, len as usize));
             debug_assert!(taken.is_ok());
             filed = true;
@@ -340,7 +348,7 @@ impl InLink {
         let frame = crate::pool::filled(len, |buf| {
             read = self
                 .ring
-                .read(len, &self.process, &self.stop, |p| buf.extend_from_slice(p));
+                .read(len, &self.process, &self.stop, Dest::Append(buf));
         });
         read?;
         self.mailbox.deliver(self.peer, tag, frame);
@@ -414,16 +422,14 @@ fn read_loop(link: &InLink) -> Result<(), String> {
             return err(s);
         }
         let _reading = crate::lock(reading);
-        if ring.available() == 0 {
+        match ring.available() {
+            Err(s) => return err(s),
             // A waiting collective took it.
-            continue;
+            Ok(0) => continue,
+            Ok(_) => {}
         }
         let mut head = [0u8; RECORD];
-        let mut got = 0;
-        if let Err(s) = ring.read(RECORD, process, stop, |p| {
-            head[got..got + p.len()].copy_from_slice(p);
-            got += p.len();
-        }) {
+        if let Err(s) = ring.read(RECORD, process, stop, Dest::Slice(&mut head)) {
             return err(s);
         }
         let (kind, tag, len) = parse(&head);

@@ -351,8 +351,11 @@ pub(crate) async fn setup<T: Transport>(
         Ok(())
     };
 
-    // 1. Offer each peer a ring into this rank.
+    // 1. Offer each peer a ring into this rank. Every segment made here is unlinked when setup
+    // ends, whichever way it ends (an early return used to leave the files of the peers not yet
+    // answered in the directory).
     let mut offered: Vec<(Rank, Option<Arc<Segment>>, [u64; 2])> = Vec::new();
+    let mut made = Unlink(Vec::new());
     for &peer in &peers {
         let nonce: [u64; 2] = rand::random();
         let (offer, seg) = if config.mode == TransportMode::Quic {
@@ -364,6 +367,7 @@ pub(crate) async fn setup<T: Transport>(
             match Segment::create(&config.dir.join(&name), len) {
                 Ok(seg) => {
                     let seg = Arc::new(seg);
+                    made.0.push(seg.clone());
                     let _ = Ring::init(seg.clone(), nonce);
                     let offer = Offer::Ring {
                         name,
@@ -383,12 +387,7 @@ pub(crate) async fn setup<T: Transport>(
             }
         };
         let body = postcard::to_allocvec(&offer).expect("offers serialise");
-        if let Err(e) = send(peer, STEP_OFFER, body).await {
-            if let Some(seg) = &seg {
-                seg.unlink();
-            }
-            return Err(e);
-        }
+        send(peer, STEP_OFFER, body).await?;
         offered.push((peer, seg, nonce));
     }
 
@@ -488,6 +487,17 @@ pub(crate) async fn setup<T: Transport>(
         lanes.fallback = Some(fallback.join("; "));
     }
     Ok(lanes)
+}
+
+/// Unlinks its segments when dropped (the files only: mappings stay valid).
+struct Unlink(Vec<Arc<Segment>>);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        for seg in &self.0 {
+            seg.unlink();
+        }
+    }
 }
 
 /// Maps the ring a peer offered, if it really is on this host and the segment is what it said.

@@ -66,6 +66,26 @@ pub(crate) enum RingStop {
     Stopping,
     /// The deadline passed while waiting for room (the consumer is alive but not reading).
     TimedOut,
+    /// The ring's counters say something no ring holds (more published than it has room for,
+    /// or more taken than published): the segment was damaged or written by something else.
+    Corrupt {
+        /// Bytes ever written, as read.
+        head: u64,
+        /// Bytes ever taken, as read.
+        tail: u64,
+    },
+}
+
+/// Where [`Ring::read`] puts the bytes it takes. The bytes are copied out of the shared mapping
+/// with raw copies: a reference to memory another process may write is not sound in Rust's
+/// model, whatever that process is supposed to do.
+pub(crate) enum Dest<'a> {
+    /// Dropped (the caller already has them from [`Ring::peek`]).
+    Nowhere,
+    /// Appended.
+    Append(&'a mut Vec<u8>),
+    /// Written from the start, in order; it must be at least as long as what is read.
+    Slice(&'a mut [u8]),
 }
 
 /// Who waits: the consumer (for data), or the producer (for room, until an optional deadline).
@@ -133,11 +153,23 @@ impl Ring {
         unsafe { self.seg.ptr().add(DATA_OFFSET) }
     }
 
-    /// Producer: the bytes that can be written without waiting.
+    /// The bytes published and not taken, if the counters are those of a ring.
+    fn used(&self, head: u64, tail: u64) -> Result<usize, RingStop> {
+        head.checked_sub(tail)
+            .filter(|&d| d <= self.capacity as u64)
+            .map(|d| d as usize)
+            .ok_or(RingStop::Corrupt { head, tail })
+    }
+
+    /// Producer: the bytes that can be written without waiting (none when the counters are
+    /// damaged: the write then finds out).
     pub(crate) fn room(&self) -> usize {
         let c = self.control();
-        let used = c.head.load(Ordering::Relaxed) - c.tail.load(Ordering::Acquire);
-        self.capacity - used as usize
+        let (head, tail) = (
+            c.head.load(Ordering::Relaxed),
+            c.tail.load(Ordering::Acquire),
+        );
+        self.used(head, tail).map_or(0, |used| self.capacity - used)
     }
 
     /// Producer: copies every byte of `parts`, in order, waiting for room as needed. Publishes
@@ -169,18 +201,24 @@ impl Ring {
             let mut off = 0;
             while off < part.len() {
                 let mut tail = c.tail.load(Ordering::Acquire);
-                if head - tail == cap as u64 {
+                if self.used(head, tail)? == cap {
                     self.wait(
                         &c.space_seq,
                         &c.producer_sleeps,
-                        || head - c.tail.load(Ordering::Acquire) < cap as u64,
+                        // Damaged counters end the wait too: the check below reports them.
+                        || {
+                            !matches!(
+                                self.used(head, c.tail.load(Ordering::Acquire)),
+                                Ok(used) if used == cap
+                            )
+                        },
                         peer,
                         stop,
                         Side::Producer(deadline),
                     )?;
                     tail = c.tail.load(Ordering::Acquire);
                 }
-                let free = cap - (head - tail) as usize;
+                let free = cap - self.used(head, tail)?;
                 let n = free.min(part.len() - off).min(step);
                 let at = (head % cap as u64) as usize;
                 let first = n.min(cap - at);
@@ -222,9 +260,12 @@ impl Ring {
     }
 
     /// Consumer: the bytes published and not yet taken.
-    pub(crate) fn available(&self) -> usize {
+    pub(crate) fn available(&self) -> Result<usize, RingStop> {
         let c = self.control();
-        (c.head.load(Ordering::Acquire) - c.tail.load(Ordering::Acquire)) as usize
+        self.used(
+            c.head.load(Ordering::Acquire),
+            c.tail.load(Ordering::Acquire),
+        )
     }
 
     /// Consumer: copies the next `out.len()` bytes without taking them; they must be
@@ -232,7 +273,7 @@ impl Ring {
     pub(crate) fn peek(&self, out: &mut [u8]) {
         let c = self.control();
         let cap = self.capacity;
-        debug_assert!(out.len() <= self.available());
+        debug_assert!(self.available().is_ok_and(|n| out.len() <= n));
         let at = (c.tail.load(Ordering::Relaxed) % cap as u64) as usize;
         let first = out.len().min(cap - at);
         let (a, b) = out.split_at_mut(first);
@@ -266,15 +307,19 @@ impl Ring {
         )
     }
 
-    /// Consumer: takes exactly `n` bytes, handing them to `sink` in contiguous pieces and
-    /// releasing each piece's room as soon as `sink` returns.
+    /// Consumer: takes exactly `n` bytes into `dest`, releasing each contiguous piece's room as
+    /// soon as it is copied.
     pub(crate) fn read(
         &self,
         n: usize,
         peer: &Process,
         stop: &AtomicBool,
-        mut sink: impl FnMut(&[u8]),
+        mut dest: Dest<'_>,
     ) -> Result<(), RingStop> {
+        if let Dest::Slice(out) = &dest {
+            assert!(out.len() >= n, "a slice of {} bytes for {n}", out.len());
+        }
+        let mut filled = 0;
         let c = self.control();
         let cap = self.capacity;
         let mut tail = c.tail.load(Ordering::Relaxed);
@@ -293,17 +338,41 @@ impl Ring {
                 head = c.head.load(Ordering::Acquire);
             }
             let at = (tail % cap as u64) as usize;
-            let k = ((head - tail) as usize).min(left).min(cap - at);
-            // SAFETY: the producer published [tail, head) and writes there again only after
-            // `tail` moves past it below.
-            let piece = unsafe { std::slice::from_raw_parts(self.data().add(at), k) };
-            sink(piece);
+            let k = self.used(head, tail)?.min(left).min(cap - at);
+            // SAFETY: [at, at + k) lies in the data area; the producer published it and writes
+            // there again only after `tail` moves past it below. Raw copies: no reference to the
+            // shared bytes is made.
+            unsafe {
+                let src = self.data().add(at);
+                match &mut dest {
+                    Dest::Nowhere => {}
+                    Dest::Append(v) => {
+                        v.reserve(k);
+                        std::ptr::copy_nonoverlapping(src, v.as_mut_ptr().add(v.len()), k);
+                        v.set_len(v.len() + k);
+                    }
+                    Dest::Slice(out) => {
+                        std::ptr::copy_nonoverlapping(src, out.as_mut_ptr().add(filled), k);
+                    }
+                }
+            }
+            filled += k;
             tail += k as u64;
             left -= k;
             c.tail.store(tail, Ordering::Release);
             signal(&c.space_seq, &c.producer_sleeps);
         }
         Ok(())
+    }
+
+    /// Sets the counters as a damaged segment would have them, and wakes both sides (tests).
+    #[cfg(test)]
+    pub(crate) fn damage(&self, head: u64, tail: u64) {
+        let c = self.control();
+        c.head.store(head, Ordering::Release);
+        c.tail.store(tail, Ordering::Release);
+        signal(&c.data_seq, &c.consumer_sleeps);
+        signal(&c.space_seq, &c.producer_sleeps);
     }
 
     /// Consumer: stops reading for good; a producer waiting for room gives up.

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 
 use super::link::{OutLink, start_reader};
-use super::ring::{Ring, RingStop, YIELDED};
+use super::ring::{Dest, Ring, RingStop, YIELDED};
 use super::segment::Segment;
 use super::sys::Process;
 use super::{ShmConfig, TransportMode};
@@ -189,11 +189,13 @@ fn a_dead_peer_ends_a_wait_within_a_tick() {
     assert!(took < Duration::from_secs(2), "took {took:?}");
     killer.join().unwrap();
     // The reader side: its producer is gone, after the bytes it wrote were read.
-    let mut n = 0;
-    consumer.read(4096, &peer, &stop, |p| n += p.len()).unwrap();
-    assert_eq!(n, 4096);
+    let mut got = Vec::new();
+    consumer
+        .read(4096, &peer, &stop, Dest::Append(&mut got))
+        .unwrap();
+    assert_eq!(got, vec![7u8; 4096]);
     assert_eq!(
-        consumer.read(1, &peer, &stop, |_| ()),
+        consumer.read(1, &peer, &stop, Dest::Nowhere),
         Err(RingStop::PeerExited)
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -336,7 +338,7 @@ fn waiting_for_the_next_frame_sleeps_without_yielding() {
         consumer.wait_data(&me(), &stop).unwrap();
         let mut got = Vec::new();
         consumer
-            .read(16, &me(), &stop, |p| got.extend_from_slice(p))
+            .read(16, &me(), &stop, Dest::Append(&mut got))
             .unwrap();
         assert_eq!(got, vec![round; 16]);
     }
@@ -390,4 +392,86 @@ fn a_live_peer_that_takes_nothing_cannot_hold_the_goodbye() {
     child.kill().unwrap();
     child.wait().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Counters no ring holds (more taken than written, or more written than the ring's room), as
+/// a damaged or foreign segment has: every side of the ring says so instead of subtracting past
+/// zero (a panic of the reader thread in a debug build, leaving receives to hang; garbage frames
+/// in a release build), and the reader thread ends the lane, reporting the peer lost with why.
+#[test]
+fn damaged_ring_counters_end_the_lane_naming_the_peer() {
+    let dir = temp_dir("damaged");
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let stop = AtomicBool::new(false);
+    producer.write(&[&[5u8; 100]], &me(), &stop).unwrap();
+    for (head, tail) in [(50, 100), (100 + 4097, 100)] {
+        consumer.damage(head, tail);
+        let corrupt = RingStop::Corrupt { head, tail };
+        assert_eq!(consumer.available(), Err(corrupt.clone()));
+        assert_eq!(
+            consumer.read(1, &me(), &stop, Dest::Nowhere),
+            Err(corrupt.clone())
+        );
+        assert_eq!(producer.write(&[&[1u8; 8]], &me(), &stop), Err(corrupt));
+        assert_eq!(producer.room(), 0);
+    }
+
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (_inbound, reader) = start_reader(
+        Rank(1),
+        Rank(0),
+        consumer,
+        me(),
+        mailbox.clone(),
+        stop.clone(),
+        1 << 30,
+    )
+    .unwrap();
+    // The producer's side of the mapping, damaged: more published than the ring has room for.
+    producer.damage(1 << 40, 0);
+    reader.join().unwrap();
+    let why = mailbox
+        .lost_reason(Rank(0))
+        .expect("the peer is reported lost");
+    assert!(
+        why.contains("its shared-memory ring is damaged (bytes written 1099511627776, taken 0"),
+        "{why}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A setup that fails after offering its rings (here each rank looks for its peer's segment in
+/// a directory of its own, so neither can map the other's, and shared memory is required)
+/// leaves no segment file behind: each rank's offered ring was left in the directory before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_setup_leaves_no_segment_behind() {
+    let dirs = [temp_dir("left-0"), temp_dir("left-1")];
+    let m = master();
+    let s = secret("shm");
+    let handles: Vec<_> = (0..2u32)
+        .map(|r| {
+            let c = config(r, 2, &m, s.clone());
+            let shm = shm_config(&dirs[r as usize], TransportMode::Shm);
+            tokio::spawn(async move { JobTransport::connect(c, &shm).await })
+        })
+        .collect();
+    for h in handles {
+        let e = h
+            .await
+            .unwrap()
+            .err()
+            .expect("shared memory was required")
+            .to_string();
+        assert!(e.contains("BONFIRE_TRANSPORT=shm"), "{e}");
+    }
+    for dir in &dirs {
+        let left: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{} holds {left:?}", dir.display());
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

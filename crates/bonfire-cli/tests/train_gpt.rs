@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::process::Output;
 
 use common::{bonfire, f, kill_after_first_checkpoint, scratch, state, text};
@@ -43,6 +44,29 @@ fn assert_clean_failure(out: &Output, needle: &str) {
         !log.contains("panicked") && !log.contains("stack backtrace"),
         "{log}"
     );
+}
+
+/// `bonfire train gpt` on the tiny model for `steps` steps into `run`, with `extra` flags; it
+/// must succeed. Its output.
+fn train_tiny(dir: &Path, steps: &str, run: &Path, extra: &[&str]) -> String {
+    let out = bonfire(dir, &TINY)
+        .args(["--steps", steps, "--checkpoint-dir"])
+        .arg(run)
+        .args(extra)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    log
+}
+
+/// The same run killed after its first checkpoint; the name of that checkpoint.
+fn kill_tiny(dir: &Path, steps: &str, run: &Path, extra: &[&str]) -> String {
+    let mut cmd = bonfire(dir, &TINY);
+    cmd.args(["--steps", steps, "--checkpoint-dir"])
+        .arg(run)
+        .args(extra);
+    kill_after_first_checkpoint(&mut cmd, run)
 }
 
 /// Two processes: the validation loss falls well below a uniform guess over the vocabulary
@@ -119,20 +143,10 @@ fn two_processes_learn_and_sample() {
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
     let dir = scratch("gpt-resume");
     let straight = dir.join("straight");
-    let out = bonfire(&dir, &TINY)
-        .args(["--steps", "60", "--checkpoint-dir"])
-        .arg(&straight)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    train_tiny(&dir, "60", &straight, &[]);
 
     let killed = dir.join("killed");
-    let done = kill_after_first_checkpoint(
-        bonfire(&dir, &TINY)
-            .args(["--steps", "60", "--checkpoint-dir"])
-            .arg(&killed),
-        &killed,
-    );
+    let done = kill_tiny(&dir, "60", &killed, &[]);
     assert_ne!(
         done, "epoch-6",
         "the job finished before it was killed: nothing resumed"
@@ -408,14 +422,8 @@ fn digests(dir: &std::path::Path, evals: usize) -> Vec<String> {
 fn zero_shards_the_optimizer_and_changes_no_bit() {
     let dir = scratch("gpt-zero");
     let run = |name: &str, zero: bool| {
-        let out = bonfire(&dir, &TINY)
-            .args(["--steps", "60", "--checkpoint-dir", name])
-            .args(if zero { &["--zero", "1"][..] } else { &[][..] })
-            .output()
-            .unwrap();
-        let log = text(&out);
-        assert!(out.status.success(), "{log}");
-        log
+        let flags: &[&str] = if zero { &["--zero", "1"] } else { &[] };
+        train_tiny(&dir, "60", &dir.join(name), flags)
     };
     let log = run("plain", false);
     assert!(
@@ -443,12 +451,8 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
 
     for (name, first, then) in [("to-zero", false, true), ("from-zero", true, false)] {
         let killed = dir.join(name);
-        let mut cmd = bonfire(&dir, &TINY);
-        cmd.args(["--steps", "60", "--checkpoint-dir"]).arg(&killed);
-        if first {
-            cmd.args(["--zero", "1"]);
-        }
-        let done = kill_after_first_checkpoint(&mut cmd, &killed);
+        let flags: &[&str] = if first { &["--zero", "1"] } else { &[] };
+        let done = kill_tiny(&dir, "60", &killed, flags);
         assert_ne!(done, "epoch-6", "the job finished before it was killed");
         let mut resume = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"]);
         resume.arg(&killed);
@@ -472,12 +476,7 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
 fn damaged_checkpoints_are_passed_over_or_refused_without_a_panic() {
     let dir = scratch("gpt-damaged");
     let run = dir.join("run");
-    let out = bonfire(&dir, &TINY)
-        .args(["--steps", "30", "--checkpoint-dir"])
-        .arg(&run)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    train_tiny(&dir, "30", &run, &[]);
     let want = digests(&run, 3);
     let cut = |epoch: &std::path::Path| {
         let model = epoch.join("model.bin");
@@ -504,12 +503,7 @@ fn damaged_checkpoints_are_passed_over_or_refused_without_a_panic() {
 
     // A run killed after its first checkpoint, whose model is then cut and its sums removed.
     let killed = dir.join("killed");
-    let done = kill_after_first_checkpoint(
-        bonfire(&dir, &TINY)
-            .args(["--steps", "60", "--checkpoint-dir"])
-            .arg(&killed),
-        &killed,
-    );
+    let done = kill_tiny(&dir, "60", &killed, &[]);
     assert_ne!(done, "epoch-6", "the job finished before it was killed");
     cut(&killed.join(&done));
     let out = bonfire(&dir, &["train", "gpt", "--resume", "--allow-unchecked"])

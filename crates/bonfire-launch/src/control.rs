@@ -22,7 +22,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bonfire_transport::Secret;
+use bonfire_transport::{Secret, printable};
 use serde::{Deserialize, Serialize};
 
 use crate::env::vars;
@@ -210,20 +210,6 @@ fn read_line_before(
             return Ok(line);
         }
     }
-}
-
-/// `text` from a peer, safe to log: control characters escaped (a newline cannot forge a log
-/// line) and at most 200 characters.
-fn printable(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .take(200)
-        .flat_map(char::escape_debug)
-        .collect();
-    if text.chars().count() > 200 {
-        out.push_str("...");
-    }
-    out
 }
 
 /// What a member's proof covers: the nonces of the session and what the member says it is.

@@ -33,6 +33,20 @@ pub use mailbox::{Inbox, Mailbox, OpenError};
 pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
 pub use tag::Tag;
 
+/// `text` a peer sent before proving anything (a refusal's reason, say), safe to log: control
+/// characters escaped, so a newline cannot forge a line of the log, and at most 200 characters.
+pub fn printable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(200)
+        .flat_map(char::escape_debug)
+        .collect();
+    if text.chars().count() > 200 {
+        out.push_str("...");
+    }
+    out
+}
+
 /// Not API: the QUIC frame decoder, for the cargo-fuzz target in `fuzz/` (it enables the
 /// `fuzzing` feature). Nothing here is covered by semver; do not use it from other crates.
 #[cfg(feature = "fuzzing")]

@@ -17,6 +17,9 @@ pub(crate) const PROTOCOL: u32 = 1;
 
 /// The largest control message accepted (a roster of thousands of ranks fits).
 pub(crate) const MAX_CONTROL: usize = 16 << 20;
+/// The largest first message of an accepted connection (a hello, before any proof): a stranger
+/// cannot make a rank read or decode more.
+pub(crate) const MAX_HELLO: usize = 4 << 10;
 
 /// Application close codes.
 pub(crate) const CLOSE_SHUTDOWN: u32 = 0;
@@ -106,8 +109,8 @@ pub(crate) enum ControlError {
     #[error("connection ended before a control message: {0}")]
     EndedBefore(quinn::ReadExactError),
     /// The length prefix announces more than a control message may hold.
-    #[error("control message of {len} bytes exceeds the limit of {MAX_CONTROL} bytes")]
-    TooLong { len: usize },
+    #[error("control message of {len} bytes exceeds the limit of {limit} bytes")]
+    TooLong { len: usize, limit: usize },
     /// The stream ended (or failed) inside a message.
     #[error("connection ended inside a control message: {0}")]
     EndedInside(quinn::ReadExactError),
@@ -148,14 +151,22 @@ pub(crate) async fn write(stream: &mut SendStream, msg: &Control) -> Result<(), 
 
 /// Reads one message; a length over [`MAX_CONTROL`] is refused before anything is allocated.
 pub(crate) async fn read(stream: &mut RecvStream) -> Result<Control, ControlError> {
+    read_at_most(stream, MAX_CONTROL).await
+}
+
+/// Reads one control message of at most `limit` bytes (a longer one is refused unread).
+pub(crate) async fn read_at_most(
+    stream: &mut RecvStream,
+    limit: usize,
+) -> Result<Control, ControlError> {
     let mut len = [0u8; 4];
     stream
         .read_exact(&mut len)
         .await
         .map_err(ControlError::EndedBefore)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_CONTROL {
-        return Err(ControlError::TooLong { len });
+    if len > limit {
+        return Err(ControlError::TooLong { len, limit });
     }
     let mut body = vec![0u8; len];
     stream

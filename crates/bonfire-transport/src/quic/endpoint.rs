@@ -70,8 +70,20 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(p)
 }
 
+/// What a connection may have in flight unread before its peer has proved the job secret: a
+/// stranger that fills streams the application never reads holds at most this much of a rank's
+/// memory per connection (the accept loop takes at most [`super::links::MAX_UNPROVEN`] at once).
+pub(crate) const PRE_PROOF_WINDOW: u32 = 256 << 10;
+/// A connection's receive window once its peer has proved the job secret ([`proven`]).
+pub(crate) const RECEIVE_WINDOW: u32 = 128 << 20;
+
+/// Raises `conn`'s receive window for bulk transfer: its peer proved the job secret.
+pub(crate) fn proven(conn: &Connection) {
+    conn.set_receive_window(VarInt::from_u32(RECEIVE_WINDOW));
+}
+
 /// Idle timeout and keep-alives from the peer timeout; windows, stream limits and MTU for bulk
-/// transfer.
+/// transfer (the connection's window starts small, [`PRE_PROOF_WINDOW`], until [`proven`]).
 fn transport_config(
     peer_timeout: Duration,
     streams: usize,
@@ -84,7 +96,7 @@ fn transport_config(
     t.keep_alive_interval(Some((peer_timeout / 4).max(Duration::from_millis(100))));
     // Bulk transfer: windows large enough to keep a fast link busy.
     t.stream_receive_window(VarInt::from_u32(32 << 20));
-    t.receive_window(VarInt::from_u32(128 << 20));
+    t.receive_window(VarInt::from_u32(PRE_PROOF_WINDOW));
     t.send_window(128 << 20);
     t.max_concurrent_uni_streams(VarInt::from_u32((streams as u32).saturating_add(4)));
     t.max_concurrent_bidi_streams(VarInt::from_u32(4));

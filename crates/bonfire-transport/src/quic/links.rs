@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bonfire_topology::Rank;
@@ -17,7 +18,7 @@ use super::admission::{
 use super::auth::{ROLE_CLIENT, ROLE_SERVER};
 use super::control::refuse;
 use super::control::{self, CLOSE_REFUSED, Control, ControlError, PROTOCOL, PeerEntry, Unexpected};
-use super::endpoint::{DialError, ExporterError, dial, exporter, peer_cert};
+use super::endpoint::{DialError, ExporterError, dial, exporter, peer_cert, proven};
 use super::error::{QuicError, Who};
 use super::rendezvous::{HelloError, WorkerHello, accept_hello};
 use super::shared::{Shared, lock, log};
@@ -187,6 +188,7 @@ async fn dial_peer(
     match reply {
         Control::PeerWelcome { proof } if shared.secret.verify(ROLE_SERVER, &ex, &proof) => {
             let _ = send.finish();
+            proven(&conn);
             tracing::debug!(
                 "{}: QUIC link to rank {} at {addr} up (both proved the job secret)",
                 shared.me,
@@ -195,29 +197,60 @@ async fn dial_peer(
             Ok(conn)
         }
         Control::PeerWelcome { .. } => Err(PeerDialError::BadProof),
-        Control::Reject { reason } => Err(PeerDialError::Refused { reason }),
+        Control::Reject { reason } => Err(PeerDialError::Refused {
+            reason: crate::printable(&reason),
+        }),
         other => Err(other.unexpected().into()),
+    }
+}
+
+/// Connections whose peer has not proved the job secret yet, at most, at once: beyond it the
+/// handshake is refused (a real rank's dial retries until its deadline), so a flood of strangers
+/// holds at most this many times [`super::endpoint::PRE_PROOF_WINDOW`] of a rank's memory.
+pub(crate) const MAX_UNPROVEN: usize = 256;
+
+/// Says that a connection was refused: the first few, then every hundredth, with the count (a
+/// flood of strangers does not flood the log).
+fn refused(me: Rank, count: &AtomicUsize, what: impl std::fmt::Display) {
+    let n = count.fetch_add(1, Ordering::Relaxed) + 1;
+    if n <= 5 || n.is_multiple_of(100) {
+        log(
+            me,
+            format!("refused a connection from {what} ({n} refused so far)"),
+        );
     }
 }
 
 /// Accepts connections for the life of the endpoint: rendezvous joins on rank 0, direct links
 /// from higher ranks elsewhere. Each is handled in its own task with a time limit, so a silent
-/// or hostile client delays nobody.
+/// or hostile client delays nobody; at most [`MAX_UNPROVEN`] are handled at once.
 pub(crate) async fn accept_loop(ep: Endpoint, shared: Arc<Shared>) {
+    let unproven = Arc::new(AtomicUsize::new(0));
+    let count = Arc::new(AtomicUsize::new(0));
     while let Some(incoming) = ep.accept().await {
-        let shared = shared.clone();
+        let from = incoming.remote_address();
+        if unproven.load(Ordering::Relaxed) >= MAX_UNPROVEN {
+            incoming.refuse();
+            refused(
+                shared.me,
+                &count,
+                format_args!("{from}: {MAX_UNPROVEN} connections were already proving themselves"),
+            );
+            continue;
+        }
+        unproven.fetch_add(1, Ordering::Relaxed);
+        let (shared, unproven, count) = (shared.clone(), unproven.clone(), count.clone());
         tokio::spawn(async move {
-            let from = incoming.remote_address();
             let limit = Duration::from_secs(10);
-            match tokio::time::timeout(limit, handle_incoming(incoming, &shared)).await {
+            let handled = tokio::time::timeout(limit, handle_incoming(incoming, &shared)).await;
+            unproven.fetch_sub(1, Ordering::Relaxed);
+            match handled {
                 Ok(Ok(())) => {}
-                Ok(Err(reason)) => log(
+                Ok(Err(reason)) => refused(shared.me, &count, format_args!("{from}: {reason}")),
+                Err(_) => refused(
                     shared.me,
-                    format!("refused a connection from {from}: {reason}"),
-                ),
-                Err(_) => log(
-                    shared.me,
-                    format!("refused a connection from {from}: it sent no hello within {limit:?}"),
+                    &count,
+                    format_args!("{from}: it sent no hello within {limit:?}"),
                 ),
             }
         });
@@ -237,7 +270,8 @@ async fn handle_incoming(
         .accept_bi()
         .await
         .map_err(IncomingError::NoControlStream)?;
-    let msg = match control::read(&mut recv).await {
+    // A first message is a hello, a few hundred bytes: nothing longer is read or decoded.
+    let msg = match control::read_at_most(&mut recv, control::MAX_HELLO).await {
         Ok(m) => m,
         Err(e) => return Err(IncomingError::Unreadable(refuse(&conn, send, e).await)),
     };
@@ -310,6 +344,7 @@ async fn accept_peer_hello(
             .await
             .into());
     }
+    proven(&conn);
     control::write(
         &mut send,
         &Control::PeerWelcome {

@@ -206,6 +206,8 @@ pub(crate) async fn join(
             let Some(rank) = assigned_rank(config.rank, rank, config.world_size) else {
                 return Err(to_host(me, JoinError::InvalidRank { rank }));
             };
+            // Rank 0 proved the secret: this connection stays as the data link to it.
+            super::endpoint::proven(&conn);
             Ok(Joining {
                 rank,
                 conn,
@@ -213,7 +215,12 @@ pub(crate) async fn join(
                 by,
             })
         }
-        Control::Reject { reason } => Err(QuicError::Refused { me, by, reason }),
+        // Unauthenticated (rank 0 has proved nothing yet): shown escaped.
+        Control::Reject { reason } => Err(QuicError::Refused {
+            me,
+            by,
+            reason: crate::printable(&reason),
+        }),
         other => Err(to_host(me, other.unexpected())),
     }
 }
@@ -284,6 +291,8 @@ pub(crate) async fn accept_hello(
         Ok(r) => r,
         Err(reason) => return Err(refuse(&conn, send, reason).await.into()),
     };
+    // The worker proved the secret: this connection is its data link to rank 0.
+    super::endpoint::proven(&conn);
     let reply = Control::Welcome {
         proof: shared.secret.proof(ROLE_SERVER, ex),
         rank,

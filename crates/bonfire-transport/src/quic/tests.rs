@@ -207,16 +207,18 @@ async fn strangers_and_garbage_do_not_stop_the_job() {
     host.shutdown().await;
 }
 
-/// A hello whose proof of the secret is genuine but was made for another connection (what a
-/// replayed handshake carries) is refused, and so is a flood of connections that never say
-/// anything; the real rank still joins.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replayed_proof_and_a_flood_are_refused() {
-    let m = master();
-    let s = secret("job");
-    let host = tokio::spawn(QuicTransport::connect(config(0, 2, &m, s.clone())));
+/// Rank 0 of a job of two, starting at `m` (its rendezvous up), the address, and the endpoint of
+/// a stranger: its own certificate, and no secret.
+async fn host_and_stranger(
+    m: &str,
+    s: &Secret,
+) -> (
+    tokio::task::JoinHandle<Result<QuicTransport, super::QuicError>>,
+    SocketAddr,
+    quinn::Endpoint,
+) {
+    let host = tokio::spawn(QuicTransport::connect(config(0, 2, m, s.clone())));
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let addr: SocketAddr = m.parse().unwrap();
     let stranger = endpoint(
         "127.0.0.1:0".parse().unwrap(),
         &Identity::generate().unwrap(),
@@ -224,6 +226,38 @@ async fn a_replayed_proof_and_a_flood_are_refused() {
         1,
     )
     .unwrap();
+    (host, m.parse().unwrap(), stranger)
+}
+
+/// Rank 1 joins the job of [`host_and_stranger`] and sends rank 0 `payload`, which arrives
+/// whole; both shut down.
+async fn worker_reaches_host(
+    m: &str,
+    s: Secret,
+    host: tokio::task::JoinHandle<Result<QuicTransport, super::QuicError>>,
+    payload: Bytes,
+) {
+    let worker = QuicTransport::connect(config(1, 2, m, s)).await.unwrap();
+    let host = host.await.unwrap().unwrap();
+    let tag = Tag {
+        context: 1,
+        seq: 2,
+        step: 3,
+    };
+    worker.send(Rank(0), tag, payload.clone()).await.unwrap();
+    assert_eq!(take(&host, 1, tag).await, payload);
+    worker.shutdown().await;
+    host.shutdown().await;
+}
+
+/// A hello whose proof of the secret is genuine but was made for another connection (what a
+/// replayed handshake carries) is refused, and so is a flood of connections that never say
+/// anything; the real rank still joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_proof_and_a_flood_are_refused() {
+    let m = master();
+    let s = secret("job");
+    let (host, addr, stranger) = host_and_stranger(&m, &s).await;
     // The proof of a first connection, sent on a second one.
     let first = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
     let recorded = s.proof(ROLE_CLIENT, &exporter(&first).unwrap());
@@ -260,21 +294,50 @@ async fn a_replayed_proof_and_a_flood_are_refused() {
             idle.push(conn);
         }
     }
-    let worker = QuicTransport::connect(config(1, 2, &m, s)).await.unwrap();
-    let host = host.await.unwrap().unwrap();
-    let tag = Tag {
-        context: 1,
-        seq: 2,
-        step: 3,
+    worker_reaches_host(&m, s, host, Bytes::from_static(b"hi")).await;
+    drop(idle);
+}
+
+/// Before its proof, a connection's first message may be a hello's size only: a length prefix
+/// announcing more (up to the 16 MiB any control message could have) is refused without a byte
+/// of it read, and a stranger's connection cannot have more than the small pre-proof window in
+/// flight; the real rank then joins and its link carries a frame larger than that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_cannot_make_a_rank_read_more_than_a_hello() {
+    let m = master();
+    let s = secret("job");
+    let (host, addr, stranger) = host_and_stranger(&m, &s).await;
+    let conn = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let announced = (control::MAX_HELLO + 1) as u32;
+    send.write_all(&announced.to_le_bytes()).await.unwrap();
+    // Streams the rank never reads: whatever it buffers is bounded by the pre-proof window.
+    let mut stuffed = 0usize;
+    let stuffing = async {
+        let mut uni = conn.open_uni().await.unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        while uni.write_all(&chunk).await.is_ok() {
+            stuffed += chunk.len();
+        }
     };
-    worker
-        .send(Rank(0), tag, Bytes::from_static(b"hi"))
+    let _ = tokio::time::timeout(Duration::from_secs(2), stuffing).await;
+    assert!(
+        stuffed <= super::endpoint::PRE_PROOF_WINDOW as usize,
+        "{stuffed} bytes were taken in before any proof"
+    );
+    let reply = tokio::time::timeout(Duration::from_secs(5), control::read(&mut recv))
         .await
         .unwrap();
-    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
-    drop(idle);
-    worker.shutdown().await;
-    host.shutdown().await;
+    match reply {
+        Ok(Control::Reject { reason }) => assert!(
+            reason.contains(&format!(
+                "control message of {announced} bytes exceeds the limit of 4096 bytes"
+            )),
+            "{reason}"
+        ),
+        other => panic!("an oversized first message was not refused: {other:?}"),
+    }
+    worker_reaches_host(&m, s, host, Bytes::from(vec![7u8; 4 << 20])).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -417,7 +417,8 @@ fn digests(dir: &std::path::Path, evals: usize) -> Vec<String> {
 /// `--zero 1`: each rank keeps Adam's state for its share of the parameters (the report shows
 /// the share), and every evaluation's weights are the bits of the run without it. Checkpoints
 /// hold the whole state, so a run killed without `--zero` resumes with it, and the other way
-/// round, and both end where the uninterrupted run does.
+/// round, and both end where the uninterrupted run does. With gradient accumulation and bf16
+/// gradients too.
 #[test]
 fn zero_shards_the_optimizer_and_changes_no_bit() {
     let dir = scratch("gpt-zero");
@@ -465,6 +466,21 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
         assert!(log.contains("resuming from"), "{log}");
         assert_eq!(digests(&killed, 6), plain, "{name}");
     }
+    // With accumulated micro-batches and bf16 gradients (error feedback in the data-parallel
+    // sync, before the sharded step sees the averages): the same bits with and without.
+    let composed = ["--grad-accum", "2", "--bf16-comm"];
+    train_tiny(&dir, "20", &dir.join("composed"), &composed);
+    let log = train_tiny(
+        &dir,
+        "20",
+        &dir.join("composed-zero"),
+        &[&composed[..], &["--zero", "1"]].concat(),
+    );
+    assert!(log.contains("(ZeRO-1: "), "{log}");
+    assert_eq!(
+        digests(&dir.join("composed-zero"), 2),
+        digests(&dir.join("composed"), 2)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

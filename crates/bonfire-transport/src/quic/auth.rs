@@ -78,12 +78,16 @@ impl Secret {
         Ok(Secret(trimmed.into()))
     }
 
-    /// Reads a secret file (its whole contents, whitespace-trimmed).
+    /// Reads a secret file (its whole contents, whitespace-trimmed). A file other users may read
+    /// is used, with a warning naming its mode: anyone who reads it can join the job.
     pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
         let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
             path: path.display().to_string(),
             source,
         })?;
+        if let Some(warning) = exposed(path) {
+            tracing::warn!("{warning}");
+        }
         Self::from_source(&bytes, format!(" in {}", path.display()))
     }
 
@@ -236,9 +240,44 @@ impl ClientCertVerifier for PinAfterHandshake {
     }
 }
 
+/// Why the secret file at `path` is readable by more than its owner, if it is: group or others
+/// may read it (a volume of secrets mounted with its default mode, a file written without
+/// `umask 077`). Not an error: the book's recipes say how to make it private.
+pub(crate) fn exposed(path: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "the job secret file {} can be read by other users (mode {mode:03o}): anyone who \
+             reads it can join this job; `chmod 600` it",
+            path.display()
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_file_others_can_read_is_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("bonfire-secret-{}", std::process::id()));
+        std::fs::write(&path, b"0123456789abcdef-job-secret\n").unwrap();
+        for (mode, warned) in [(0o600, false), (0o400, false), (0o640, true), (0o644, true)] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let w = exposed(&path);
+            assert_eq!(w.is_some(), warned, "mode {mode:o}: {w:?}");
+            if let Some(w) = w {
+                assert!(
+                    w.contains(&format!("mode {mode:03o}")) && w.contains("chmod 600"),
+                    "{w}"
+                );
+            }
+            assert!(Secret::from_file(&path).is_ok(), "mode {mode:o}");
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn proofs_bind_secret_role_and_session() {

@@ -80,11 +80,11 @@ impl JobTransport {
         quic: QuicConfig,
         shm: &ShmConfig,
     ) -> Result<JobTransport, JobTransportError> {
-        let max_frame = quic.max_frame;
+        let (max_frame, stall) = (quic.max_frame, quic.peer_timeout);
         let quic = QuicTransport::connect(quic).await?;
         let stop = Arc::new(AtomicBool::new(false));
         let nodes = quic.nodes().clone();
-        let lanes = match shm::setup(&quic, &nodes, shm, max_frame, &stop).await {
+        let lanes = match shm::setup(&quic, &nodes, shm, max_frame, stall, &stop).await {
             Ok(lanes) => lanes,
             Err(e) => {
                 stop.store(true, Ordering::Release);

@@ -68,6 +68,9 @@ struct Producer {
     mailbox: Arc<Mailbox>,
     lost: Arc<OnceLock<Arc<str>>>,
     peer: Rank,
+    /// How long the writer thread waits for room for one queued frame: a live peer that takes
+    /// nothing for this long (a stopped process) is lost, as QUIC's idle timeout loses it.
+    stall: Duration,
 }
 
 impl Producer {
@@ -93,7 +96,9 @@ pub(crate) struct OutLink {
 }
 
 impl OutLink {
-    /// Starts the writer thread of the lane to `peer`, writing into `ring`.
+    /// Starts the writer thread of the lane to `peer`, writing into `ring`; it gives a queued
+    /// frame `stall` to find room before it ends the lane.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         me: Rank,
         peer: Rank,
@@ -101,6 +106,7 @@ impl OutLink {
         process: Process,
         mailbox: Arc<Mailbox>,
         stop: Arc<AtomicBool>,
+        stall: Duration,
     ) -> std::io::Result<OutLink> {
         let (tx, rx) = channel();
         let lost: Arc<OnceLock<Arc<str>>> = Arc::default();
@@ -114,6 +120,7 @@ impl OutLink {
             mailbox,
             lost: lost.clone(),
             peer,
+            stall,
         });
         let producer2 = producer.clone();
         let writer = std::thread::Builder::new()
@@ -257,7 +264,8 @@ fn write_loop(p: &Producer, rx: &Receiver<(Tag, Bytes)>) {
                 // A direct write failed part-way: the lane is over, and already reported.
                 Err(RingStop::Stopping)
             } else {
-                ring.write(&[&head, &payload], process, stop)
+                let deadline = Instant::now() + p.stall;
+                ring.write_until(&[&head, &payload], process, stop, Some(deadline))
             }
         };
         p.queued.fetch_sub(1, Ordering::AcqRel);

@@ -279,6 +279,7 @@ pub(crate) async fn setup<T: Transport>(
     nodes: &NodeLayout,
     config: &ShmConfig,
     max_frame: u64,
+    stall: Duration,
     stop: &Arc<AtomicBool>,
 ) -> Result<Lanes, ShmSetupError> {
     let me = quic.rank();
@@ -415,6 +416,7 @@ pub(crate) async fn setup<T: Transport>(
                     process,
                     quic.mailbox().clone(),
                     stop.clone(),
+                    stall,
                 )
                 .map_err(|e| ShmSetupError::Exchange {
                     peer,

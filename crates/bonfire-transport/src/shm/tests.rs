@@ -43,6 +43,16 @@ fn me() -> Process {
 
 /// Rank 0's lane to rank 1 (this process plays both), writing into `producer`.
 fn link_to_1(producer: Ring, mailbox: &Arc<Mailbox>, stop: &Arc<AtomicBool>) -> OutLink {
+    link_to_1_stalling(producer, mailbox, stop, Duration::from_secs(30))
+}
+
+/// As [`link_to_1`], its writer thread giving a queued frame `stall` to find room.
+fn link_to_1_stalling(
+    producer: Ring,
+    mailbox: &Arc<Mailbox>,
+    stop: &Arc<AtomicBool>,
+    stall: Duration,
+) -> OutLink {
     OutLink::start(
         Rank(0),
         Rank(1),
@@ -50,6 +60,7 @@ fn link_to_1(producer: Ring, mailbox: &Arc<Mailbox>, stop: &Arc<AtomicBool>) -> 
         me(),
         mailbox.clone(),
         stop.clone(),
+        stall,
     )
     .unwrap()
 }
@@ -370,6 +381,7 @@ fn a_live_peer_that_takes_nothing_cannot_hold_the_goodbye() {
         Process::watch(child.id()).unwrap(),
         mailbox,
         stop.clone(),
+        Duration::from_secs(30),
     )
     .unwrap();
     // More than the ring holds; nobody reads it.
@@ -474,4 +486,34 @@ async fn a_failed_setup_leaves_no_segment_behind() {
         assert!(left.is_empty(), "{} holds {left:?}", dir.display());
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// A queued frame (one the writer thread copies) to a live peer that takes nothing: the writer
+/// gives it the stall limit (the peer timeout, in a job) to find room, then ends the lane and
+/// reports the peer lost; it waited for as long as the peer stayed alive before.
+#[test]
+fn a_queued_frame_nobody_reads_ends_the_lane_after_the_stall_limit() {
+    let dir = temp_dir("stall");
+    let (producer, _consumer) = ring_pair(&dir, 4096);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let link = link_to_1_stalling(producer, &mailbox, &stop, Duration::from_millis(300));
+    let started = Instant::now();
+    // Larger than the ring: queued for the writer thread, which fills the ring and waits.
+    link.send(tag(0), Bytes::from(vec![5u8; 10_000])).unwrap();
+    let reason = loop {
+        if let Some(reason) = mailbox.lost_reason(Rank(1)) {
+            break reason;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writer is still waiting for a peer that takes nothing"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(reason.contains("stayed full"), "{reason}");
+    assert!(link.send(tag(1), Bytes::from_static(b"x")).is_err());
+    assert!(link.finish(Duration::from_secs(10)));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -65,6 +65,24 @@ fn link_to_1_stalling(
     .unwrap()
 }
 
+/// Rank 1's reader of the lane from rank 0 (this process plays both), reading `consumer`.
+fn reader_from_0(
+    consumer: Ring,
+    mailbox: &Arc<Mailbox>,
+    stop: &Arc<AtomicBool>,
+) -> (Arc<super::link::InLink>, std::thread::JoinHandle<()>) {
+    start_reader(
+        Rank(1),
+        Rank(0),
+        consumer,
+        me(),
+        mailbox.clone(),
+        stop.clone(),
+        1 << 30,
+    )
+    .unwrap()
+}
+
 fn tag(step: u32) -> Tag {
     Tag {
         context: 0xc0ffee,
@@ -79,16 +97,7 @@ fn frames_of_any_size_cross_a_small_ring_intact_and_in_order() {
     let (producer, consumer) = ring_pair(&dir, 4096);
     let mailbox = Arc::new(Mailbox::new());
     let stop = Arc::new(AtomicBool::new(false));
-    let (inbound, reader) = start_reader(
-        Rank(1),
-        Rank(0),
-        consumer,
-        me(),
-        mailbox.clone(),
-        stop.clone(),
-        1 << 30,
-    )
-    .unwrap();
+    let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
     // A second thread takes whole frames out of the ring as a waiting collective does, racing
     // the reader thread: the two must never split a frame or reorder frames.
     let taking = Arc::new(AtomicBool::new(true));
@@ -431,16 +440,7 @@ fn damaged_ring_counters_end_the_lane_naming_the_peer() {
     let (producer, consumer) = ring_pair(&dir, 4096);
     let mailbox = Arc::new(Mailbox::new());
     let stop = Arc::new(AtomicBool::new(false));
-    let (_inbound, reader) = start_reader(
-        Rank(1),
-        Rank(0),
-        consumer,
-        me(),
-        mailbox.clone(),
-        stop.clone(),
-        1 << 30,
-    )
-    .unwrap();
+    let (_inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
     // The producer's side of the mapping, damaged: more published than the ring has room for.
     producer.damage(1 << 40, 0);
     reader.join().unwrap();

@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use bonfire::train::quietly;
+
 use crate::JobError;
 
 /// Whether a checkpoint without `SHA256SUMS` loads.
@@ -31,6 +33,17 @@ pub enum Unchecked {
     /// It loads unchecked (`--allow-unchecked`): for checkpoints written before bonfire
     /// checksummed them.
     Allow,
+}
+
+impl Unchecked {
+    /// [`Unchecked::Allow`] when `allow` (the `--allow-unchecked` flag), else the default.
+    pub fn allowed(allow: bool) -> Self {
+        if allow {
+            Unchecked::Allow
+        } else {
+            Unchecked::Refuse
+        }
+    }
 }
 
 /// Everything a checkpoint holds but the tensors: the settings that decide the result (`C`),
@@ -306,7 +319,7 @@ pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
     let first = |e: String| e.lines().next().unwrap_or_default().to_string();
     // Burn's deserialisers assert too (a shape whose element count overflows), so the decoding
     // runs where a panic is caught.
-    let decoded = quietly(|| {
+    let record = quietly(|| {
         // A damaged length must not allocate what no file of this size could hold: bincode
         // checks every claim against the configured limit (by tiers: it is a type parameter),
         // and the guard checks every tensor's shape against its bytes before Burn converts it.
@@ -321,18 +334,12 @@ pub fn decode<B: burn::tensor::backend::Backend, R: burn::record::Record<B>>(
             _ => guarded::<Item<B, R>, _>(bytes, standard.with_limit::<{ 1 << 44 }>()),
         }
     })
+    .and_then(|decoded| decoded)
     .map_err(|why| {
         format!(
             "{} bytes that are not a Burn 0.21 binary record of this job ({})",
             bytes.len(),
             first(why)
-        )
-    })?;
-    let record = decoded.map_err(|e| {
-        format!(
-            "{} bytes that are not a Burn 0.21 binary record of this job ({})",
-            bytes.len(),
-            first(e)
         )
     })?;
     quietly(|| R::from_item(record.item, device)).map_err(|why| {
@@ -409,26 +416,6 @@ impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Shape
     ) {
         self.0.push(param.lazy_shape());
     }
-}
-
-/// Runs `f`, turning a panic into its message without printing it (Burn asserts where a damaged
-/// record would need an error: a tensor whose bytes do not fill its shape).
-pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    use std::sync::Mutex;
-    // One swap of the process's panic hook at a time.
-    static HOOK: Mutex<()> = Mutex::new(());
-    let _one = HOOK.lock().unwrap_or_else(|e| e.into_inner());
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-    std::panic::set_hook(hook);
-    result.map_err(|payload| {
-        payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
-            .unwrap_or_else(|| "a panic without a message".into())
-    })
 }
 
 #[cfg(test)]
@@ -830,11 +817,7 @@ mod tests {
             if unchecked && target != SUMS {
                 let _ = fs::remove_file(newest.join(SUMS));
             }
-            let mode = if unchecked {
-                Unchecked::Allow
-            } else {
-                Unchecked::Refuse
-            };
+            let mode = Unchecked::allowed(unchecked);
             let outcome = std::panic::catch_unwind(|| {
                 let loaded = match load::<String, u32>(&root, mode) {
                     Err(_) => return "no usable checkpoint",

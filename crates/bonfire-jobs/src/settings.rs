@@ -87,15 +87,7 @@ impl<C> Settings<C> {
 
     /// Whether checkpoints without `SHA256SUMS` load.
     pub fn unchecked(&self) -> checkpoint::Unchecked {
-        unchecked(self.allow_unchecked)
-    }
-}
-
-fn unchecked(allow: bool) -> checkpoint::Unchecked {
-    if allow {
-        checkpoint::Unchecked::Allow
-    } else {
-        checkpoint::Unchecked::Refuse
+        checkpoint::Unchecked::allowed(self.allow_unchecked)
     }
 }
 
@@ -218,8 +210,10 @@ fn settle_resumed<J: Job>(
             .0
             .ok_or(JobError::NothingToResume)?,
     };
-    let loaded =
-        checkpoint::load::<J::Config, J::Record>(&dir, unchecked(options.allow_unchecked))?;
+    let loaded = checkpoint::load::<J::Config, J::Record>(
+        &dir,
+        checkpoint::Unchecked::allowed(options.allow_unchecked),
+    )?;
     let clashes = job.clashes(request, &loaded.state.config);
     if !clashes.is_empty() {
         return Err(JobError::CannotResume { dir, clashes });

@@ -26,4 +26,4 @@ mod ranks;
 pub mod tp;
 
 pub use chaos::{ChaosTransport, chaos_world};
-pub use ranks::{bind_rank, in_process_ranks, run_ranks};
+pub use ranks::{RankModels, bind_rank, in_process_ranks, run_ranks};

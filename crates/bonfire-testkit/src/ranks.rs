@@ -81,3 +81,47 @@ pub fn bind_rank(comm: Communicator) -> bonfire_backend::BindGuard {
         },
     )
 }
+
+/// One model per rank, made before the rank threads start and taken by each rank's thread: made
+/// up front, so that no rank reseeds the process's random generator while another draws from it.
+pub struct RankModels<M>(std::sync::Arc<std::sync::Mutex<Vec<Option<M>>>>);
+
+impl<M> Clone for RankModels<M> {
+    fn clone(&self) -> Self {
+        RankModels(self.0.clone())
+    }
+}
+
+impl<M> RankModels<M> {
+    /// These models, rank by rank.
+    pub fn new(models: Vec<M>) -> Self {
+        RankModels(std::sync::Arc::new(std::sync::Mutex::new(
+            models.into_iter().map(Some).collect(),
+        )))
+    }
+
+    /// `world` models, rank `r`'s made by `make` from seed `seed(r)` (see
+    /// [`crate::nets::seeded`]): different ones, so that a check sees `replicate` copy rank 0's.
+    pub fn seeded<B: burn::tensor::backend::Backend>(
+        world: usize,
+        seed: impl Fn(usize) -> u64,
+        device: &B::Device,
+        make: impl Fn(&B::Device) -> M,
+    ) -> Self
+    where
+        M: burn::module::Module<B>,
+    {
+        Self::new(
+            (0..world)
+                .map(|r| crate::nets::seeded::<B, _>(seed(r), device, &make))
+                .collect(),
+        )
+    }
+
+    /// Rank `rank`'s model (once).
+    pub fn take(&self, rank: usize) -> M {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())[rank]
+            .take()
+            .expect("one model per rank")
+    }
+}

@@ -3,7 +3,6 @@
 //! parameters as one rank with batch N x b, after K optimizer steps (f32, max abs difference at
 //! most 1e-5), and two runs must agree bit for bit.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bonfire::backend::{DataParallelConfig, FailurePolicy, GradDType, Overlap, bind_thread};
@@ -12,7 +11,7 @@ use bonfire_testkit::nets::{
     Batch, DpFlex, Net, SmallCnn, SmallTransformer, max_abs_diff, parameters, random_batches,
     seeded, train,
 };
-use bonfire_testkit::run_ranks;
+use bonfire_testkit::{RankModels, run_ranks};
 use burn::module::AutodiffModule;
 
 type Device = burn::backend::flex::FlexDevice;
@@ -64,10 +63,7 @@ where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
 {
     let device = Device::default();
-    let models: Vec<Option<M>> = (0..world)
-        .map(|r| Some(seeded::<DpFlex, _>(1 + 1000 * r as u64, &device, make)))
-        .collect();
-    let models = Arc::new(Mutex::new(models));
+    let models = RankModels::seeded::<DpFlex>(world, |r| 1 + 1000 * r as u64, &device, make);
     let batches = batches.to_vec();
     run_ranks(
         Communicator::in_process(world, comm_config()),
@@ -75,9 +71,7 @@ where
         move |comm| {
             let r = comm.rank();
             let device = Device::default();
-            let model = models.lock().unwrap()[r]
-                .take()
-                .expect("one model per rank");
+            let model = models.take(r);
             let _bind = bind_thread(comm, dp.clone());
             let model = bonfire::replicate(model);
             let shard: Vec<Batch> = batches
@@ -291,7 +285,7 @@ fn parameters_marked_elsewhere_are_planned_after_their_first_backward() {
     // Clones of one model (same ids on every rank, as burn-train's DDP makes them). Clones share
     // their autodiff nodes, so each rank copies its parameters first, as `fork` does.
     let model = seeded::<DpFlex, _>(1, &Device::default(), SmallCnn::new);
-    let models = Arc::new(Mutex::new(vec![Some(model.clone()), Some(model)]));
+    let models = RankModels::new(vec![model.clone(), model]);
     let shards: Vec<Vec<Batch>> = (0..2)
         .map(|r| batches.iter().map(|b| b.slice(r * 4, 4)).collect())
         .collect();
@@ -300,7 +294,7 @@ fn parameters_marked_elsewhere_are_planned_after_their_first_backward() {
         Duration::from_secs(300),
         move |comm| {
             let r = comm.rank();
-            let model = models.lock().unwrap()[r].take().unwrap();
+            let model = models.take(r);
             let _bind = bind_thread(comm, config());
             let model = model.map(&mut Sharder);
             let (model, _) = train(model, &shards[r], 1, &Device::default());

@@ -6,7 +6,6 @@
 //! same bits. Ranks are threads of this process over the in-process transport, sharing one
 //! device (the way burn-train's DDP runs when a device is listed twice).
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bonfire::backend::{DataParallelConfig, FailurePolicy, StepStats, bind_thread};
@@ -14,7 +13,7 @@ use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_testkit::nets::{
     Batch, Net, SmallMlp, max_abs_diff, parameters, random_batches, seeded, train,
 };
-use bonfire_testkit::run_ranks;
+use bonfire_testkit::{RankModels, run_ranks};
 use burn::backend::Autodiff;
 use burn::backend::wgpu::{CubeBackend, Wgpu, WgpuDevice, WgpuRuntime};
 use burn::module::AutodiffModule;
@@ -76,20 +75,14 @@ where
     SmallMlp<B>: AutodiffModule<B> + 'static,
 {
     let device = device.clone();
-    let models = vec![
-        Some(rank0),
-        Some(seeded::<B, _>(1001, &device, SmallMlp::new)),
-    ];
-    let models = Arc::new(Mutex::new(models));
+    let models = RankModels::new(vec![rank0, seeded::<B, _>(1001, &device, SmallMlp::new)]);
     let batches = batches.to_vec();
     run_ranks(
         Communicator::in_process(2, comm_config()),
         Duration::from_secs(600),
         move |comm| {
             let r = comm.rank();
-            let model = models.lock().unwrap()[r]
-                .take()
-                .expect("one model per rank");
+            let model = models.take(r);
             let _bind = bind_thread(comm, config(device_pack));
             let model = bonfire::replicate(model);
             let shard: Vec<Batch> = batches

@@ -4,13 +4,12 @@
 //! optimizer must hold state only for its share of the parameters.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bonfire_testkit::nets::{
     Batch, DpFlex, Net, SmallCnn, SmallTransformer, loss, parameters, random_batches, seeded,
 };
-use bonfire_testkit::{bind_rank, in_process_ranks, run_ranks};
+use bonfire_testkit::{RankModels, bind_rank, in_process_ranks, run_ranks};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
@@ -34,18 +33,13 @@ where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
 {
     let device = Device::default();
-    let models: Vec<Option<M>> = (0..world)
-        .map(|r| Some(seeded::<DpFlex, _>(1 + 1000 * r as u64, &device, make)))
-        .collect();
-    let models = Arc::new(Mutex::new(models));
+    let models = RankModels::seeded::<DpFlex>(world, |r| 1 + 1000 * r as u64, &device, make);
     let batches = batches.to_vec();
     let comms = in_process_ranks(world, Duration::from_secs(20));
     run_ranks(comms, Duration::from_secs(300), move |comm| {
         let r = comm.rank();
         let device = Device::default();
-        let model = models.lock().unwrap()[r]
-            .take()
-            .expect("one model per rank");
+        let model = models.take(r);
         let _bind = bind_rank(comm);
         let mut model = bonfire::replicate(model);
         let adam = AdamConfig::new()

@@ -26,6 +26,6 @@ mod quiet;
 mod strategy;
 mod training;
 
-pub use quiet::QuietRenderer;
+pub use quiet::{QuietRenderer, quietly};
 pub use strategy::{DEFAULT_EPOCH_END_TIMEOUT, DataParallelStrategy};
 pub use training::DataParallelTraining;

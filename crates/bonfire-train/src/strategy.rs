@@ -1,6 +1,5 @@
 //! [`DataParallelStrategy`]: burn-train's supervised loop, one process per rank.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use bonfire_collectives::Communicator;
@@ -15,6 +14,8 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainOutput, TrainingBackend,
     TrainingComponents, TrainingItem, TrainingModel, ValidLoader,
 };
+
+use crate::quiet::quietly;
 
 /// How long the other ranks wait, by default, for rank 0 to validate and write its checkpoint at
 /// the end of an epoch.
@@ -406,20 +407,4 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for DataParalle
         }
         (learner.model(), event_processor)
     }
-}
-
-/// Runs `f`, turning a panic into its message without printing it (burn-train's checkpoint
-/// loading panics on a missing or unreadable file; the caller reports it as a clean error).
-fn quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = catch_unwind(AssertUnwindSafe(f));
-    std::panic::set_hook(hook);
-    result.map_err(|payload| {
-        payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown error".to_string())
-    })
 }

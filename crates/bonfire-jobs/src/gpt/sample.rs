@@ -42,11 +42,7 @@ pub fn sample(request: &SampleRequest) -> Result<(PathBuf, String), JobError> {
     };
     let loaded: JobCheckpoint<GptJob> = checkpoint::load::<GptRunConfig, super::EvalRecord>(
         &dir,
-        if request.allow_unchecked {
-            checkpoint::Unchecked::Allow
-        } else {
-            checkpoint::Unchecked::Refuse
-        },
+        checkpoint::Unchecked::allowed(request.allow_unchecked),
     )?;
     let c = &loaded.state.config;
     let vocab = c.vocab();

@@ -8,12 +8,11 @@
 //! share this process's cores, one compute thread each, so compare the two runs with each other
 //! only; an untimed run at each world size goes first).
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bonfire::models::{Gpt, GptConfig};
-use bonfire_testkit::nets::{DpFlex, parameters, seeded};
-use bonfire_testkit::{bind_rank, in_process_ranks, run_ranks};
+use bonfire_testkit::nets::{DpFlex, parameters};
+use bonfire_testkit::{RankModels, bind_rank, in_process_ranks, run_ranks};
 use burn::backend::flex::FlexDevice;
 use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
@@ -41,22 +40,18 @@ fn encoded<R: burn::record::Record<DpFlex>>(record: R) -> usize {
 
 fn run(world: usize, steps: usize, sharded: bool) -> Vec<Outcome> {
     let device = FlexDevice;
-    let models: Vec<Option<Gpt<DpFlex>>> = (0..world)
-        .map(|r| {
-            Some(seeded::<DpFlex, _>(1 + r as u64, &device, |d| {
-                GptConfig::new(VOCAB).init(d)
-            }))
-        })
-        .collect();
-    let models = Arc::new(Mutex::new(models));
+    let models = RankModels::seeded::<DpFlex>(
+        world,
+        |r| 1 + r as u64,
+        &device,
+        |d| GptConfig::new(VOCAB).init(d),
+    );
     let comms = in_process_ranks(world, Duration::from_secs(120));
     run_ranks(comms, Duration::from_secs(1800), move |comm| {
         let r = comm.rank();
         // Each rank's thread computes its own ops (one thread each), as a launched rank's does.
         let _compute = bonfire::compute_threads(1);
-        let model = models.lock().unwrap()[r]
-            .take()
-            .expect("one model per rank");
+        let model = models.take(r);
         let _bind = bind_rank(comm);
         let mut model = bonfire::replicate(model);
         let adam = AdamConfig::new();

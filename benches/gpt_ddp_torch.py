@@ -9,7 +9,8 @@ at random from the rank's equal shard of the training windows (the first 90% of 
 with betas (0.9, 0.99) and eps 1e-5, warmup then cosine to a tenth. Each step reads the loss
 (`.item()`), as the bonfire job does for its progress line.
 
-    python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1] [--zero] [--json PATH]
+    python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1]
+        [--zero | --fsdp2 zero2|zero3] [--json PATH]
 
 `--dp 2` runs two processes with DistributedDataParallel over gloo on 127.0.0.1, one compute
 thread each (`torch.set_num_threads`), as bonfire's job gives each of its two ranks on two cores.
@@ -17,7 +18,11 @@ It prints, per dp size, the characters per second over all ranks during the trai
 (wall time from the first step to the last, evaluation and start-up excluded: what the bonfire
 job's `throughput` line measures), and the loss of the last step. With `--zero` the Adam of a
 run of several ranks is wrapped in `torch.distributed.optim.ZeroRedundancyOptimizer` (ZeRO stage 1,
-the peer of `bonfire train gpt --zero 1`). Each row also gives the model state of the rank
+the peer of `bonfire train gpt --zero 1`). With `--fsdp2 zero2` the model is sharded with FSDP2
+(`fully_shard` on every block and on the whole model, `reshard_after_forward=False`: gradients
+reduce-scattered, the optimizer's state sharded, parameters whole from the forward to the end of
+backward, the peer of `--zero 2`); `--fsdp2 zero3` reshards after the forward too (ZeRO-3). The
+gradients counted are the rank's shards. Each row also gives the model state of the rank
 holding the most (parameters, gradients and the optimizer's state tensors, in bytes) and every
 rank's peak resident memory (`ru_maxrss`).
 
@@ -73,7 +78,15 @@ def rank_main(rank, world, port, args, out):
     args.vocab = len(chars)
     torch.manual_seed(args.seed)
     model = model_module().build_model(args)
-    if world > 1:
+    if world > 1 and args.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = args.fsdp2 == "zero3"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model)
     if args.zero and world > 1:
@@ -102,14 +115,18 @@ def rank_main(rank, world, port, args, out):
         loss_value = loss.item()
         if step == args.steps - 1:
             # Gradients are still alive here (the next zero_grad frees them).
-            grad_bytes = sum(q.grad.numel() * q.grad.element_size()
+            grad_bytes = sum(local_tensor(q.grad).numel() * q.grad.element_size()
                              for q in model.parameters() if q.grad is not None)
     elapsed = time.perf_counter() - start
     import resource
     local = opt.optim if hasattr(opt, "optim") else opt
-    state_bytes = sum(t.numel() * t.element_size() for st in local.state.values()
+    state_bytes = sum(local_tensor(t).numel() * t.element_size() for st in local.state.values()
                       for t in st.values() if torch.is_tensor(t))
-    param_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
+    # Whole under DDP and FSDP2's zero2 (every parameter is unsharded from the forward to the end
+    # of backward); the rank's shard at rest under zero3 (plus one block at a time in compute).
+    whole = not (args.fsdp2 == "zero3" and world > 1)
+    param_bytes = sum((q if whole else local_tensor(q)).numel() * q.element_size()
+                      for q in model.parameters())
     mine = {"rank": rank, "optimizer_bytes": state_bytes, "param_bytes": param_bytes,
             "grad_bytes": grad_bytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if world > 1:
@@ -123,10 +140,16 @@ def rank_main(rank, world, port, args, out):
         with open(out, "w") as f:
             json.dump({"dp": world, "chars_per_s": chars_per_s, "loss": loss_value,
                        "seconds": elapsed, "steps": args.steps - 1, "zero": bool(args.zero and world > 1),
+                       "fsdp2": args.fsdp2 if world > 1 else None,
                        "ranks": everyone}, f)
     if world > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
+
+
+def local_tensor(t):
+    """This rank's part of a tensor: an FSDP2 shard (a DTensor) or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def free_port():
@@ -151,8 +174,12 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer around Adam (dp > 1)")
+    p.add_argument("--fsdp2", choices=["zero2", "zero3"],
+                   help="shard with FSDP2's fully_shard (dp > 1): zero2 keeps parameters whole after forward")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.zero and args.fsdp2:
+        p.error("--zero and --fsdp2 are two peers: give one")
     try:
         import torch  # noqa: F401
         import torch.multiprocessing as mp
@@ -163,7 +190,8 @@ def main():
     rows = []
     print(f"# PyTorch {torch.__version__} DDP (gloo), GPT {args.layers} layers x {args.embd}, context "
           f"{args.context}, batch {args.batch} per rank, {args.threads} thread(s) per rank, {args.steps} steps"
-          + (", ZeroRedundancyOptimizer(Adam)" if args.zero else ""))
+          + (", ZeroRedundancyOptimizer(Adam)" if args.zero else "")
+          + (f", FSDP2 fully_shard ({args.fsdp2})" if args.fsdp2 else ""))
     print(f"# {'dp':>3} {'chars/s':>10} {'per rank':>10} {'loss':>8} {'params MiB':>10} {'grads MiB':>9} "
           f"{'optim MiB (most)':>16} {'state MiB':>9}  peak RSS MiB by rank")
     for dp in [int(d) for d in args.dp.split(",")]:

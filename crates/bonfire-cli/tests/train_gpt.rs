@@ -381,7 +381,7 @@ fn bad_input_exits_2_with_a_message() {
         ),
         (&["--resume", "--checkpoint-dir", "nowhere"], "nowhere"),
         (&["--sample", "x", "--checkpoint-dir", "nowhere"], "nowhere"),
-        (&["--zero", "2"], "2 is not in 1..=1"),
+        (&["--zero", "3"], "3 is not in 1..=2"),
         (
             &["--zero", "1", "--tp", "2", "--dataset", "embedded"],
             "--zero 1 with --tp 2",
@@ -418,7 +418,8 @@ fn digests(dir: &std::path::Path, evals: usize) -> Vec<String> {
 /// the share), and every evaluation's weights are the bits of the run without it. Checkpoints
 /// hold the whole state, so a run killed without `--zero` resumes with it, and the other way
 /// round, and both end where the uninterrupted run does. With gradient accumulation and bf16
-/// gradients too.
+/// gradients too. `--zero 2` also shards the gradients (the report shows each rank holds its
+/// share) and, at 2 ranks, changes no bit either.
 #[test]
 fn zero_shards_the_optimizer_and_changes_no_bit() {
     let dir = scratch("gpt-zero");
@@ -449,6 +450,23 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
         "{share}% of the state on one of 2 ranks: {log}"
     );
     assert_eq!(digests(&dir.join("sharded"), 6), plain);
+    let log = train_tiny(&dir, "60", &dir.join("zero2"), &["--zero", "2"]);
+    assert!(
+        log.contains("its state and the gradients sharded over the replicas (ZeRO-2)"),
+        "{log}"
+    );
+    // `gradients 0.07 MiB on the rank with most (ZeRO-2: 52% of the whole 0.13 MiB)`.
+    let share: f64 = log
+        .split("on the rank with most (ZeRO-2: ")
+        .nth(1)
+        .and_then(|rest| rest.split('%').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no ZeRO-2 gradient share in: {log}"));
+    assert!(
+        (50.0..65.0).contains(&share),
+        "{share}% of the gradients on one of 2 ranks: {log}"
+    );
+    assert_eq!(digests(&dir.join("zero2"), 6), plain);
 
     for (name, first, then) in [("to-zero", false, true), ("from-zero", true, false)] {
         let killed = dir.join(name);
@@ -479,6 +497,17 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
     assert!(log.contains("(ZeRO-1: "), "{log}");
     assert_eq!(
         digests(&dir.join("composed-zero"), 2),
+        digests(&dir.join("composed"), 2)
+    );
+    let log = train_tiny(
+        &dir,
+        "20",
+        &dir.join("composed-zero2"),
+        &[&composed[..], &["--zero", "2"]].concat(),
+    );
+    assert!(log.contains("(ZeRO-2: "), "{log}");
+    assert_eq!(
+        digests(&dir.join("composed-zero2"), 2),
         digests(&dir.join("composed"), 2)
     );
     let _ = std::fs::remove_dir_all(&dir);

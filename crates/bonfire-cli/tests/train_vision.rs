@@ -67,8 +67,8 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A run killed after its first checkpoint and resumed (with the optimizer's state sharded,
-/// `--zero 1`) ends with the same weights (digest of every parameter) and the same test results
+/// A run killed after its first checkpoint and resumed (with the optimizer's state and the
+/// gradients sharded, `--zero 2`) ends with the same weights (digest of every parameter) and the same test results
 /// as an uninterrupted run; bad flags fail cleanly.
 #[test]
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
@@ -127,10 +127,10 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         "{log}"
     );
 
-    // Resumed with Adam's state sharded over the two ranks (ZeRO-1, which changes no bit):
-    // the plain checkpoint's whole state is split between them, and the epochs after it still
-    // end on the uninterrupted run's weights.
-    let out = bonfire(&dir, &["train", "vision", "--resume", "--zero", "1"])
+    // Resumed with Adam's state and the gradients sharded over the two ranks (ZeRO-2, which
+    // changes no bit at 2 ranks): the plain checkpoint's whole state is split between them, and
+    // the epochs after it still end on the uninterrupted run's weights.
+    let out = bonfire(&dir, &["train", "vision", "--resume", "--zero", "2"])
         .arg("--checkpoint-dir")
         .arg(&killed)
         .output()
@@ -139,7 +139,8 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
     assert!(out.status.success(), "{log}");
     assert!(log.contains("resuming from"), "{log}");
     assert!(
-        log.contains("sharded over the ranks (ZeRO-1)") && log.contains("(ZeRO-1: "),
+        log.contains("its state and the gradients sharded over the ranks (ZeRO-2)")
+            && log.contains("(ZeRO-2: "),
         "{log}"
     );
     let (a, b) = (state(&straight, 3), state(&killed, 3));

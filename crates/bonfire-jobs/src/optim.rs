@@ -1,11 +1,11 @@
 //! The bundled jobs' optimizer: Burn's, with its whole state on every rank, or sharded over the
-//! data-parallel replicas with [`bonfire::sharded`] (`--zero 1`); and what the model's state
-//! costs each rank, for the end report.
+//! data-parallel replicas with [`bonfire::sharded`] (`--zero 1`, and `--zero 2` for the
+//! gradients too); and what the model's state costs each rank, for the end report.
 //!
 //! Checkpoints hold the whole optimizer state either way (a sharded run gathers it first), so a
-//! run saved with `--zero 1` resumes without it, and the other way round, at the same bits.
+//! run saved with `--zero` resumes without it, at another stage, or the other way round.
 
-use bonfire::Sharded;
+use bonfire::{Sharded, ZeroStage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, LearningRate, Optimizer, SimpleOptimizer};
@@ -22,8 +22,19 @@ use crate::report::ModelMemory;
 pub(crate) type OptimRecord<O, M, B> = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record;
 
 /// A job's optimizer: whole on every rank (DDP), or each rank stepping and keeping state for its
-/// share of the parameters (ZeRO stage 1).
-pub(crate) enum JobOptimizer<O, M, B>
+/// share of the parameters (ZeRO stages 1 and 2); and the gradient bytes its last step got.
+pub(crate) struct JobOptimizer<O, M, B>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    optim: Kind<O, M, B>,
+    /// Bytes of the gradients handed to the last step (under ZeRO-2 this rank's share only).
+    gradients: usize,
+}
+
+enum Kind<O, M, B>
 where
     O: SimpleOptimizer<B::InnerBackend>,
     M: AutodiffModule<B>,
@@ -39,53 +50,59 @@ where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
 {
-    /// `optim`, sharded over the replicas when `sharded`.
-    pub(crate) fn new(optim: OptimizerAdaptor<O, M, B>, sharded: bool) -> Self {
-        if sharded {
-            JobOptimizer::Sharded(bonfire::sharded(optim))
-        } else {
-            JobOptimizer::Whole(optim)
+    /// `optim`, sharded over the replicas at `stage` when given.
+    pub(crate) fn new(optim: OptimizerAdaptor<O, M, B>, stage: Option<ZeroStage>) -> Self {
+        let optim = match stage {
+            Some(stage) => Kind::Sharded(bonfire::sharded(optim).stage(stage)),
+            None => Kind::Whole(optim),
+        };
+        JobOptimizer {
+            optim,
+            gradients: 0,
         }
     }
 
-    /// One optimizer step (under ZeRO-1 a collective: every rank calls it).
+    /// One optimizer step (sharded, a collective: every rank calls it).
     pub(crate) fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
-        match self {
-            JobOptimizer::Whole(o) => o.step(lr, module, grads),
-            JobOptimizer::Sharded(o) => o.step(lr, module, grads),
+        self.gradients = bonfire::gradient_bytes(&module, &grads);
+        match &mut self.optim {
+            Kind::Whole(o) => o.step(lr, module, grads),
+            Kind::Sharded(o) => o.step(lr, module, grads),
         }
     }
 
     /// The whole state, as the unsharded optimizer records it; sharded, gathered from every
     /// rank (a collective: every rank calls it).
     pub(crate) fn whole_record(&self, device: &B::Device) -> OptimRecord<O, M, B> {
-        match self {
-            JobOptimizer::Whole(o) => o.to_record(),
-            JobOptimizer::Sharded(o) => o.consolidated_record(device),
+        match &self.optim {
+            Kind::Whole(o) => o.to_record(),
+            Kind::Sharded(o) => o.consolidated_record(device),
         }
     }
 
     /// Loads a whole state (from [`JobOptimizer::whole_record`]); sharded, each rank keeps its
     /// share. Every rank calls it, with the model the state belongs to.
     pub(crate) fn load_whole_record(self, record: OptimRecord<O, M, B>, module: &M) -> Self {
-        match self {
-            JobOptimizer::Whole(o) => JobOptimizer::Whole(o.load_record(record)),
-            JobOptimizer::Sharded(o) => {
-                JobOptimizer::Sharded(o.load_consolidated_record(record, module))
-            }
-        }
+        let optim = match self.optim {
+            Kind::Whole(o) => Kind::Whole(o.load_record(record)),
+            Kind::Sharded(o) => Kind::Sharded(o.load_consolidated_record(record, module)),
+        };
+        JobOptimizer { optim, ..self }
     }
 
-    /// Whether each rank keeps only its share of the state.
-    pub(crate) fn is_sharded(&self) -> bool {
-        matches!(self, JobOptimizer::Sharded(_))
+    /// The ZeRO stage it shards at; `None` for whole on every rank.
+    pub(crate) fn zero_stage(&self) -> Option<ZeroStage> {
+        match &self.optim {
+            Kind::Whole(_) => None,
+            Kind::Sharded(o) => Some(o.zero_stage()),
+        }
     }
 
     /// Bytes of the state this rank holds, as Burn records it at full precision.
     fn state_bytes(&self) -> Result<usize, JobError> {
-        let record = match self {
-            JobOptimizer::Whole(o) => o.to_record(),
-            JobOptimizer::Sharded(o) => o.to_record(),
+        let record = match &self.optim {
+            Kind::Whole(o) => o.to_record(),
+            Kind::Sharded(o) => o.to_record(),
         };
         let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
             .record(record, ())
@@ -97,27 +114,20 @@ where
     }
 }
 
-/// Bytes of a module's float parameters, and of those that take a gradient.
+/// Bytes of a module's float parameters.
 #[derive(Default)]
-struct ParamBytes {
-    all: usize,
-    trained: usize,
-}
+struct ParamBytes(usize);
 
 impl<B: Backend> ModuleVisitor<B> for ParamBytes {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
-        let bytes = t.shape().num_elements() * t.dtype().size();
-        self.all += bytes;
-        if t.is_require_grad() {
-            self.trained += bytes;
-        }
+        self.0 += t.shape().num_elements() * t.dtype().size();
     }
 }
 
-/// What each rank holds of the model's state after training (every rank's optimizer share and
-/// peak resident memory, gathered over the ranks; every rank calls it). For data-parallel runs
-/// (the parameters are whole on every rank).
+/// What each rank holds of the model's state after training (every rank's gradients, optimizer
+/// share and peak resident memory, gathered over the ranks; every rank calls it). For
+/// data-parallel runs (the parameters are whole on every rank).
 pub(crate) fn model_memory<J: Job, O, M, B>(
     ctx: &RankContext<'_, J>,
     model: &M,
@@ -132,18 +142,20 @@ where
     model.visit(&mut params);
     let (rank, ranks) = (ctx.rank(), ctx.world_size());
     // Each rank fills its own slots; the sum over ranks is every rank's figures.
-    let mut mine = vec![0.0; 2 * ranks];
-    mine[rank] = optim.state_bytes()? as f64;
-    mine[ranks + rank] = crate::report::peak_resident_bytes().unwrap_or(0) as f64;
+    let mut mine = vec![0.0; 3 * ranks];
+    mine[rank] = optim.gradients as f64;
+    mine[ranks + rank] = optim.state_bytes()? as f64;
+    mine[2 * ranks + rank] = crate::report::peak_resident_bytes().unwrap_or(0) as f64;
     let all = ctx.sum(mine, "gathering each rank's memory")?;
+    let bytes = |part: &[f64]| part.iter().map(|&b| b as usize).collect();
     Ok(ModelMemory {
-        parameters: params.all,
-        gradients: params.trained,
-        optimizer: all[..ranks].iter().map(|&b| b as usize).collect(),
-        peak_resident: all[ranks..]
+        parameters: params.0,
+        gradients: bytes(&all[..ranks]),
+        optimizer: bytes(&all[ranks..2 * ranks]),
+        peak_resident: all[2 * ranks..]
             .iter()
             .map(|&b| (b > 0.0).then_some(b as usize))
             .collect(),
-        sharded: optim.is_sharded(),
+        zero: optim.zero_stage(),
     })
 }

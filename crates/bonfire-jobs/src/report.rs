@@ -233,41 +233,65 @@ pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String
 pub struct ModelMemory {
     /// Bytes of the parameters, whole on every rank.
     pub parameters: usize,
-    /// Bytes of the gradients backward leaves for the optimizer: those of every trained
-    /// parameter, whole on every rank (with or without ZeRO stage 1, which averages whole
-    /// gradients).
-    pub gradients: usize,
+    /// Bytes of the gradients each rank's last optimizer step got, by rank: every trained
+    /// parameter's, whole on every rank, without ZeRO or with stage 1 (which averages whole
+    /// gradients); this rank's share under stage 2.
+    pub gradients: Vec<usize>,
     /// Bytes of each rank's optimizer state, by rank, as Burn records it at full precision
     /// (sharded: each rank's share; the whole state is their sum).
     pub optimizer: Vec<usize>,
     /// Each rank's peak resident memory (the kernel's `VmHWM`), by rank; `None` where the
     /// system does not say.
     pub peak_resident: Vec<Option<usize>>,
-    /// Whether the optimizer's state was sharded over the ranks (ZeRO stage 1).
-    pub sharded: bool,
+    /// The ZeRO stage the run sharded its state at; `None` for whole on every rank.
+    pub zero: Option<bonfire::ZeroStage>,
 }
 
 impl ModelMemory {
     /// The largest rank's model state in bytes: parameters, gradients and optimizer state.
     pub fn per_rank(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer.iter().copied().max().unwrap_or(0)
+        let ranks = self.gradients.len().max(self.optimizer.len());
+        let at = |v: &[usize], r: usize| v.get(r).copied().unwrap_or(0);
+        self.parameters
+            + (0..ranks)
+                .map(|r| at(&self.gradients, r) + at(&self.optimizer, r))
+                .max()
+                .unwrap_or(0)
     }
 
     /// The end report's line.
     pub fn line(&self) -> String {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
-        let most = self.optimizer.iter().copied().max().unwrap_or(0);
-        let whole: usize = self.optimizer.iter().sum();
-        let optimizer = if self.sharded {
+        // The rank with the most of a part, and what share of the whole that is.
+        let most = |v: &[usize]| {
+            let most = v.iter().copied().max().unwrap_or(0);
+            let whole: usize = v.iter().sum();
+            (most, 100.0 * most as f64 / whole.max(1) as f64, whole)
+        };
+        let stage = self.zero.map(bonfire::ZeroStage::number);
+        let (grads, grads_share, grads_whole) = most(&self.gradients);
+        let gradients = if stage == Some(2) {
             format!(
-                "optimizer state {:.2} MiB on the rank with most (ZeRO-1: {:.0}% of the whole \
-                 {:.2} MiB)",
-                mib(most),
-                100.0 * most as f64 / whole.max(1) as f64,
-                mib(whole)
+                "gradients {:.2} MiB on the rank with most (ZeRO-2: {grads_share:.0}% of the \
+                 whole {:.2} MiB)",
+                mib(grads),
+                mib(grads_whole)
             )
         } else {
-            format!("optimizer state {:.2} MiB (whole on every rank)", mib(most))
+            format!("gradients {:.2} MiB", mib(grads))
+        };
+        let (state, state_share, state_whole) = most(&self.optimizer);
+        let optimizer = match stage {
+            Some(n) => format!(
+                "optimizer state {:.2} MiB on the rank with most (ZeRO-{n}: {state_share:.0}% of \
+                 the whole {:.2} MiB)",
+                mib(state),
+                mib(state_whole)
+            ),
+            None => format!(
+                "optimizer state {:.2} MiB (whole on every rank)",
+                mib(state)
+            ),
         };
         let peaks: Vec<String> = self
             .peak_resident
@@ -275,10 +299,9 @@ impl ModelMemory {
             .map(|p| p.map_or_else(|| "?".into(), |b| format!("{:.0}", mib(b))))
             .collect();
         format!(
-            "model state     per rank: parameters {:.2} MiB, gradients {:.2} MiB, {optimizer}: \
-             {:.2} MiB; peak resident memory by rank {} MiB",
+            "model state     per rank: parameters {:.2} MiB, {gradients}, {optimizer}: {:.2} \
+             MiB; peak resident memory by rank {} MiB",
             mib(self.parameters),
-            mib(self.gradients),
             mib(self.per_rank()),
             peaks.join(", ")
         )
@@ -310,10 +333,10 @@ mod tests {
         let mib = 1 << 20;
         let sharded = ModelMemory {
             parameters: 3 * mib,
-            gradients: 3 * mib,
+            gradients: vec![3 * mib; 2],
             optimizer: vec![3 * mib, 3 * mib + mib / 2],
             peak_resident: vec![Some(200 * mib), None],
-            sharded: true,
+            zero: Some(bonfire::ZeroStage::One),
         };
         assert_eq!(sharded.per_rank(), 9 * mib + mib / 2);
         assert_eq!(
@@ -324,8 +347,8 @@ mod tests {
         );
         let whole = ModelMemory {
             optimizer: vec![6 * mib; 2],
-            sharded: false,
-            ..sharded
+            zero: None,
+            ..sharded.clone()
         };
         assert!(
             whole
@@ -333,6 +356,23 @@ mod tests {
                 .contains("optimizer state 6.00 MiB (whole on every rank): 12.00 MiB"),
             "{}",
             whole.line()
+        );
+        // Stage 2: the largest rank is the one with the most gradients and state together.
+        let zero2 = ModelMemory {
+            gradients: vec![2 * mib, mib],
+            optimizer: vec![2 * mib, 4 * mib],
+            zero: Some(bonfire::ZeroStage::Two),
+            ..sharded
+        };
+        assert_eq!(zero2.per_rank(), 8 * mib);
+        assert!(
+            zero2.line().contains(
+                "gradients 2.00 MiB on the rank with most (ZeRO-2: 67% of the whole 3.00 MiB), \
+                 optimizer state 4.00 MiB on the rank with most (ZeRO-2: 67% of the whole 6.00 \
+                 MiB): 8.00 MiB"
+            ),
+            "{}",
+            zero2.line()
         );
         // This process has touched more than a MiB by now.
         assert!(peak_resident_bytes().is_some_and(|b| b > mib));

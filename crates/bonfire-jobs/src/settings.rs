@@ -80,9 +80,10 @@ pub struct Settings<C> {
 }
 
 impl<C> Settings<C> {
-    /// Whether each data-parallel rank keeps only its share of the optimizer's state.
-    pub fn sharded_optimizer(&self) -> bool {
-        self.zero.is_some()
+    /// What each data-parallel rank keeps only its share of (`--zero`): the optimizer's state,
+    /// and at stage 2 the gradients too; `None` for whole on every rank.
+    pub fn zero_stage(&self) -> Option<bonfire::ZeroStage> {
+        self.zero.and_then(bonfire::ZeroStage::from_number)
     }
 
     /// Whether checkpoints without `SHA256SUMS` load.
@@ -124,11 +125,15 @@ pub fn settle<J: Job>(
     reporter: &mut dyn Reporter,
 ) -> Result<Settings<J::Config>, JobError> {
     job.check(request)?;
-    if let Some(stage) = options.zero.filter(|&s| s != 1) {
+    if let Some(stage) = options
+        .zero
+        .filter(|&s| bonfire::ZeroStage::from_number(s).is_none())
+    {
         return Err(JobError::Invalid {
             flag: "--zero",
             given: stage.to_string(),
-            why: "bonfire has ZeRO stage 1 (the optimizer's state sharded over the replicas) only",
+            why: "bonfire has ZeRO stages 1 (the optimizer's state sharded over the replicas) and \
+                  2 (the gradients too)",
         });
     }
     if let (Some(world), Some(ranks)) = (world_size, job.requested_ranks(request))
@@ -144,14 +149,16 @@ pub fn settle<J: Job>(
         settle_fresh(job, request, options, world_size, reporter)
     }?;
     let tp = settings.config.tensor_parallel();
-    if settings.zero.is_some() && tp > 1 {
+    if let Some(stage) = settings.zero
+        && tp > 1
+    {
         if !settings.resume {
             // The fresh run's directory, made empty just now (never one with checkpoints).
             let _ = std::fs::remove_dir(&settings.checkpoint_dir);
         }
         return Err(JobError::Invalid {
             flag: "--zero",
-            given: format!("1 with --tp {tp}"),
+            given: format!("{stage} with --tp {tp}"),
             why: "the sharded optimizer runs over data-parallel replicas of a whole model; with \
                   tensor parallelism its checkpoint would not be gathered in one order",
         });

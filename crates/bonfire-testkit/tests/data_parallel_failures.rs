@@ -179,3 +179,58 @@ fn a_parameter_used_on_one_rank_only_is_named() {
         assert!(msg.contains("1 of 2 ranks"), "{msg}");
     }
 }
+
+/// Two steps of Adam on the [`TwoHeads`] model, sharded at `stage`; head `b` is used on rank 0
+/// only when `b_on_rank_0_only`.
+fn two_sharded_steps(r: usize, stage: bonfire::ZeroStage, b_on_rank_0_only: bool) {
+    let device = Device::default();
+    let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
+        a: LinearConfig::new(4, 2).init(d),
+        b: LinearConfig::new(4, 2).init(d),
+    });
+    let mut model = bonfire::replicate(model);
+    let mut optim = bonfire::sharded(burn::optim::AdamConfig::new().init()).stage(stage);
+    for step in 0..2 {
+        let x = Tensor::<DpFlex, 2>::from_data(TensorData::new(vec![0.5f32; 8], [2, 4]), &device);
+        let mut y = model.a.forward(x.clone()).sum();
+        if r == 0 || !b_on_rank_0_only || step == 0 {
+            y = y + model.b.forward(x).sum();
+        }
+        let grads = GradientsParams::from_grads(y.backward(), &model);
+        model = optim.step(0.1, model, grads);
+    }
+}
+
+#[test]
+fn a_rank_at_another_zero_stage_is_named_with_the_reduce_scatter() {
+    let out = two_ranks(Duration::from_secs(10), |r| {
+        let stage = if r == 0 {
+            bonfire::ZeroStage::Two
+        } else {
+            bonfire::ZeroStage::One
+        };
+        two_sharded_steps(r, stage, false);
+    });
+    let msg = out[0].as_deref().expect("rank 0 fails");
+    assert!(msg.contains("reduce-scatter of gradient bucket"), "{msg}");
+    assert!(msg.contains("ZeRO stage 2"), "{msg}");
+    assert!(msg.contains("rank 1"), "names the other rank: {msg}");
+    let msg = out[1].as_deref().expect("rank 1 fails");
+    assert!(msg.contains("bucket"), "{msg}");
+    assert!(msg.contains("rank 0"), "names the other rank: {msg}");
+}
+
+#[test]
+fn under_zero2_a_parameter_used_on_one_rank_only_is_named() {
+    let out = two_ranks(Duration::from_secs(10), |r| {
+        two_sharded_steps(r, bonfire::ZeroStage::Two, true)
+    });
+    // Its owner sees the flags; the other rank learns from the step's all-gather.
+    let named = out
+        .iter()
+        .flatten()
+        .filter(|m| (m.contains("b.weight") || m.contains("b.bias")) && m.contains("1 of 2 ranks"))
+        .count();
+    assert!(named >= 1, "{out:?}");
+    assert!(out.iter().all(Option::is_some), "both ranks fail: {out:?}");
+}

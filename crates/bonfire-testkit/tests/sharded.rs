@@ -1,11 +1,15 @@
-//! `bonfire::sharded` (ZeRO stage 1) against plain data parallelism: ranks as threads of this
-//! process, the same model, batches and Adam. The parameters after every step must be bitwise
-//! DDP's on every rank (the owner computes exactly the update every rank would), and each rank's
-//! optimizer must hold state only for its share of the parameters.
+//! `bonfire::sharded` (ZeRO stages 1 and 2) against plain data parallelism: ranks as threads of
+//! this process, the same model, batches and Adam. At stage 1 the parameters after every step
+//! must be bitwise DDP's on every rank (the owner computes exactly the update every rank would);
+//! at stage 2 too at 2 ranks, and within rounding above (the reduce-scatter adds the ranks'
+//! gradients in another order than the all-reduce), bitwise equal across ranks. Each rank's
+//! optimizer must hold state only for its share of the parameters, and at stage 2 each rank must
+//! come out of backward holding only its share of the gradients.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use bonfire::ZeroStage;
 use bonfire_testkit::nets::{
     Batch, DpFlex, Net, SmallCnn, SmallTransformer, loss, parameters, random_batches, seeded,
 };
@@ -26,9 +30,16 @@ struct Rank {
     states: usize,
     /// Elements this rank owns, of the model's (sharded runs only).
     owned: Option<(usize, usize)>,
+    /// Bytes of gradient held after each backward.
+    held: Vec<usize>,
 }
 
-fn train<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch], sharded: bool) -> Vec<Rank>
+fn train<M>(
+    world: usize,
+    make: fn(&Device) -> M,
+    batches: &[Batch],
+    stage: Option<ZeroStage>,
+) -> Vec<Rank>
 where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
 {
@@ -45,18 +56,20 @@ where
         let adam = AdamConfig::new()
             .with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.01)));
         let mut plain = adam.init::<DpFlex, M>();
-        let mut zero = bonfire::sharded(adam.init::<DpFlex, M>());
+        let mut zero = bonfire::sharded(adam.init::<DpFlex, M>()).stage(stage.unwrap_or_default());
+        let mut held = Vec::new();
         for batch in &batches {
             let n = batch.rows() / world;
             let l = loss(&model, &batch.slice(r * n, n), 1.0, &device);
             let grads = GradientsParams::from_grads(l.backward(), &model);
-            model = if sharded {
+            held.push(bonfire::gradient_bytes(&model, &grads));
+            model = if stage.is_some() {
                 zero.step(1e-2, model, grads)
             } else {
                 plain.step(1e-2, model, grads)
             };
         }
-        let (states, owned) = if sharded {
+        let (states, owned) = if stage.is_some() {
             (
                 Optimizer::<M, DpFlex>::to_record(&zero).len(),
                 zero.owned_elements(),
@@ -68,26 +81,52 @@ where
             params: parameters(&model),
             states,
             owned,
+            held,
         }
     })
 }
 
-fn check<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch], what: &str)
+/// The largest difference between two models' parameters.
+fn max_difference(a: &Params, b: &Params) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
+
+fn check<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch], what: &str, stage: ZeroStage)
 where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
 {
-    let ddp = train(world, make, batches, false);
-    let zero = train(world, make, batches, true);
+    let ddp = train(world, make, batches, None);
+    let zero = train(world, make, batches, Some(stage));
     let tensors = ddp[0].params.len();
     let elements: usize = ddp[0].params.iter().map(Vec::len).sum();
     for (r, (d, z)) in ddp.iter().zip(&zero).enumerate() {
-        assert!(
-            d.params == z.params,
-            "{what}: rank {r}'s parameters differ from DDP's after {STEPS} Adam steps"
-        );
+        if stage == ZeroStage::One || world == 2 {
+            assert!(
+                d.params == z.params,
+                "{what}: rank {r}'s parameters differ from DDP's after {STEPS} Adam steps"
+            );
+        } else {
+            let diff = max_difference(&d.params, &z.params);
+            assert!(
+                diff <= 1e-6,
+                "{what}: rank {r}'s parameters are {diff:e} from DDP's after {STEPS} Adam steps"
+            );
+            assert!(
+                z.params == zero[0].params,
+                "{what}: rank {r}'s parameters differ from rank 0's"
+            );
+        }
         assert_eq!(
             d.states, tensors,
             "{what}: DDP's Adam keeps state for every parameter"
+        );
+        assert!(
+            d.held.iter().all(|&h| h == 4 * elements),
+            "{what}: DDP's rank {r} holds every gradient ({:?} bytes)",
+            d.held
         );
     }
     let initial = parameters(&seeded::<DpFlex, _>(1, &Device::default(), make));
@@ -111,6 +150,17 @@ where
         })
         .collect();
     assert_eq!(owned.iter().sum::<usize>(), elements, "{what}: {owned:?}");
+    // Gradients: whole at stage 1; at stage 2 whole in the first backward (before the first
+    // step gives owners), then exactly the owned ones.
+    for (r, z) in zero.iter().enumerate() {
+        let expect: Vec<usize> = (0..STEPS)
+            .map(|s| match stage {
+                ZeroStage::Two if s > 0 => 4 * owned[r],
+                _ => 4 * elements,
+            })
+            .collect();
+        assert_eq!(z.held, expect, "{what}: rank {r}'s gradient bytes per step");
+    }
     // Balanced: no rank owns more than its share plus the largest tensor.
     let largest = ddp[0].params.iter().map(Vec::len).max().unwrap_or(0);
     for (r, &n) in owned.iter().enumerate() {
@@ -134,7 +184,7 @@ fn sharded_adam_on_two_ranks_equals_ddp_bit_for_bit() {
         SmallCnn::<DpFlex>::FEATURES,
         SmallCnn::<DpFlex>::CLASSES,
     );
-    check(2, SmallCnn::new, &batches, "cnn, 2 ranks");
+    check(2, SmallCnn::new, &batches, "cnn, 2 ranks", ZeroStage::One);
 }
 
 #[test]
@@ -146,7 +196,49 @@ fn sharded_adam_on_three_ranks_equals_ddp_for_a_transformer() {
         SmallTransformer::<DpFlex>::FEATURES,
         SmallTransformer::<DpFlex>::CLASSES,
     );
-    check(3, SmallTransformer::new, &batches, "transformer, 3 ranks");
+    check(
+        3,
+        SmallTransformer::new,
+        &batches,
+        "transformer, 3 ranks",
+        ZeroStage::One,
+    );
+}
+
+#[test]
+fn zero2_on_two_ranks_equals_ddp_bit_for_bit_and_holds_half_the_gradients() {
+    let batches = random_batches(
+        14,
+        STEPS,
+        8,
+        SmallCnn::<DpFlex>::FEATURES,
+        SmallCnn::<DpFlex>::CLASSES,
+    );
+    check(
+        2,
+        SmallCnn::new,
+        &batches,
+        "cnn, 2 ranks, ZeRO-2",
+        ZeroStage::Two,
+    );
+}
+
+#[test]
+fn zero2_on_three_ranks_matches_ddp_for_a_transformer() {
+    let batches = random_batches(
+        15,
+        STEPS,
+        6,
+        SmallTransformer::<DpFlex>::FEATURES,
+        SmallTransformer::<DpFlex>::CLASSES,
+    );
+    check(
+        3,
+        SmallTransformer::new,
+        &batches,
+        "transformer, 3 ranks, ZeRO-2",
+        ZeroStage::Two,
+    );
 }
 
 /// One data-parallel step of `optim` on this rank's slice of `batch`.

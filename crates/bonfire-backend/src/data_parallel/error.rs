@@ -73,6 +73,24 @@ pub enum SyncError {
         #[source]
         source: CollectiveError,
     },
+    /// Under ZeRO stage 2, a bucket's reduce-scatter to the gradients' owners failed.
+    #[error(
+        "reduce-scatter of gradient bucket {bucket} of {buckets} to the gradients' owners \
+         ({elements} elements, {counts:?} to each rank; ZeRO stage 2): {source}"
+    )]
+    ReduceScatter {
+        /// The bucket.
+        bucket: usize,
+        /// Buckets in the plan.
+        buckets: usize,
+        /// Elements in the bucket.
+        elements: usize,
+        /// Elements each rank receives (its gradients and their presence flags).
+        counts: Vec<usize>,
+        /// The collective's error, which names the peer.
+        #[source]
+        source: CollectiveError,
+    },
     /// A parameter had a gradient on some ranks but not on others.
     #[error(
         "{param} ({elements} elements) has a gradient on {with:.0} of {world} ranks in this step: \

@@ -5,7 +5,8 @@
 //! (`Replica`: its communicator, `config`, bucket `state` and `stats`); the hooks in `sync` and
 //! the module helpers in `replicate` take a replica from it and act on its state; `distributed`
 //! is Burn's gradient hook, which looks the replica up once per call and hands it to `sync`;
-//! `device_pack` packs buckets on CubeCL devices; `local` reads and writes the part of a tensor
+//! `device_pack` packs buckets on CubeCL devices; `scatter` lays a bucket out for ZeRO stage 2's
+//! reduce-scatter, with the owners `sharded` registers; `local` reads and writes the part of a tensor
 //! this rank averages (the whole tensor, or its shard under `TensorParallel`); `error` names every failure, and
 //! `Replica::fail` applies the failure policy to it.
 
@@ -20,6 +21,7 @@ mod local;
 mod ops;
 mod replicate;
 mod sampler;
+mod scatter;
 mod sharded;
 mod state;
 mod stats;
@@ -35,6 +37,6 @@ pub use error::SyncError;
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
-pub use sharded::{Sharded, sharded};
+pub use sharded::{Sharded, ZeroStage, gradient_bytes, sharded};
 pub use stats::{BucketTimes, LatePeer, StepStats};
 pub use sync::{NoSyncGuard, no_sync};

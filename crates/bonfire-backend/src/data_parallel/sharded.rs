@@ -1,10 +1,14 @@
-//! ZeRO stage 1: the optimizer's state sharded over the data-parallel replicas.
+//! ZeRO stages 1 and 2: the optimizer's state, and then the gradients, sharded over the
+//! data-parallel replicas.
 //!
-//! Every rank still holds the whole model and averages whole gradients in backward (that is
-//! `DataParallel`'s part); under [`Sharded`] each rank's optimizer keeps state for, and updates,
-//! only the parameters it owns, and the updated parameters are then gathered from their owners
-//! in one all-gather. With Adam (two moments of 4 bytes per element) this cuts the optimizer's
-//! state per rank to about 1/N of DDP's.
+//! Every rank still holds the whole model. Under [`Sharded`] each rank's optimizer keeps state
+//! for, and updates, only the parameters it owns, and the updated parameters are then gathered
+//! from their owners in one all-gather. With Adam (two moments of 4 bytes per element) this cuts
+//! the optimizer's state per rank to about 1/N of DDP's. At stage 1 backward averages whole
+//! gradients on every rank (`DataParallel`'s all-reduce); at stage 2 ([`ZeroStage::Two`]) each
+//! bucket is reduce-scattered so that a gradient reaches only its owner, and a rank frees the
+//! gradients it does not own as soon as their values are in a bucket, so it ends backward
+//! holding about 1/N of the gradients.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +25,7 @@ use burn_backend::distributed::DistributedParamId;
 use super::context::{self, Replica};
 use super::error::SyncError;
 use super::local;
+use super::scatter::GradOwners;
 
 /// Wraps any Burn optimizer so that each data-parallel rank keeps optimizer state for, and
 /// steps, only the parameters it owns (ZeRO stage 1, as PyTorch's `ZeroRedundancyOptimizer`).
@@ -38,6 +43,16 @@ use super::local;
 /// owners. The parameters after each step are bitwise those of the unwrapped optimizer: the
 /// owner computes exactly the update every rank would have.
 ///
+/// With [`Sharded::stage`]`(`[`ZeroStage::Two`]`)` the gradients are sharded too (ZeRO stage 2,
+/// DeepSpeed's `stage: 2`): from the second backward on, each gradient bucket is
+/// reduce-scattered to the owners of its gradients instead of all-reduced, and the gradients a
+/// rank does not own come out of backward empty (their first dimension 0; this wrapper drops
+/// them before the step). The parameters after each step are those of stage 1 up to the order
+/// the reduce-scatter sums the ranks' gradients in: bitwise at 2 ranks, within rounding above.
+/// Read only the gradients of the parameters this rank owns (a norm over all gradients, for
+/// clipping, needs a sum over the ranks). The owners stay registered with the rank's
+/// data-parallel state until the last clone of this optimizer is dropped.
+///
 /// The optimizer's record ([`Optimizer::to_record`]) is this rank's share: save it per rank and
 /// load it on the same number of ranks, or, for Burn's optimizers (`OptimizerAdaptor`), gather
 /// the whole state with [`Sharded::consolidated_record`] and load it at any world size with
@@ -46,13 +61,45 @@ use super::local;
 #[derive(Clone)]
 pub struct Sharded<O> {
     inner: O,
+    stage: ZeroStage,
     plan: Option<Arc<Ownership>>,
 }
 
-/// Wraps `optimizer` for ZeRO stage 1; see [`Sharded`].
+/// What [`Sharded`] splits over the data-parallel replicas (ZeRO's stages).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ZeroStage {
+    /// The optimizer's state (ZeRO-1); gradients are all-reduced whole.
+    #[default]
+    One,
+    /// The optimizer's state and the gradients (ZeRO-2): gradients are reduce-scattered to their
+    /// owners and freed elsewhere.
+    Two,
+}
+
+impl ZeroStage {
+    /// The stage numbered `n` (1 or 2), as `--zero N` or DeepSpeed's `stage` writes it.
+    pub fn from_number(n: u8) -> Option<ZeroStage> {
+        match n {
+            1 => Some(ZeroStage::One),
+            2 => Some(ZeroStage::Two),
+            _ => None,
+        }
+    }
+
+    /// The stage's number.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+        }
+    }
+}
+
+/// Wraps `optimizer` for ZeRO stage 1 ([`Sharded::stage`] picks stage 2); see [`Sharded`].
 pub fn sharded<O>(optimizer: O) -> Sharded<O> {
     Sharded {
         inner: optimizer,
+        stage: ZeroStage::One,
         plan: None,
     }
 }
@@ -67,12 +114,59 @@ struct Ownership {
     counts: Vec<usize>,
     /// Elements of the whole model.
     elements: usize,
+    /// At stage 2, the owners as the replica's gradient sync knows them.
+    _gradients: Option<Registration>,
+}
+
+/// Gradient owners registered with a replica (ZeRO stage 2), unregistered when dropped.
+struct Registration {
+    rep: Arc<Replica>,
+    owners: Arc<GradOwners>,
+}
+
+impl Registration {
+    fn new(rep: &Arc<Replica>, owners: GradOwners) -> Registration {
+        let owners = Arc::new(owners);
+        rep.state().owners = Some(owners.clone());
+        Registration {
+            rep: rep.clone(),
+            owners,
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut st = self.rep.state();
+        if st
+            .owners
+            .as_ref()
+            .is_some_and(|o| Arc::ptr_eq(o, &self.owners))
+        {
+            st.owners = None;
+        }
+    }
 }
 
 impl<O> Sharded<O> {
     /// The wrapped optimizer.
     pub fn inner(&self) -> &O {
         &self.inner
+    }
+
+    /// Shards at `stage` (the default is [`ZeroStage::One`]). Set it before the first step; a
+    /// change later plans the owners again on the next step (the same plan).
+    pub fn stage(mut self, stage: ZeroStage) -> Self {
+        if stage != self.stage {
+            self.plan = None;
+        }
+        self.stage = stage;
+        self
+    }
+
+    /// The stage it shards at.
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.stage
     }
 
     /// Elements of the parameters this rank owns, and of the whole model; `None` before the
@@ -123,6 +217,7 @@ where
     fn load_record(self, record: Self::Record) -> Self {
         Sharded {
             inner: self.inner.load_record(record),
+            stage: self.stage,
             plan: self.plan,
         }
     }
@@ -147,6 +242,7 @@ impl<O> Sharded<O> {
         if ranks < 2 {
             return None;
         }
+        let stage = self.stage;
         let plan = self.plan.get_or_insert_with(|| {
             let sizes = sizes.params.unwrap_or_default();
             // Largest first, each to the least loaded rank (the lowest on ties): the same plan
@@ -161,12 +257,24 @@ impl<O> Sharded<O> {
                 counts[r] += numel;
                 owner.insert(id, r);
             }
+            let rank = rep.comm.rank();
+            let gradients = (stage == ZeroStage::Two).then(|| {
+                Registration::new(
+                    &rep,
+                    GradOwners {
+                        rank,
+                        ranks,
+                        owner: owner.iter().map(|(id, &r)| (id.val(), r)).collect(),
+                    },
+                )
+            });
             Arc::new(Ownership {
-                rank: rep.comm.rank(),
+                rank,
                 ranks,
                 owner,
                 counts,
                 elements: sizes.iter().map(|&(_, n)| n).sum(),
+                _gradients: gradients,
             })
         });
         Some((rep, plan.clone()))
@@ -419,7 +527,39 @@ where
         }
         Sharded {
             inner: self.inner.load_record(record),
+            stage: self.stage,
             plan: self.plan,
+        }
+    }
+}
+
+/// Bytes of the gradients `grads` holds for `module`'s float parameters (at their dtype). Under
+/// [`ZeroStage::Two`] a rank holds only the gradients of the parameters it owns; the others come
+/// out of backward empty.
+pub fn gradient_bytes<B, M>(module: &M, grads: &GradientsParams) -> usize
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    let mut held = HeldGradients::<B> {
+        grads,
+        bytes: 0,
+        _backend: std::marker::PhantomData,
+    };
+    module.visit(&mut held);
+    held.bytes
+}
+
+struct HeldGradients<'a, B> {
+    grads: &'a GradientsParams,
+    bytes: usize,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradients<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.bytes += g.shape().num_elements() * g.dtype().size();
         }
     }
 }

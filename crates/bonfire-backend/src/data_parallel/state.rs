@@ -11,6 +11,7 @@ use bonfire_collectives::{CollectiveError, Communicator, Work, WorkTimes};
 use bonfire_topology::{BucketPlan, stable_hash};
 
 use super::config::{DataParallelConfig, GradDType};
+use super::scatter::{GradOwners, Scatter};
 
 /// A parameter known to the synchroniser, in module order.
 pub(crate) struct ParamInfo {
@@ -34,6 +35,9 @@ pub(crate) struct SyncState {
     pub(crate) accum: Option<Vec<Vec<f32>>>,
     /// bf16 error feedback: what rounding left out last time, per bucket.
     pub(crate) residual: Vec<Vec<f32>>,
+    /// ZeRO stage 2: the rank each gradient goes to, registered by the sharded optimizer on its
+    /// first step (`None`: every rank gets every gradient).
+    pub(crate) owners: Option<Arc<GradOwners>>,
     pub(crate) step: Option<Step>,
 }
 
@@ -76,6 +80,9 @@ pub(crate) struct Inflight {
     /// Bytes its all-reduce moves.
     pub(crate) bytes: u64,
     pub(crate) work: Reduction,
+    /// Under ZeRO stage 2, the layout it was reduce-scattered in (the work returns this rank's
+    /// share only); `None` for an all-reduce.
+    pub(crate) scatter: Option<Scatter>,
 }
 
 /// A bucket's all-reduce in flight, in the dtype it travels in.

@@ -1,6 +1,7 @@
 //! The gradient synchroniser behind `DataParallel`'s `DistributedBackend` impl: buckets filled as
-//! backward produces gradients, all-reduced in order in the background, written back before
-//! backward returns.
+//! backward produces gradients, all-reduced in order in the background (under ZeRO stage 2,
+//! reduce-scattered to the gradients' owners: [`super::scatter`]), written back before backward
+//! returns.
 //!
 //! On CubeCL inner backends (wgpu, CUDA, plain or fused) a bucket's gradients are packed on the
 //! device by the fused pack kernel once the last of them is final, and cross to the host in one
@@ -27,6 +28,7 @@ use super::context::Replica;
 use super::device_pack;
 use super::error::SyncError;
 use super::local;
+use super::scatter::{GradOwners, Scatter, slot_len};
 use super::state::{Agreement, Inflight, ParamInfo, Reduction, Step, SyncState};
 use super::stats::{BucketTimes, LatePeer, StepStats};
 
@@ -144,7 +146,13 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
             let i = st.index[&id_of(p.param_id)];
             step.remaining[plan.place(i).0] += 1;
         }
-        launch_ready(rep, &mut st.residual, &mut step, false);
+        let SyncState {
+            residual,
+            owners,
+            params,
+            ..
+        } = &mut *st;
+        launch_ready(rep, residual, owners.as_deref(), params, &mut step, false);
     }
     st.step = Some(step);
 }
@@ -160,9 +168,11 @@ pub(crate) fn gradient<B: Backend>(
         index,
         params,
         residual,
+        owners,
         step,
         ..
     } = &mut *st;
+    let owners = owners.as_deref();
     let Some(step) = step.as_mut() else {
         return;
     };
@@ -202,7 +212,11 @@ pub(crate) fn gradient<B: Backend>(
     });
     if let Some(plan) = step.plan.clone() {
         let b = match grad {
-            Some(grad) => add_to_bucket(&plan, &mut step.buffers, i, &grad),
+            Some(grad) => {
+                let b = add_to_bucket(&plan, &mut step.buffers, i, &grad);
+                release_unowned(owners, params, refs, i);
+                b
+            }
             None => {
                 let b = plan.place(i).0;
                 step.pending[b].push(i);
@@ -212,9 +226,9 @@ pub(crate) fn gradient<B: Backend>(
         step.remaining[b] = step.remaining[b].saturating_sub(1);
         if step.remaining[b] == 0 {
             step.ready[b] = Some(Instant::now());
-            flush::<B>(rep, &plan, step, b);
+            flush::<B>(rep, &plan, step, b, owners, params);
         }
-        launch_ready(rep, residual, step, false);
+        launch_ready(rep, residual, owners, params, step, false);
         if rep.config.overlap == Overlap::Hooks {
             for inflight in &step.launched {
                 inflight.work.progress();
@@ -225,8 +239,15 @@ pub(crate) fn gradient<B: Backend>(
 
 /// Adds bucket `b`'s gradients that wait on the device to its host buffer: one launch of the
 /// fused pack kernel and one transfer (the host path, gradient by gradient, if packing turns
-/// them down).
-fn flush<B: Backend>(rep: &Replica, plan: &BucketPlan, step: &mut Step, b: usize) {
+/// them down). Under ZeRO stage 2 the gradients other ranks own are freed once read.
+fn flush<B: Backend>(
+    rep: &Replica,
+    plan: &BucketPlan,
+    step: &mut Step,
+    b: usize,
+    owners: Option<&GradOwners>,
+    params: &[ParamInfo],
+) {
     let Some(pending) = step.pending.get_mut(b).map(std::mem::take) else {
         return;
     };
@@ -271,6 +292,45 @@ fn flush<B: Backend>(rep: &Replica, plan: &BucketPlan, step: &mut Step, b: usize
             }
         }
     }
+    let refs = step
+        .refs
+        .downcast_mut::<Vec<Option<GradRef<B>>>>()
+        .expect("one backend per rank");
+    for &i in &pending {
+        release_unowned(owners, params, refs, i);
+    }
+}
+
+/// Under ZeRO stage 2 ([`GradOwners`]), frees parameter `i`'s gradient when another rank owns
+/// it: its values are in the bucket, which goes to the owner, and nothing on this rank reads it
+/// again.
+fn release_unowned<B: Backend>(
+    owners: Option<&GradOwners>,
+    params: &[ParamInfo],
+    refs: &mut [Option<GradRef<B>>],
+    i: usize,
+) {
+    if let Some(owners) = owners
+        && !owners.owns(params[i].id)
+        && let Some(r) = refs[i].take()
+    {
+        release(r);
+    }
+}
+
+/// Replaces a gradient with an empty tensor of its rank and dtype (its first dimension 0): what
+/// a rank holds of a gradient another rank owns under ZeRO stage 2. The sharded optimizer drops
+/// it before its step.
+fn release<B: Backend>(r: GradRef<B>) {
+    // SAFETY: as in `gradient`; backward has not returned yet.
+    let device = B::float_device(unsafe { &*r.tensor.0 });
+    let mut shape = r.shape;
+    if let Some(first) = shape.first_mut() {
+        *first = 0;
+    }
+    let empty = from_host::<B>(Vec::new(), shape, r.dtype, &device, None);
+    // SAFETY: as above.
+    unsafe { *r.tensor.0 = empty };
 }
 
 /// `submit_sync_collective`: backward is done; finish every bucket and write the averages back.
@@ -280,10 +340,11 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         return;
     };
     let backward_end = Instant::now();
+    let owners = st.owners.clone();
     if let Some(plan) = step.plan.clone() {
         // Buckets some of whose parameters got no gradient in this backward.
         for b in 0..plan.buckets().len() {
-            flush::<B>(rep, &plan, &mut step, b);
+            flush::<B>(rep, &plan, &mut step, b, owners.as_deref(), &st.params);
         }
     }
     let mut refs = *std::mem::replace(&mut step.refs, Box::new(()))
@@ -338,22 +399,28 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     let SyncState {
         residual, params, ..
     } = &mut *st;
-    launch_ready(rep, residual, &mut step, true);
+    launch_ready(rep, residual, owners.as_deref(), params, &mut step, true);
 
     // Outside Burn's graph lock now: safe to wait on peers.
     if let Some(agreement) = step.agreement.take() {
         check_agreement(agreement, rep);
     }
-    let world = rep.comm.size();
     let mut intervals = Vec::with_capacity(step.launched.len());
     let mut timeline = Vec::with_capacity(step.launched.len());
     let mut late_peers = BTreeMap::new();
     let last_bucket = step.launched.len().saturating_sub(1);
     let since = |at: Instant| at.saturating_duration_since(step.started);
     for (b, inflight) in step.launched.drain(..).enumerate() {
-        let (result, times) = inflight.work.wait();
+        let Inflight {
+            ready,
+            called,
+            bytes,
+            work,
+            scatter,
+        } = inflight;
+        let (result, times) = work.wait();
         let done = times.finished;
-        intervals.push((inflight.called, done));
+        intervals.push((called, done));
         let own_end = backward_end.max(times.started);
         if b == last_bucket
             && let Some(peer) = times.last_peer
@@ -369,39 +436,41 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         }
         timeline.push(BucketTimes {
             steps: 1,
-            bytes: inflight.bytes,
-            ready: since(inflight.ready),
-            called: since(inflight.called),
-            started: since(times.started.max(inflight.called)),
-            peers: since(times.arrived.max(inflight.called)),
+            bytes,
+            ready: since(ready),
+            called: since(called),
+            started: since(times.started.max(called)),
+            peers: since(times.arrived.max(called)),
             finished: since(done),
         });
-        let reduced = match result {
-            Ok(v) => v,
-            Err(source) => rep.fail(SyncError::AllReduce {
+        let reduced = match (result, &scatter) {
+            (Ok(v), _) => v,
+            (Err(source), None) => rep.fail(SyncError::AllReduce {
                 bucket: b,
                 buckets: plan.buckets().len(),
                 elements: plan.buckets()[b].len,
                 source,
             }),
+            (Err(source), Some(scatter)) => rep.fail(SyncError::ReduceScatter {
+                bucket: b,
+                buckets: plan.buckets().len(),
+                elements: plan.buckets()[b].len,
+                counts: scatter.counts().to_vec(),
+                source,
+            }),
         };
+        if let Some(scatter) = &scatter {
+            write_back_share::<B>(rep, &plan, b, scatter, &reduced, params, &mut refs, device);
+            continue;
+        }
         let bucket = &plan.buckets()[b];
         for (k, &p) in bucket.params.iter().enumerate() {
-            let share = if rep.mean {
-                reduced[bucket.len + k]
-            } else {
-                reduced[bucket.len + k] / world as f32
-            };
-            if share > 0.5 / world as f32 && share < 1.0 - 0.5 / world as f32 {
-                rep.fail(SyncError::PartialGradient {
-                    param: params[p].name.clone(),
-                    elements: params[p].numel.unwrap_or(0),
-                    with: share * world as f32,
-                    world,
-                });
-            }
+            check_presence(rep, &params[p], reduced[bucket.len + k]);
         }
-        if rep.config.device_pack && write_back_on_device::<B>(rep, &plan, b, &reduced, &mut refs) {
+        let slots: Vec<usize> = (0..bucket.params.len()).collect();
+        if rep.config.device_pack
+            && write_back_on_device::<B>(rep, &plan, b, &slots, &reduced[..bucket.len], &mut refs)
+        {
             continue;
         }
         for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
@@ -463,20 +532,86 @@ fn agree_order(rep: &Replica, n: usize, arrivals: &[usize]) -> Vec<usize> {
     order
 }
 
-/// Writes bucket `b`'s averages into its gradients with one upload and one launch of the fused
-/// unpack kernel, when they live on a CubeCL device in f32. False (nothing written) otherwise.
+/// Fails naming `param` when its summed presence `flag` says that some ranks had a gradient for
+/// it in this step and others had none.
+fn check_presence(rep: &Replica, param: &ParamInfo, flag: f32) {
+    let world = rep.comm.size();
+    let share = if rep.mean { flag } else { flag / world as f32 };
+    if share > 0.5 / world as f32 && share < 1.0 - 0.5 / world as f32 {
+        rep.fail(SyncError::PartialGradient {
+            param: param.name.clone(),
+            elements: param.numel.unwrap_or(0),
+            with: share * world as f32,
+            world,
+        });
+    }
+}
+
+/// Under ZeRO stage 2: writes bucket `b`'s reduced `share` (this rank's own gradients in the
+/// order of [`Scatter::mine`], then their presence flags) into this rank's gradients, and frees
+/// the bucket's gradients that other ranks own and are still held (those read at the end).
+#[allow(clippy::too_many_arguments)]
+fn write_back_share<B: Backend>(
+    rep: &Replica,
+    plan: &BucketPlan,
+    b: usize,
+    scatter: &Scatter,
+    share: &[f32],
+    params: &[ParamInfo],
+    refs: &mut [Option<GradRef<B>>],
+    device: &B::Device,
+) {
+    let bucket = &plan.buckets()[b];
+    let mine = scatter.mine();
+    let elements = scatter.my_elements(bucket);
+    for (j, &k) in mine.iter().enumerate() {
+        check_presence(rep, &params[bucket.params[k]], share[elements + j]);
+    }
+    if !(rep.config.device_pack
+        && write_back_on_device::<B>(rep, plan, b, mine, &share[..elements], refs))
+    {
+        let mut at = 0;
+        for &k in mine {
+            let n = slot_len(bucket, k);
+            if let Some(r) = refs[bucket.params[k]].take() {
+                // SAFETY: as in `gradient`; backward has not returned yet.
+                let like = unsafe { &*r.tensor.0 };
+                let t = from_host::<B>(
+                    share[at..at + n].to_vec(),
+                    r.shape,
+                    r.dtype,
+                    device,
+                    Some(like),
+                );
+                // SAFETY: as above.
+                unsafe { *r.tensor.0 = t };
+            }
+            at += n;
+        }
+    }
+    for &p in &bucket.params {
+        if let Some(r) = refs[p].take() {
+            release(r);
+        }
+    }
+}
+
+/// Writes averages into the gradients of bucket `b`'s parameters at `slots` (positions among
+/// the bucket's parameters; their values follow each other in `values`) with one upload and one
+/// launch of the fused unpack kernel, when they live on a CubeCL device in f32. False (nothing
+/// written) otherwise.
 fn write_back_on_device<B: Backend>(
     rep: &Replica,
     plan: &BucketPlan,
     b: usize,
-    reduced: &[f32],
+    slots: &[usize],
+    values: &[f32],
     refs: &mut [Option<GradRef<B>>],
 ) -> bool {
     let bucket = &plan.buckets()[b];
-    let present: Vec<usize> = bucket
-        .params
+    let present: Vec<usize> = slots
         .iter()
-        .copied()
+        .map(|&k| bucket.params[k])
         .filter(|&p| refs[p].is_some())
         .collect();
     let Some(&first) = present.first() else {
@@ -491,18 +626,16 @@ fn write_back_on_device<B: Backend>(
     {
         return false;
     }
-    // One output per parameter of the bucket (the unpack fills the whole bucket); those without
-    // a gradient in this step are dropped.
-    let shapes: Vec<Shape> = (0..bucket.params.len())
-        .map(|k| match &refs[bucket.params[k]] {
+    // One output per slot (the unpack fills all of `values`); those without a gradient in this
+    // step are dropped.
+    let shapes: Vec<Shape> = slots
+        .iter()
+        .map(|&k| match &refs[bucket.params[k]] {
             Some(r) => r.shape.clone(),
-            None => {
-                let end = bucket.offsets.get(k + 1).copied().unwrap_or(bucket.len);
-                Shape::new([end - bucket.offsets[k]])
-            }
+            None => Shape::new([slot_len(bucket, k)]),
         })
         .collect();
-    let tensors = match device_pack::upload_unpack::<B>(like, &reduced[..bucket.len], &shapes) {
+    let tensors = match device_pack::upload_unpack::<B>(like, values, &shapes) {
         None => return false,
         Some(Ok(t)) => t,
         Some(Err(source)) => rep.fail(SyncError::DevicePack {
@@ -512,8 +645,8 @@ fn write_back_on_device<B: Backend>(
             source,
         }),
     };
-    for (&p, t) in bucket.params.iter().zip(tensors) {
-        if let Some(r) = refs[p].take() {
+    for (&k, t) in slots.iter().zip(tensors) {
+        if let Some(r) = refs[bucket.params[k]].take() {
             // SAFETY: as in `gradient`; backward has not returned yet.
             unsafe { *r.tensor.0 = t };
         }
@@ -535,8 +668,16 @@ fn add_to_bucket(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize, grad: &[
 }
 
 /// Starts, in bucket order, every bucket whose gradients have all arrived (with
-/// [`Overlap::End`], only once backward is `finishing`).
-fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step, finishing: bool) {
+/// [`Overlap::End`], only once backward is `finishing`): an all-reduce, or under ZeRO stage 2
+/// (`owners`) a reduce-scatter that sends each gradient to its owner.
+fn launch_ready(
+    rep: &Replica,
+    residual: &mut [Vec<f32>],
+    owners: Option<&GradOwners>,
+    params: &[ParamInfo],
+    step: &mut Step,
+    finishing: bool,
+) {
     let Some(plan) = step.plan.clone() else {
         return;
     };
@@ -561,20 +702,28 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step, finis
         let called = Instant::now();
         let ready = step.ready.get(b).copied().flatten().unwrap_or(called);
         let bytes_before = step.bytes;
+        let bucket = &plan.buckets()[b];
+        let scatter = owners.map(|owners| Scatter::new(bucket, |p| params[p].id, owners));
         let work = match rep.config.grad_dtype {
             GradDType::F32 => {
                 step.bytes += (buf.len() * 4) as u64;
-                Reduction::F32(comm.all_reduce(buf, op))
+                Reduction::F32(match &scatter {
+                    None => comm.all_reduce(buf, op),
+                    Some(s) => comm.reduce_scatter_uneven(s.permute(bucket, &buf), s.counts(), op),
+                })
             }
             GradDType::Bf16 => {
                 // The gradients with error feedback (the arithmetic of the device kernel
                 // `pack_with_feedback`, on the host), then the presence flags (0 or 1: exact).
-                let len = plan.buckets()[b].len;
+                let len = bucket.len;
                 let mut send: Vec<bf16> =
                     pack_with_feedback_reference(&[&buf[..len]], &mut residual[b], 1.0);
                 send.extend(buf[len..].iter().map(|&x| bf16::from_f32(x)));
                 step.bytes += (send.len() * 2) as u64;
-                Reduction::Bf16(comm.all_reduce(send, op))
+                Reduction::Bf16(match &scatter {
+                    None => comm.all_reduce(send, op),
+                    Some(s) => comm.reduce_scatter_uneven(s.permute(bucket, &send), s.counts(), op),
+                })
             }
         };
         step.launched.push(Inflight {
@@ -582,6 +731,7 @@ fn launch_ready(rep: &Replica, residual: &mut [Vec<f32>], step: &mut Step, finis
             called,
             bytes: step.bytes - bytes_before,
             work,
+            scatter,
         });
     }
 }

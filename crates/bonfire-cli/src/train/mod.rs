@@ -89,10 +89,11 @@ pub(crate) struct VisionArgs {
     /// without checking their files; otherwise they are passed over, as damaged ones are
     #[arg(long)]
     allow_unchecked: bool,
-    /// Shard Adam's state over the data-parallel ranks: each keeps and updates its share of the
-    /// parameters, then they all-gather the updated ones (ZeRO stage 1; the same weights, bit
-    /// for bit). 1 is the only stage bonfire has
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=1))]
+    /// Shard over the data-parallel ranks: 1, Adam's state (each rank keeps and updates its
+    /// share of the parameters, then they all-gather the updated ones; the same weights, bit for
+    /// bit); 2, the gradients too (reduce-scattered to their owners; the same weights at 2
+    /// ranks, within rounding above)
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2))]
     zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint every rank can read [default: 0]

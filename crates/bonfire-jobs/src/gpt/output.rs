@@ -61,10 +61,12 @@ pub(super) fn start_line(
         c.warmup,
         c.lr / 10.0,
         if c.bf16 { ", bf16 gradients" } else { "" },
-        if s.sharded_optimizer() {
-            ", its state sharded over the replicas (ZeRO-1)"
-        } else {
-            ""
+        match s.zero_stage() {
+            Some(bonfire::ZeroStage::One) => ", its state sharded over the replicas (ZeRO-1)",
+            Some(bonfire::ZeroStage::Two) => {
+                ", its state and the gradients sharded over the replicas (ZeRO-2)"
+            }
+            None => "",
         },
     )
 }

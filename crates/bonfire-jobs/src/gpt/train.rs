@@ -135,7 +135,7 @@ fn run_on<A: AutodiffBackend>(
     }
     let optim = JobOptimizer::new(
         AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>(),
-        s.sharded_optimizer(),
+        s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;

@@ -54,7 +54,7 @@ pub(super) fn run<B: Backend>(
     let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
     let optim = JobOptimizer::new(
         AdamConfig::new().init::<A<B>, ResNet<A<B>>>(),
-        s.sharded_optimizer(),
+        s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;

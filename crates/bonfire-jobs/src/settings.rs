@@ -141,29 +141,13 @@ pub fn settle<J: Job>(
     {
         return Err(JobError::RanksMismatch { ranks, world });
     }
-    let settings = if options.resume {
+    if options.resume {
         settle_resumed(job, request, options)
     } else if crate::rank::restart_round() > 0 {
         settle_restarted(job, request, options, world_size, reporter)
     } else {
         settle_fresh(job, request, options, world_size, reporter)
-    }?;
-    let tp = settings.config.tensor_parallel();
-    if let Some(stage) = settings.zero
-        && tp > 1
-    {
-        if !settings.resume {
-            // The fresh run's directory, made empty just now (never one with checkpoints).
-            let _ = std::fs::remove_dir(&settings.checkpoint_dir);
-        }
-        return Err(JobError::Invalid {
-            flag: "--zero",
-            given: format!("{stage} with --tp {tp}"),
-            why: "the sharded optimizer runs over data-parallel replicas of a whole model; with \
-                  tensor parallelism its checkpoint would not be gathered in one order",
-        });
     }
-    Ok(settings)
 }
 
 /// A fresh run started again by the launcher after a failure (`BONFIRE_RESTART_ROUND` above

@@ -478,7 +478,7 @@ where
 /// [`adam_steps`] on part `part` of `parts` of each batch ([`TpBatch::part`]): a data-parallel
 /// rank's share of the union batch.
 pub fn adam_steps_on_part<B, M>(
-    mut model: M,
+    model: M,
     steps: usize,
     device: &B::Device,
     part: usize,
@@ -489,13 +489,34 @@ where
     M: TpNet<B> + burn::module::AutodiffModule<B>,
 {
     let mut optim = AdamConfig::new().init::<B, M>();
+    let (model, losses, _) = steps_on_part(model, &mut optim, steps, device, part, parts);
+    (model, losses)
+}
+
+/// [`adam_steps_on_part`] with `optim` (a sharded Adam, say): the model, each step's loss, and
+/// the bytes of gradient each step handed the optimizer ([`bonfire::gradient_bytes`]).
+pub fn steps_on_part<B, M, O>(
+    mut model: M,
+    optim: &mut O,
+    steps: usize,
+    device: &B::Device,
+    part: usize,
+    parts: usize,
+) -> (M, Vec<f32>, Vec<usize>)
+where
+    B: AutodiffBackend,
+    M: TpNet<B> + burn::module::AutodiffModule<B>,
+    O: Optimizer<M, B>,
+{
     let mut losses = Vec::new();
+    let mut held = Vec::new();
     for step in 0..steps {
         let batch = M::batch(100 + step as u64).part(part, parts);
         let loss = model.loss(&batch, device);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
+        held.push(bonfire::gradient_bytes(&model, &grads));
         losses.push(loss.into_scalar().elem::<f32>());
         model = optim.step(0.001, model, grads);
     }
-    (model, losses)
+    (model, losses, held)
 }

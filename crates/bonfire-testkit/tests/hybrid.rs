@@ -11,13 +11,16 @@ use bonfire::backend::tensor_parallel::{self, local_part};
 use bonfire::backend::{DataParallelConfig, FailurePolicy, StepStats, total_stats};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire::topology::Mesh;
-use bonfire::{Hybrid, replicate};
+use bonfire::{Hybrid, ZeroStage, replicate};
 use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, seeded};
 use bonfire_testkit::run_ranks;
-use bonfire_testkit::tp::{TpEncoder, TpGpt, TpMlp, TpNet, adam_steps, adam_steps_on_part};
+use bonfire_testkit::tp::{
+    TpEncoder, TpGpt, TpMlp, TpNet, adam_steps, adam_steps_on_part, steps_on_part,
+};
 use burn::backend::Autodiff;
 use burn::backend::flex::Flex;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, Optimizer};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
@@ -179,4 +182,118 @@ fn transformer_encoder_dp2_tp2_trains_as_one_device_on_the_union_batch() {
 #[test]
 fn gpt_block_dp2_tp2_trains_as_one_device_on_the_union_batch() {
     check("gpt", TpGpt::new, TpGpt::new);
+}
+
+/// What a rank of [`hybrid_zero`] ended with.
+struct ZeroRank {
+    params: Params,
+    /// Bytes of gradient each step's optimizer got.
+    held: Vec<usize>,
+    /// Parameters this rank keeps optimizer state for.
+    states: usize,
+    /// Entries of the consolidated record (every parameter's state, gathered).
+    consolidated: usize,
+    local_elements: usize,
+    /// Its tensor-parallel rank.
+    tp_rank: usize,
+}
+
+/// As [`hybrid`], with Adam sharded over each data-parallel group at `stage` (`None`: whole).
+fn hybrid_zero<M>(make: fn(&Device) -> M, stage: Option<ZeroStage>) -> Vec<ZeroRank>
+where
+    M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+{
+    run_ranks(
+        Communicator::in_process(DP * TP, comm_config()),
+        Duration::from_secs(180),
+        move |world| {
+            let device = Device::default();
+            let groups = world
+                .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
+                .expect("split the mesh");
+            let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
+            let model = seeded::<HybridFlex, _>(1, &device, make);
+            let _dp = bonfire::backend::bind_thread(groups.dp.clone(), dp_config());
+            let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
+            let model =
+                bonfire::tensor_parallel(model, &M::plan(), &groups.tp).expect("the plan applies");
+            let model = replicate(model);
+            let adam = AdamConfig::new().init::<HybridFlex, M>();
+            let (model, held, states, consolidated) = match stage {
+                None => {
+                    let mut optim = adam;
+                    let (model, _, held) =
+                        steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
+                    let n = optim.to_record().len();
+                    (model, held, n, n)
+                }
+                Some(stage) => {
+                    let mut optim = bonfire::sharded(adam).stage(stage);
+                    let (model, _, held) =
+                        steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
+                    // Gathered over the replicas, each tensor over the tensor-parallel group:
+                    // every rank of a group must encode its entries in one order.
+                    let consolidated = optim.consolidated_record(&device).len();
+                    (model, held, optim.inner().to_record().len(), consolidated)
+                }
+            };
+            ZeroRank {
+                tp_rank: groups.tp.rank(),
+                local_elements: local_elements(&model),
+                params: parameters(&model),
+                held,
+                states,
+                consolidated,
+            }
+        },
+    )
+}
+
+/// ZeRO over the dp x tp mesh: Adam's state (stage 1), and the gradients too (stage 2), sharded
+/// over each data-parallel group, every tensor-parallel rank of a replica with the same owners
+/// (planned on the whole tensors' sizes). At dp 2 the parameters after every step are the
+/// unsharded hybrid run's, bit for bit; each rank keeps state for its share only, and at stage 2
+/// gets only its share of the gradients (after the first step, which makes the plan).
+#[test]
+fn zero_over_the_hybrid_mesh_changes_no_bit() {
+    let plain = hybrid_zero(TpGpt::new, None);
+    let tensors = plain[0].states;
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let zero = hybrid_zero(TpGpt::new, Some(stage));
+        for (rank, (p, z)) in plain.iter().zip(&zero).enumerate() {
+            assert!(
+                p.params == z.params,
+                "{stage:?} rank {rank}: parameters after {STEPS} steps differ from the unsharded \
+                 hybrid run's by {}",
+                max_abs_diff(&p.params, &z.params)
+            );
+            assert_eq!(z.consolidated, tensors, "{stage:?} rank {rank}");
+            assert!(
+                z.states > 0 && z.states < tensors,
+                "{stage:?} rank {rank}: state for {} of {tensors}",
+                z.states
+            );
+            assert!(
+                p.held.iter().all(|&h| h == 4 * p.local_elements),
+                "rank {rank}: {:?}",
+                p.held
+            );
+            let later = &z.held[1..];
+            match stage {
+                ZeroStage::One => assert_eq!(z.held, p.held, "rank {rank}"),
+                _ => assert!(
+                    later.iter().all(|&h| h > 0 && h < 4 * z.local_elements),
+                    "{stage:?} rank {rank}: {:?} of {} bytes",
+                    z.held,
+                    4 * z.local_elements
+                ),
+            }
+        }
+        // The two replicas' owners split every tensor-parallel rank's state between them.
+        for tp_rank in 0..TP {
+            let of_column = zero.iter().filter(|z| z.tp_rank == tp_rank);
+            let states: usize = of_column.map(|z| z.states).sum();
+            assert_eq!(states, tensors, "{stage:?} tp rank {tp_rank}");
+        }
+    }
 }

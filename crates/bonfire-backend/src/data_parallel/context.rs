@@ -62,10 +62,19 @@ impl Replica {
     /// Reports a synchronisation failure according to the policy: the one place a data-parallel
     /// failure is turned into an exit or a panic. Never returns.
     pub(crate) fn fail(&self, error: SyncError) -> ! {
+        let (world, rank, size) = (
+            self.comm.world_rank().0 as usize,
+            self.comm.rank(),
+            self.comm.size(),
+        );
+        // Under a data x tensor mesh the group's ranks are not the world's.
+        let who = if world == rank {
+            format!("rank {rank} of {size}")
+        } else {
+            format!("rank {world} (data-parallel rank {rank} of {size})")
+        };
         self.stop(format!(
-            "bonfire: data-parallel gradient sync failed on rank {} of {}: {error}",
-            self.comm.world_rank().0,
-            self.comm.size()
+            "bonfire: data-parallel gradient sync failed on {who}: {error}"
         ))
     }
 

@@ -17,7 +17,7 @@ use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::LearningRate;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SimpleOptimizer};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
@@ -52,6 +52,10 @@ use super::scatter::GradOwners;
 /// Read only the gradients of the parameters this rank owns (a norm over all gradients, for
 /// clipping, needs a sum over the ranks). The owners stay registered with the rank's
 /// data-parallel state until the last clone of this optimizer is dropped.
+///
+/// Under `Hybrid<B>` (data x tensor parallelism) it shards over the rank's data-parallel group,
+/// the replicas that hold the same part of the model: every tensor-parallel rank of a replica
+/// plans the same owners (from the whole tensors' sizes) and steps and gathers its own parts.
 ///
 /// The optimizer's record ([`Optimizer::to_record`]) is this rank's share: save it per rank and
 /// load it on the same number of ranks, or, for Burn's optimizers (`OptimizerAdaptor`), gather
@@ -112,8 +116,10 @@ struct Ownership {
     owner: HashMap<ParamId, usize>,
     /// Elements each rank owns (the all-gather's counts).
     counts: Vec<usize>,
-    /// Elements of the whole model.
+    /// Elements of the whole model (of this rank's parts of it).
     elements: usize,
+    /// The parameters in module order: the order a rank's state is encoded in.
+    order: Vec<ParamId>,
     /// At stage 2, the owners as the replica's gradient sync knows them.
     _gradients: Option<Registration>,
 }
@@ -245,18 +251,7 @@ impl<O> Sharded<O> {
         let stage = self.stage;
         let plan = self.plan.get_or_insert_with(|| {
             let sizes = sizes.params.unwrap_or_default();
-            // Largest first, each to the least loaded rank (the lowest on ties): the same plan
-            // on every rank, and within the largest tensor of an even split.
-            let mut by_size: Vec<usize> = (0..sizes.len()).collect();
-            by_size.sort_by_key(|&i| (std::cmp::Reverse(sizes[i].1), i));
-            let mut counts = vec![0usize; ranks];
-            let mut owner = HashMap::with_capacity(sizes.len());
-            for i in by_size {
-                let (id, numel) = sizes[i];
-                let r = (0..ranks).min_by_key(|&r| (counts[r], r)).unwrap_or(0);
-                counts[r] += numel;
-                owner.insert(id, r);
-            }
+            let (owner, counts) = assign(&sizes, ranks);
             let rank = rep.comm.rank();
             let gradients = (stage == ZeroStage::Two).then(|| {
                 Registration::new(
@@ -273,7 +268,8 @@ impl<O> Sharded<O> {
                 ranks,
                 owner,
                 counts,
-                elements: sizes.iter().map(|&(_, n)| n).sum(),
+                elements: sizes.iter().map(|&(_, _, n)| n).sum(),
+                order: sizes.iter().map(|&(id, _, _)| id).collect(),
                 _gradients: gradients,
             })
         });
@@ -281,10 +277,36 @@ impl<O> Sharded<O> {
     }
 }
 
-/// The device of the parameters, and (when `params` is given) the float parameters' ids and
-/// sizes (this rank's part of each), in module order.
+/// Each parameter's owner, and the elements (of this rank's parts) each rank owns, for
+/// parameters in module order as [`Sizes`] lists them. Largest first, each to the least loaded
+/// rank (the lowest on ties): the same plan on every rank, and within the largest tensor of an
+/// even split. Planned on the whole tensors' sizes, so that under tensor parallelism every rank
+/// of a replica makes the same plan whatever its parts' sizes (and a model makes the same plan
+/// before it is split as after).
+fn assign(
+    sizes: &[(ParamId, usize, usize)],
+    ranks: usize,
+) -> (HashMap<ParamId, usize>, Vec<usize>) {
+    let mut by_size: Vec<usize> = (0..sizes.len()).collect();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(sizes[i].1), i));
+    let mut load = vec![0usize; ranks];
+    let mut counts = vec![0usize; ranks];
+    let mut owner = HashMap::with_capacity(sizes.len());
+    for i in by_size {
+        let (id, whole, local) = sizes[i];
+        let r = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        load[r] += whole;
+        counts[r] += local;
+        owner.insert(id, r);
+    }
+    (owner, counts)
+}
+
+/// The device of the parameters, and (when `params` is given) the float parameters in module
+/// order: each one's id, elements, and elements of this rank's part (fewer under tensor
+/// parallelism).
 struct Sizes<B: AutodiffBackend> {
-    params: Option<Vec<(ParamId, usize)>>,
+    params: Option<Vec<(ParamId, usize, usize)>>,
     device: Option<B::Device>,
 }
 
@@ -298,9 +320,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes<B> {
             self.device = Some(tensor.device());
         }
         if let Some(params) = &mut self.params {
+            let whole = tensor.shape().num_elements();
             let inner = tensor.inner().into_primitive().tensor();
-            let numel = local::shape::<B::InnerBackend>(&inner).num_elements();
-            params.push((param.id, numel));
+            let local = local::shape::<B::InnerBackend>(&inner).num_elements();
+            params.push((param.id, whole, local));
         }
     }
 }
@@ -474,6 +497,7 @@ where
             })
         };
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let mine = InOrder::new(mine, &plan.order);
         let bytes = recorder.record(mine, ()).unwrap_or_else(|e| {
             rep.fail(SyncError::Sharded {
                 what: format!("encoding this rank's optimizer state: {e}"),
@@ -499,7 +523,7 @@ where
         let mut whole = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record::default();
         let mut at = 0;
         for (r, &n) in counts.iter().enumerate() {
-            let part: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record = recorder
+            let part: InOrder<_> = recorder
                 .load(all[at..at + n].to_vec(), device)
                 .unwrap_or_else(|e| {
                     rep.fail(SyncError::Sharded {
@@ -507,7 +531,7 @@ where
                         source: None,
                     })
                 });
-            whole.extend(part);
+            whole.extend(part.0);
             at += n;
         }
         debug_assert_eq!(plan.ranks, counts.len());
@@ -516,14 +540,26 @@ where
 
     /// Loads a whole optimizer state (from [`Sharded::consolidated_record`], or from the
     /// unwrapped optimizer's checkpoint) and keeps only the state of the parameters this rank
-    /// owns. Call it on every rank, with the model the state belongs to.
+    /// owns. Call it on every rank, with the model the state belongs to: whole, or already split
+    /// by tensor parallelism (the owners are the same either way; the step plans again on the
+    /// model it steps).
     pub fn load_consolidated_record(
-        mut self,
+        self,
         mut record: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record,
         module: &M,
     ) -> Self {
-        if let Some((_, plan)) = self.plan_for::<M, B>(module) {
-            record.retain(|id, _| plan.owner.get(id) == Some(&plan.rank));
+        let mut sizes = Sizes::<B> {
+            params: Some(Vec::new()),
+            device: None,
+        };
+        module.visit(&mut sizes);
+        if let Some(device) = &sizes.device {
+            let rep = context::for_device(device);
+            let (rank, ranks) = (rep.comm.rank(), rep.comm.size());
+            if ranks >= 2 {
+                let (owner, _) = assign(&sizes.params.unwrap_or_default(), ranks);
+                record.retain(|id, _| owner.get(id) == Some(&rank));
+            }
         }
         Sharded {
             inner: self.inner.load_record(record),
@@ -533,9 +569,9 @@ where
     }
 }
 
-/// Bytes of the gradients `grads` holds for `module`'s float parameters (at their dtype). Under
-/// [`ZeroStage::Two`] a rank holds only the gradients of the parameters it owns; the others come
-/// out of backward empty.
+/// Bytes of the gradients `grads` holds for `module`'s float parameters (at their dtype; of this
+/// rank's part of each under tensor parallelism). Under [`ZeroStage::Two`] a rank holds only the
+/// gradients of the parameters it owns; the others come out of backward empty.
 pub fn gradient_bytes<B, M>(module: &M, grads: &GradientsParams) -> usize
 where
     B: AutodiffBackend,
@@ -559,7 +595,45 @@ struct HeldGradients<'a, B> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.bytes += g.shape().num_elements() * g.dtype().size();
+            let size = g.dtype().size();
+            let part = local::shape::<B::InnerBackend>(&g.into_primitive().tensor());
+            self.bytes += part.num_elements() * size;
         }
+    }
+}
+
+/// A rank's optimizer state (a map from parameter to state) encoded in the module's parameter
+/// order. Burn encodes a map in its iteration order, which differs between processes; under
+/// tensor parallelism encoding a tensor gathers it over the tensor-parallel group, so every rank
+/// of a group must encode its entries in one order.
+struct InOrder<T>(Vec<(ParamId, T)>);
+
+impl<T> InOrder<T> {
+    /// `state`'s entries in `order` (parameters it leaves out last, in the map's order).
+    fn new(state: impl IntoIterator<Item = (ParamId, T)>, order: &[ParamId]) -> Self {
+        let at: HashMap<ParamId, usize> =
+            order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let mut entries: Vec<(ParamId, T)> = state.into_iter().collect();
+        entries.sort_by_key(|(id, _)| at.get(id).copied().unwrap_or(usize::MAX));
+        InOrder(entries)
+    }
+}
+
+impl<B: burn::tensor::backend::Backend, T: Record<B>> Record<B> for InOrder<T> {
+    type Item<S: PrecisionSettings> = Vec<(String, T::Item<S>)>;
+
+    fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
+        self.0
+            .into_iter()
+            .map(|(id, record)| (id.serialize(), record.into_item()))
+            .collect()
+    }
+
+    fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
+        InOrder(
+            item.into_iter()
+                .map(|(id, item)| (ParamId::deserialize(&id), T::from_item(item, device)))
+                .collect(),
+        )
     }
 }

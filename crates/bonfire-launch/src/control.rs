@@ -31,8 +31,9 @@ use crate::launcher::{
 };
 
 /// Version of the launchers' protocol; a member of another version is refused. 2: a member's
-/// proof covers what it says it is (node, nodes, ranks, last round), not only the nonces.
-const PROTOCOL: u32 = 2;
+/// proof covers what it says it is (node, nodes, ranks, last round), not only the nonces. 3:
+/// proofs are keyed by a slow derivation of the secret (`bonfire_transport::KDF_ROUNDS`).
+const PROTOCOL: u32 = 3;
 const ROLE_MEMBER: &[u8] = b"bonfire launch member";
 const ROLE_LEADER: &[u8] = b"bonfire launch leader";
 /// The longest line either side accepts.

@@ -30,7 +30,7 @@ pub use error::TransportError;
 pub use inproc::{InProcess, InProcessTransport};
 pub use job::{JobTransport, JobTransportError, Lane};
 pub use mailbox::{Inbox, Mailbox, OpenError};
-pub use quic::{QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
+pub use quic::{KDF_ROUNDS, QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
 pub use tag::Tag;
 
 /// `text` a peer sent before proving anything (a refusal's reason, say), safe to log: control

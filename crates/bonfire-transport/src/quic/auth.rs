@@ -4,13 +4,20 @@
 //! each end holds the private key of the certificate it shows; the rendezvous then pins those
 //! certificates: rank 0 records the one each worker presented and hands the list to every worker,
 //! and peer links refuse a certificate other than the pinned one. Who may join at all is decided
-//! by the job secret: both ends send `HMAC-SHA256(secret, role || exporter)`, where `exporter` is
+//! by the job secret: both ends send `HMAC-SHA256(key, role || exporter)`, where `exporter` is
 //! keying material exported from the TLS session, so a proof cannot be replayed on another
 //! connection and a man in the middle (two TLS sessions) cannot relay it.
+//!
+//! The `key` is not the secret itself but PBKDF2-HMAC-SHA256 of it ([`KDF_ROUNDS`] rounds): the
+//! launcher's control channel is plaintext, so whoever records a proof there can test guesses of
+//! the secret offline, and each guess then costs a whole derivation instead of one HMAC. A
+//! random secret of 128 bits or more is out of reach either way; the derivation is for secrets
+//! people chose.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hmac::{Hmac, Mac};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -30,9 +37,50 @@ pub(crate) const ROLE_CLIENT: &[u8] = b"bonfire client proof";
 /// The role an accepting side proves in.
 pub(crate) const ROLE_SERVER: &[u8] = b"bonfire server proof";
 
-/// A job's shared secret. Its `Debug` form never shows the bytes.
+/// PBKDF2 rounds from a job secret to the key proofs are made with. Every rank process and
+/// launcher derives the key once when it starts, so this is start-up time (about 0.3 s on one
+/// core of the 2-core machine of BENCHMARKS.md): a sixth of OWASP's 600,000 for
+/// PBKDF2-HMAC-SHA256, which cost 1.6 s there. Changing it changes every proof: raise the
+/// protocol versions with it.
+pub const KDF_ROUNDS: u32 = 100_000;
+
+/// The derivation's salt: fixed, so that every process of a job derives the same key without
+/// exchanging anything first.
+const KDF_SALT: &[u8] = b"bonfire job secret key v1";
+
+/// A job's shared secret, and the key derived from it. Its `Debug` form never shows either.
 #[derive(Clone)]
-pub struct Secret(Arc<[u8]>);
+pub struct Secret {
+    /// The secret as given, for child processes (which derive the key again).
+    text: Arc<[u8]>,
+    /// PBKDF2-HMAC-SHA256 of `text`: what proofs are made with.
+    key: Arc<[u8; 32]>,
+}
+
+/// PBKDF2-HMAC-SHA256 of `secret` over `rounds` rounds, 32 bytes.
+fn derive(secret: &[u8], rounds: u32) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    pbkdf2::pbkdf2::<Hmac<Sha256>>(secret, KDF_SALT, rounds, &mut key);
+    key
+}
+
+/// The key of `secret`, derived once per process (tests and the launcher make the same secret
+/// many times). The cache is keyed by the secret's SHA-256.
+fn key_of(secret: &[u8]) -> Arc<[u8; 32]> {
+    use sha2::Digest;
+    type Keys = Mutex<HashMap<[u8; 32], Arc<[u8; 32]>>>;
+    static KEYS: OnceLock<Keys> = OnceLock::new();
+    let id: [u8; 32] = Sha256::digest(secret).into();
+    let keys = KEYS.get_or_init(Default::default);
+    if let Some(key) = keys.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
+        return key.clone();
+    }
+    let key = Arc::new(derive(secret, KDF_ROUNDS));
+    keys.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(id, key.clone());
+    key
+}
 
 /// Why a secret could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +123,7 @@ impl Secret {
                 len: trimmed.len(),
             });
         }
-        Ok(Secret(trimmed.into()))
+        Ok(Secret::of(trimmed))
     }
 
     /// Reads a secret file (its whole contents, whitespace-trimmed). A file other users may read
@@ -95,16 +143,23 @@ impl Secret {
     pub fn generate() -> Secret {
         let bytes: [u8; 32] = rand::random();
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        Secret(hex.as_bytes().into())
+        Secret::of(hex.as_bytes())
+    }
+
+    fn of(text: &[u8]) -> Secret {
+        Secret {
+            key: key_of(text),
+            text: text.into(),
+        }
     }
 
     /// The secret as text, for handing to child processes through the environment. Only
     /// meaningful for secrets that are text (generated ones are).
     pub fn expose_text(&self) -> String {
-        String::from_utf8_lossy(&self.0).into_owned()
+        String::from_utf8_lossy(&self.text).into_owned()
     }
 
-    /// `HMAC-SHA256(secret, role || exporter)`: proof that the sender holds the secret, bound to
+    /// `HMAC-SHA256(key, role || exporter)`: proof that the sender holds the secret, bound to
     /// `role` (who proves) and `exporter` (material unique to one session, so that a recorded
     /// proof cannot be replayed in another).
     pub fn proof(&self, role: &[u8], exporter: &[u8]) -> [u8; PROOF_LEN] {
@@ -123,13 +178,13 @@ impl Secret {
     }
 
     fn mac(&self) -> Hmac<Sha256> {
-        <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+        <Hmac<Sha256> as Mac>::new_from_slice(&self.key[..]).expect("HMAC takes keys of any length")
     }
 }
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Secret({} bytes, redacted)", self.0.len())
+        write!(f, "Secret({} bytes, redacted)", self.text.len())
     }
 }
 
@@ -258,6 +313,56 @@ pub(crate) fn exposed(path: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The derivation is PBKDF2-HMAC-SHA256 (the published vectors for "password" and "salt"),
+    /// and proofs are made with its key: a proof keyed with the secret itself, as before the
+    /// derivation, or with a derivation of fewer rounds, is refused. So checking one guess of the
+    /// secret against a recorded proof costs `KDF_ROUNDS` rounds.
+    #[test]
+    fn proofs_are_keyed_by_a_slow_derivation_of_the_secret() {
+        let vector = |rounds| {
+            let mut out = [0u8; 32];
+            pbkdf2::pbkdf2::<Hmac<Sha256>>(b"password", b"salt", rounds, &mut out);
+            hex(&out)
+        };
+        assert_eq!(
+            vector(1),
+            "120fb6cffcf8b32c43e7225256c4f837a86548c92ccc35480805987cb70be17b"
+        );
+        assert_eq!(
+            vector(4096),
+            "c5e478d59288c841aa530db6845c4c8d962893a001ce4e11a4963873aa98134a"
+        );
+        let text = b"0123456789abcdef-a-chosen-secret";
+        let started = std::time::Instant::now();
+        let secret = Secret::new(text).unwrap();
+        let cost = started.elapsed();
+        assert_eq!(*secret.key, derive(text, KDF_ROUNDS));
+        let (role, exporter) = (ROLE_CLIENT, b"exported keying material");
+        assert!(secret.verify(role, exporter, &secret.proof(role, exporter)));
+        let keyed = |key: &[u8]| {
+            let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap();
+            mac.update(role);
+            mac.update(exporter);
+            mac.finalize().into_bytes()
+        };
+        assert!(!secret.verify(role, exporter, &keyed(text)));
+        assert!(!secret.verify(role, exporter, &keyed(&derive(text, KDF_ROUNDS / 2))));
+        assert!(secret.verify(role, exporter, &keyed(&derive(text, KDF_ROUNDS))));
+        // Made again, the key comes from the process's cache.
+        let again = std::time::Instant::now();
+        let same = Secret::new(text).unwrap();
+        assert_eq!(same.key, secret.key);
+        eprintln!(
+            "one derivation ({KDF_ROUNDS} rounds): {cost:?}; from the cache: {:?}",
+            again.elapsed()
+        );
+        assert_eq!(format!("{secret:?}"), "Secret(32 bytes, redacted)");
+    }
 
     #[test]
     fn a_secret_file_others_can_read_is_named() {

@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use super::auth::PROOF_LEN;
 
-/// The control protocol's version; a mismatch is refused with both versions named.
-pub(crate) const PROTOCOL: u32 = 1;
+/// The control protocol's version; a mismatch is refused with both versions named. 2: proofs
+/// are keyed by a slow derivation of the secret ([`super::auth::KDF_ROUNDS`]).
+pub(crate) const PROTOCOL: u32 = 2;
 
 /// The largest control message accepted (a roster of thousands of ranks fits).
 pub(crate) const MAX_CONTROL: usize = 16 << 20;

@@ -57,7 +57,7 @@ use bytes::Bytes;
 use quinn::{Endpoint, VarInt};
 use tokio::task::JoinHandle;
 
-pub use auth::{Secret, SecretError};
+pub use auth::{KDF_ROUNDS, Secret, SecretError};
 pub use config::QuicConfig;
 pub use error::{QuicError, SetupError, Who};
 

@@ -14,7 +14,10 @@
 //! so only a process that proved the job secret ever learns a name. `p` maps the file only if it
 //! is a private file of this user of the announced size whose control block carries the nonce,
 //! and answers; `r` unlinks the file as soon as the answer arrives, mapped or not. A rank killed
-//! between creating and unlinking leaves a file the launcher removes (it knows the job tag).
+//! between creating and unlinking leaves a file the launcher removes (it knows the job tag); the
+//! name also carries the creator's pid (`bonfire-<tag>-p<pid>-<random>`), so that ranks started
+//! without a launcher, which share the tag `job`, remove such files at their next setup on the
+//! host ([`remove_orphans`]).
 //!
 //! # Failure
 //! Waits on a ring spin briefly, then sleep on a futex in 20 ms ticks, checking between ticks
@@ -195,6 +198,63 @@ fn prefix(tag: &str) -> String {
     format!("bonfire-{tag}-")
 }
 
+/// How old an orphan must be at least before [`remove_orphans`] takes it: a live rank unlinks each
+/// segment it makes within its setup timeout (30 s by default).
+pub const ORPHAN_AGE: Duration = Duration::from_secs(120);
+
+/// Removes the segments in `dir` left by ranks of any job that were killed while setting up
+/// their lanes: files of this user named as this module names them, whose creating process (the
+/// pid in the name) no longer exists, and not modified for `older_than` (a live rank unlinks its
+/// segments within its setup timeout; the age keeps a process of another pid namespace that
+/// shares the directory safe). Every rank's setup runs it first: ranks started without `bonfire
+/// launch` have no launcher to remove what a crash left. Returns how many it removed.
+pub fn remove_orphans(dir: &Path, older_than: Duration) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let Some(pid) = name.to_str().and_then(creator_of) else {
+                return false;
+            };
+            let Ok(meta) = e.metadata() else {
+                return false;
+            };
+            let old = meta
+                .modified()
+                .ok()
+                .and_then(|m| m.elapsed().ok())
+                .is_some_and(|age| age >= older_than);
+            meta.is_file() && meta.uid() == uid && old && !alive(pid)
+        })
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
+/// The pid in a segment's name (`bonfire-<tag>-p<pid>-<32 hex digits>`); `None` for other names.
+fn creator_of(name: &str) -> Option<i32> {
+    let rest = name.strip_prefix("bonfire-")?;
+    let (tag, rest) = rest.split_once("-p")?;
+    let (pid, random) = rest.split_once('-')?;
+    let hex = random.len() == 32 && random.bytes().all(|b| b.is_ascii_hexdigit());
+    (valid_tag(tag) && hex)
+        .then(|| pid.parse::<i32>().ok())
+        .flatten()
+        .filter(|&p| p > 0)
+}
+
+/// Whether process `pid` exists (as this process sees them).
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
 /// Removes every segment of the job tagged `tag` left in `dir` (by ranks killed while setting up);
 /// returns how many there were. For launchers, after their ranks exited.
 pub fn remove_segments(dir: &Path, tag: &str) -> usize {
@@ -343,6 +403,14 @@ pub(crate) async fn setup<T: Transport>(
     };
     let boot = sys::boot_id();
     let pid = std::process::id();
+    let orphans = remove_orphans(&config.dir, ORPHAN_AGE.max(config.setup_timeout * 2));
+    if orphans > 0 {
+        tracing::info!(
+            "bonfire[{me}]: removed {orphans} shared-memory segment(s) from {} left by ranks \
+             that died while setting up their lanes",
+            config.dir.display()
+        );
+    }
     let mut fallback: Vec<String> = Vec::new();
     let mut refuse = |peer: Rank, reason: String| -> Result<(), ShmSetupError> {
         if config.mode == TransportMode::Shm {
@@ -363,7 +431,11 @@ pub(crate) async fn setup<T: Transport>(
             let reason = format!("{}=quic", vars::TRANSPORT);
             (Offer::Declined { reason }, None)
         } else {
-            let name = format!("{}{:032x}", prefix(&config.tag), rand::random::<u128>());
+            let name = format!(
+                "{}p{pid}-{:032x}",
+                prefix(&config.tag),
+                rand::random::<u128>()
+            );
             let len = Ring::segment_len(config.ring_bytes);
             match Segment::create(&config.dir.join(&name), len) {
                 Ok(seg) => {

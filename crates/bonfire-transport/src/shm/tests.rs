@@ -517,3 +517,47 @@ fn a_queued_frame_nobody_reads_ends_the_lane_after_the_stall_limit() {
     assert!(link.finish(Duration::from_secs(10)));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What a rank killed while setting up leaves is removed by the next setup on the host, tag or
+/// no tag: a segment of a process that is gone, old enough. Segments of live processes, recent
+/// ones, other users' names and other files stay.
+#[test]
+fn a_dead_ranks_old_segments_are_removed_at_the_next_setup() {
+    let dir = temp_dir("orphans");
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let live = std::process::id();
+    let random = "0123456789abcdef0123456789abcdef";
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let make = |name: &str, aged: bool| {
+        let f = std::fs::File::create(dir.join(name)).unwrap();
+        if aged {
+            f.set_modified(old).unwrap();
+        }
+    };
+    let orphan = format!("bonfire-job-p{dead}-{random}");
+    make(&orphan, true);
+    let orphan2 = format!("bonfire-1f2e3d-p{dead}-{random}");
+    make(&orphan2, true);
+    let kept = [
+        (format!("bonfire-job-p{live}-{random}"), true),
+        (format!("bonfire-job-p{dead}-{random}a"), true),
+        (format!("bonfire-job-{random}"), true),
+        (format!("other-job-p{dead}-{random}"), true),
+        (format!("bonfire-job-p{dead}-{}", &random[..31]), true),
+    ];
+    for (name, aged) in &kept {
+        make(name, *aged);
+    }
+    let recent = format!("bonfire-job-p{dead}-{}", random.replace('0', "f"));
+    make(&recent, false);
+    assert_eq!(super::remove_orphans(&dir, super::ORPHAN_AGE), 2);
+    assert!(!dir.join(&orphan).exists() && !dir.join(&orphan2).exists());
+    for (name, _) in &kept {
+        assert!(dir.join(name).exists(), "{name} was removed");
+    }
+    assert!(dir.join(&recent).exists(), "a recent segment was removed");
+    assert_eq!(super::remove_orphans(&dir, super::ORPHAN_AGE), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

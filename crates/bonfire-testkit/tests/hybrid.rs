@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bonfire::backend::tensor_parallel::{self, local_part};
 use bonfire::backend::{DataParallelConfig, FailurePolicy, StepStats, total_stats};
-use bonfire::collectives::{CommConfig, Communicator};
+use bonfire::collectives::{CommConfig, Communicator, MeshGroups};
 use bonfire::topology::Mesh;
 use bonfire::{Hybrid, ZeroStage, replicate};
 use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, seeded};
@@ -83,10 +83,13 @@ struct Rank {
 }
 
 /// dp x tp ranks as threads: each splits the model over its tensor-parallel group, replicates it
-/// over its data-parallel group, and trains on its replica's part of every batch.
-fn hybrid<M>(make: fn(&Device) -> M) -> Vec<Rank>
+/// over its data-parallel group (both groups bound to its thread), and hands it to `train` with
+/// the groups.
+fn on_the_mesh<M, R, F>(make: fn(&Device) -> M, train: F) -> Vec<R>
 where
     M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+    R: Send + 'static,
+    F: Fn(M, &MeshGroups, &Device) -> R + Send + Sync + 'static,
 {
     run_ranks(
         Communicator::in_process(DP * TP, comm_config()),
@@ -96,29 +99,39 @@ where
             let groups = world
                 .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
                 .expect("split the mesh");
-            let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
             let model = seeded::<HybridFlex, _>(1, &device, make);
             let _dp = bonfire::backend::bind_thread(groups.dp.clone(), dp_config());
             let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
             let model =
                 bonfire::tensor_parallel(model, &M::plan(), &groups.tp).expect("the plan applies");
-            let model = replicate(model);
-            let tp_before = tensor_parallel::stats().expect("tp stats");
-            let (model, _) = adam_steps_on_part(model, STEPS, &device, replica, replicas);
-            let tp = tensor_parallel::stats()
-                .expect("tp stats")
-                .since(&tp_before);
-            let mut tensors = 0;
-            model.visit(&mut CountTensors(&mut tensors));
-            Rank {
-                local_elements: local_elements(&model),
-                params: parameters(&model),
-                dp: total_stats().expect("dp stats"),
-                tp,
-                tensors,
-            }
+            train(replicate(model), &groups, &device)
         },
     )
+}
+
+/// [`on_the_mesh`], each rank training on its replica's part of every batch.
+fn hybrid<M>(make: fn(&Device) -> M) -> Vec<Rank>
+where
+    M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+{
+    on_the_mesh(make, |model: M, groups, device| {
+        let device = *device;
+        let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
+        let tp_before = tensor_parallel::stats().expect("tp stats");
+        let (model, _) = adam_steps_on_part(model, STEPS, &device, replica, replicas);
+        let tp = tensor_parallel::stats()
+            .expect("tp stats")
+            .since(&tp_before);
+        let mut tensors = 0;
+        model.visit(&mut CountTensors(&mut tensors));
+        Rank {
+            local_elements: local_elements(&model),
+            params: parameters(&model),
+            dp: total_stats().expect("dp stats"),
+            tp,
+            tensors,
+        }
+    })
 }
 
 struct CountTensors<'a>(&'a mut usize);
@@ -203,50 +216,37 @@ fn hybrid_zero<M>(make: fn(&Device) -> M, stage: Option<ZeroStage>) -> Vec<ZeroR
 where
     M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
 {
-    run_ranks(
-        Communicator::in_process(DP * TP, comm_config()),
-        Duration::from_secs(180),
-        move |world| {
-            let device = Device::default();
-            let groups = world
-                .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
-                .expect("split the mesh");
-            let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
-            let model = seeded::<HybridFlex, _>(1, &device, make);
-            let _dp = bonfire::backend::bind_thread(groups.dp.clone(), dp_config());
-            let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
-            let model =
-                bonfire::tensor_parallel(model, &M::plan(), &groups.tp).expect("the plan applies");
-            let model = replicate(model);
-            let adam = AdamConfig::new().init::<HybridFlex, M>();
-            let (model, held, states, consolidated) = match stage {
-                None => {
-                    let mut optim = adam;
-                    let (model, _, held) =
-                        steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
-                    let n = optim.to_record().len();
-                    (model, held, n, n)
-                }
-                Some(stage) => {
-                    let mut optim = bonfire::sharded(adam).stage(stage);
-                    let (model, _, held) =
-                        steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
-                    // Gathered over the replicas, each tensor over the tensor-parallel group:
-                    // every rank of a group must encode its entries in one order.
-                    let consolidated = optim.consolidated_record(&device).len();
-                    (model, held, optim.inner().to_record().len(), consolidated)
-                }
-            };
-            ZeroRank {
-                tp_rank: groups.tp.rank(),
-                local_elements: local_elements(&model),
-                params: parameters(&model),
-                held,
-                states,
-                consolidated,
+    on_the_mesh(make, move |model: M, groups, device| {
+        let device = *device;
+        let (replica, replicas) = (groups.dp.rank(), groups.dp.size());
+        let adam = AdamConfig::new().init::<HybridFlex, M>();
+        let (model, held, states, consolidated) = match stage {
+            None => {
+                let mut optim = adam;
+                let (model, _, held) =
+                    steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
+                let n = optim.to_record().len();
+                (model, held, n, n)
             }
-        },
-    )
+            Some(stage) => {
+                let mut optim = bonfire::sharded(adam).stage(stage);
+                let (model, _, held) =
+                    steps_on_part(model, &mut optim, STEPS, &device, replica, replicas);
+                // Gathered over the replicas, each tensor over the tensor-parallel group:
+                // every rank of a group must encode its entries in one order.
+                let consolidated = optim.consolidated_record(&device).len();
+                (model, held, optim.inner().to_record().len(), consolidated)
+            }
+        };
+        ZeroRank {
+            tp_rank: groups.tp.rank(),
+            local_elements: local_elements(&model),
+            params: parameters(&model),
+            held,
+            states,
+            consolidated,
+        }
+    })
 }
 
 /// ZeRO over the dp x tp mesh: Adam's state (stage 1), and the gradients too (stage 2), sharded

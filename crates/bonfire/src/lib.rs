@@ -65,7 +65,7 @@ pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
     BucketTimes, BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, LatePeer, NoSyncGuard, Overlap, Sharded, StepStats, ZeroStage, accumulate,
+    GradDType, InOrder, LatePeer, NoSyncGuard, Overlap, Sharded, StepStats, ZeroStage, accumulate,
     discard_kept_gradients, gradient_bytes, keep_gradients, last_step_stats, no_sync, replicate,
     sharded, sync_buffers, total_stats,
 };

@@ -37,6 +37,6 @@ pub use error::SyncError;
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;
-pub use sharded::{Sharded, ZeroStage, gradient_bytes, sharded};
+pub use sharded::{InOrder, Sharded, ZeroStage, gradient_bytes, sharded};
 pub use stats::{BucketTimes, LatePeer, StepStats};
 pub use sync::{NoSyncGuard, no_sync};

@@ -497,7 +497,7 @@ where
             })
         };
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        let mine = InOrder::new(mine, &plan.order);
+        let mine = InOrder::ordered(mine, &plan.order);
         let bytes = recorder.record(mine, ()).unwrap_or_else(|e| {
             rep.fail(SyncError::Sharded {
                 what: format!("encoding this rank's optimizer state: {e}"),
@@ -602,15 +602,35 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradients<'_, B> {
     }
 }
 
-/// A rank's optimizer state (a map from parameter to state) encoded in the module's parameter
-/// order. Burn encodes a map in its iteration order, which differs between processes; under
-/// tensor parallelism encoding a tensor gathers it over the tensor-parallel group, so every rank
-/// of a group must encode its entries in one order.
-struct InOrder<T>(Vec<(ParamId, T)>);
+/// An optimizer's state (a map from parameter to state, as Burn's optimizers record it) in the
+/// module's parameter order, as a [`Record`]. Burn encodes a map in its iteration order, which
+/// differs between processes; under tensor parallelism encoding or decoding a tensor gathers it
+/// over the tensor-parallel group, so every rank of a group must take the entries in one order
+/// (not the ids' order either: a fresh model's ids differ between processes). Used for
+/// [`Sharded::consolidated_record`]'s exchange and the bundled jobs' checkpoints.
+pub struct InOrder<T>(pub Vec<(ParamId, T)>);
 
 impl<T> InOrder<T> {
-    /// `state`'s entries in `order` (parameters it leaves out last, in the map's order).
-    fn new(state: impl IntoIterator<Item = (ParamId, T)>, order: &[ParamId]) -> Self {
+    /// `state`'s entries in the order of `module`'s float parameters (entries of parameters it
+    /// does not have go last).
+    pub fn new<B, M>(state: impl IntoIterator<Item = (ParamId, T)>, module: &M) -> Self
+    where
+        B: burn::tensor::backend::Backend,
+        M: burn::module::Module<B>,
+    {
+        struct Order<B>(Vec<ParamId>, std::marker::PhantomData<B>);
+        impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Order<B> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                self.0.push(p.id);
+            }
+        }
+        let mut order = Order::<B>(Vec::new(), std::marker::PhantomData);
+        module.visit(&mut order);
+        Self::ordered(state, &order.0)
+    }
+
+    /// `state`'s entries in `order`.
+    fn ordered(state: impl IntoIterator<Item = (ParamId, T)>, order: &[ParamId]) -> Self {
         let at: HashMap<ParamId, usize> =
             order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         let mut entries: Vec<(ParamId, T)> = state.into_iter().collect();

@@ -11,17 +11,14 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, Hybrid};
+use bonfire::{DataParallel, Hybrid, InOrder};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
-use std::collections::HashMap;
-
-use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::{Adam, AdamConfig, GradientsParams};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
@@ -38,54 +35,6 @@ use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
 type Optim<A> = JobOptimizer<Adam, Gpt<A>, A>;
-
-/// An optimizer's state (a map from parameter to state) recorded in the model's parameter order.
-/// Burn records the map in its own iteration order, which differs between processes; under
-/// tensor parallelism reading each tensor gathers it over the group, so the ranks must read
-/// them in one order (not the ids' order either: a fresh model's ids differ between ranks).
-struct Ordered<T>(Vec<(ParamId, T)>);
-
-impl<T> Ordered<T> {
-    /// `state`'s entries in the order of `model`'s parameters.
-    fn new<B: Backend, M: Module<B>>(state: hashbrown::HashMap<ParamId, T>, model: &M) -> Self {
-        struct Order(Vec<ParamId>);
-        impl<B: Backend> ModuleVisitor<B> for Order {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                self.0.push(p.id);
-            }
-        }
-        let mut order = Order(Vec::new());
-        model.visit(&mut order);
-        let rank: HashMap<ParamId, usize> = order
-            .0
-            .into_iter()
-            .enumerate()
-            .map(|(i, id)| (id, i))
-            .collect();
-        let mut entries: Vec<(ParamId, T)> = state.into_iter().collect();
-        entries.sort_by_key(|(id, _)| rank.get(id).copied().unwrap_or(usize::MAX));
-        Ordered(entries)
-    }
-}
-
-impl<B: Backend, T: Record<B>> Record<B> for Ordered<T> {
-    type Item<S: PrecisionSettings> = Vec<(String, T::Item<S>)>;
-
-    fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
-        self.0
-            .into_iter()
-            .map(|(id, record)| (id.serialize(), record.into_item()))
-            .collect()
-    }
-
-    fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
-        Ordered(
-            item.into_iter()
-                .map(|(id, item)| (ParamId::deserialize(&id), T::from_item(item, device)))
-                .collect(),
-        )
-    }
-}
 
 /// Points on the training-loss curve per round.
 const CURVE_POINTS: usize = 10;
@@ -230,7 +179,7 @@ fn resume<A: AutodiffBackend>(
     };
     let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
     let optim = optim.load_whole_record(
-        checkpoint::decode::<A, Ordered<_>>(&loaded.optimizer, device)
+        checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
             .map_err(bad("optimizer state"))?
             .0
             .into_iter()
@@ -425,7 +374,7 @@ fn record_round<A: AutodiffBackend>(
         .record(model.clone().into_record(), ())
         .map_err(encode("model"))?;
     let optim_bytes = recorder
-        .record(Ordered::new(optim.whole_record(device), model), ())
+        .record(InOrder::new(optim.whole_record(device), model), ())
         .map_err(encode("optimizer state"))?;
     let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
     let Some(dir) = saved else {

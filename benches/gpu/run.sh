@@ -7,13 +7,13 @@
 #   bash benches/gpu/build.sh            # here: release binaries with --features cuda
 #   bash benches/gpu/run.sh              # there: tests, kernel bench, training, the peer
 #
-# SECTIONS picks what runs (default: all of "tests bench train peer"); BATCHES the per-rank
+# SECTIONS picks what runs (default: all of "tests lane bench train peer"); BATCHES the per-rank
 # batches of the training runs and their peer (default 64); EPOCHS the epochs (default 1).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GPU_DIR:-.gpu}"
 out="${OUT:-gpu-out}"
-sections="${SECTIONS:-tests bench train peer}"
+sections="${SECTIONS:-tests lane bench train peer}"
 batches="${BATCHES:-64}"
 mkdir -p "$out"
 bin=/tmp/bonfire-gpu
@@ -41,6 +41,25 @@ if want tests; then
     timeout 300 "$bin/kernels-tests" --test-threads 1 --nocapture cuda 2>&1 | tee "$out/kernels-tests.log" | tail -12 | tee -a "$out/summary.txt"
     step "DataParallel<Cuda>: device packing against the host path and one rank"
     timeout 150 "$bin/dp-gpu-tests" --test-threads 1 cuda 2>&1 | tee "$out/dp-gpu-tests.log" | tail -5 | tee -a "$out/summary.txt"
+fi
+
+if want lane; then
+    step "device lane: every collective against the host reference, threads and processes (CUDA IPC), a rank killed"
+    timeout 300 "$bin/lane-tests" --test-threads 1 2>&1 | tee "$out/lane-tests.log" | tail -8 | tee -a "$out/summary.txt"
+    for dtype in ${LANE_DTYPES:-f32 bf16}; do
+        step "bonfire bench collectives --device cuda --dtype $dtype: 2 processes on one GPU"
+        timeout 200 "$bin/bonfire" bench collectives --device cuda --nproc 2 --dtype "$dtype" \
+            --sizes "${LANE_SIZES:-1K,64K,1M,16M,64M,256M,1G}" 2>&1 | tee -a "$out/lane-bench.log" | tee -a "$out/summary.txt"
+    done
+    step "the host lane, same ranks and sizes: bonfire bench collectives --transport shm"
+    timeout 200 "$bin/bonfire" bench collectives --transport shm --nproc 2 \
+        --sizes "${HOST_SIZES:-1K,64K,1M,16M,64M,256M}" 2>&1 | tee -a "$out/lane-bench.log" | tee -a "$out/summary.txt"
+    step "the peer: PyTorch gloo all_reduce of CUDA tensors, 2 processes on one GPU"
+    PYTHONUNBUFFERED=1 timeout 200 python3 benches/gloo_allreduce.py --device cuda --nproc 2 \
+        --sizes "${HOST_SIZES:-1K,64K,1M,16M,64M,256M}" 2>&1 | tee -a "$out/lane-bench.log" | tee -a "$out/summary.txt"
+    step "the peer: NCCL with 2 processes on one GPU"
+    PYTHONUNBUFFERED=1 timeout 60 python3 benches/gloo_allreduce.py --device cuda --nproc 2 --backend nccl \
+        --sizes 1M 2>&1 | tail -4 | tee -a "$out/lane-bench.log" | tee -a "$out/summary.txt"
 fi
 
 if want bench; then

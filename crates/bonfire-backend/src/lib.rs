@@ -25,6 +25,8 @@ mod data_parallel;
 pub mod passthrough;
 pub mod tensor_parallel;
 
+#[cfg(feature = "cuda")]
+pub use data_parallel::CommLink;
 pub use data_parallel::{
     BindGuard, BucketTimes, BufferSync, ConfigError, DataParallel, DataParallelConfig,
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalParts, NoSyncGuard,

@@ -78,6 +78,13 @@ pub(crate) enum CliError {
         /// The global batch.
         batch: usize,
     },
+    /// A flag combination this build or machine cannot run (the message says which).
+    #[error("{0}")]
+    Usage(String),
+    /// The device lane failed (the message names the collective, its size and the rank).
+    #[cfg(feature = "cuda")]
+    #[error("{0}")]
+    Lane(String),
     /// A benchmark thread panicked.
     #[error("{0} panicked")]
     Panicked(&'static str),
@@ -91,6 +98,7 @@ impl CliError {
             CliError::ResolvedByHand
             | CliError::NoProgram
             | CliError::Mesh { .. }
+            | CliError::Usage(_)
             | CliError::TransportMismatch { .. } => std::process::ExitCode::from(2),
             _ => std::process::ExitCode::FAILURE,
         }

@@ -123,7 +123,7 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
     let mut lines = vec![format!(
         "data parallel   {:.1} ms per step: backward {:.1} ms, communication {:.2} ms of which \
          {:.0}% hidden by backward, {:.2} ms exposed ({:.1}% of the step); {} KiB of gradients \
-         per step in {} bucket(s)",
+         per step in {} bucket(s){}",
         step_ms,
         ms(st.backward),
         ms(st.communication),
@@ -132,6 +132,7 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         100.0 * exposed / step_ms.max(1e-9),
         st.bytes / st.steps / 1024,
         st.buckets / st.steps,
+        lane_words(st),
     )];
     lines.extend(bucket_lines(st));
     lines.extend(late_line(st));
@@ -143,6 +144,15 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         ));
     }
     lines
+}
+
+/// Where the buckets went when not all through the host: `", 3 through the device lane"`.
+fn lane_words(st: &StepStats) -> String {
+    match st.device_lane / st.steps.max(1) {
+        0 if st.device_packed > 0 => ", packed on the device, all-reduced on the host".into(),
+        0 => String::new(),
+        n => format!(", {n} through the device lane (CUDA IPC, never on the host)"),
+    }
 }
 
 /// Most buckets the report lists (the last ones backward fills: they decide the exposed time).
@@ -421,6 +431,7 @@ mod tests {
             bytes: 2 * 5 * 80 * 1024,
             buckets: 10,
             device_packed: 0,
+            device_lane: 0,
             timeline: (0..5).map(|b| bucket(20 * b, 20 * b + 8)).collect(),
             late_peers: [
                 (

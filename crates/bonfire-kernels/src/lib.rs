@@ -24,6 +24,8 @@
 //! ([`DeviceBuffer`]).
 
 mod kernels;
+#[cfg(feature = "cuda")]
+pub mod lane;
 mod local;
 pub mod reference;
 

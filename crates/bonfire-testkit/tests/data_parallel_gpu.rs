@@ -3,8 +3,11 @@
 //! kernel, cross to the host in one transfer each way, and the averages are written back by the
 //! fused unpack kernel. Checked against one rank with the whole batch (f32, max abs difference at
 //! most 1e-5) and against the host path (every gradient read on its own), which must give the
-//! same bits. Ranks are threads of this process over the in-process transport, sharing one
-//! device (the way burn-train's DDP runs when a device is listed twice).
+//! same bits. On CUDA the buckets also go through the device lane (the ranks' device windows,
+//! reduced by the lane's kernel, never crossing to the host), which must give those bits too.
+//! Ranks are threads of this process over the in-process transport, sharing one device (the way
+//! burn-train's DDP runs when a device is listed twice); the lane between processes (CUDA IPC)
+//! is tested in `bonfire-kernels`' `device_lane` tests and by `bonfire train --backend cuda`.
 
 use std::time::Duration;
 
@@ -29,14 +32,26 @@ type DpCube = Autodiff<bonfire::DataParallel<Wgpu>>;
 const STEPS: usize = 3;
 const TOLERANCE: f32 = 1e-5;
 
-fn config(device_pack: bool) -> DataParallelConfig {
+/// Which way buckets travel.
+#[derive(Copy, Clone, Debug, PartialEq)]
+enum Path {
+    /// Packed on the device, all-reduced through the device lane where there is one (CUDA).
+    Lane,
+    /// Packed on the device, all-reduced on the host.
+    Packed,
+    /// Every gradient read and written on its own, all-reduced on the host.
+    Host,
+}
+
+fn config(path: Path) -> DataParallelConfig {
     DataParallelConfig {
         failure: FailurePolicy::Panic,
         // 64 bytes: the head's bias (3 floats) and weight (24) and the hidden layer's bias (8)
         // and weight (96) fall into several buckets, some of them holding two parameters.
         bucket_cap_bytes: 64,
         first_bucket_cap_bytes: 64,
-        device_pack,
+        device_pack: path != Path::Host,
+        device_lane: path == Path::Lane,
         ..DataParallelConfig::default()
     }
 }
@@ -56,7 +71,7 @@ where
 {
     let _bind = bind_thread(
         Communicator::in_process(1, comm_config()).remove(0),
-        config(true),
+        config(Path::Packed),
     );
     let model = bonfire::replicate(model);
     parameters(&train(model, batches, 1, device).0)
@@ -67,7 +82,7 @@ where
 fn two_ranks<B>(
     rank0: SmallMlp<B>,
     batches: &[Batch],
-    device_pack: bool,
+    path: Path,
     device: &B::Device,
 ) -> Vec<(Params, StepStats)>
 where
@@ -83,7 +98,7 @@ where
         move |comm| {
             let r = comm.rank();
             let model = models.take(r);
-            let _bind = bind_thread(comm, config(device_pack));
+            let _bind = bind_thread(comm, config(path));
             let model = bonfire::replicate(model);
             let shard: Vec<Batch> = batches
                 .iter()
@@ -99,7 +114,8 @@ where
     )
 }
 
-fn check<B>(what: &str, device: B::Device)
+/// `lane`: whether this backend has the device lane (CUDA).
+fn check<B>(what: &str, device: B::Device, lane: bool)
 where
     B: AutodiffBackend,
     SmallMlp<B>: AutodiffModule<B> + 'static,
@@ -113,8 +129,19 @@ where
         "{what}: the reference run did not train"
     );
 
-    let on_device = two_ranks(base.clone(), &batches, true, &device);
-    let host = two_ranks(base, &batches, false, &device);
+    let through_lane = two_ranks(base.clone(), &batches, Path::Lane, &device);
+    let on_device = two_ranks(base.clone(), &batches, Path::Packed, &device);
+    let host = two_ranks(base, &batches, Path::Host, &device);
+    for (r, ((ln, ln_stats), (dev, dev_stats))) in through_lane.iter().zip(&on_device).enumerate() {
+        // The device lane sums in rank order and scales once, as the host's all-reduce of two.
+        assert_eq!(ln, dev, "{what}: rank {r}, device lane against host lane");
+        let expected = if lane { ln_stats.buckets } else { 0 };
+        assert_eq!(
+            ln_stats.device_lane, expected,
+            "{what}: buckets through the device lane: {ln_stats:?}"
+        );
+        assert_eq!(dev_stats.device_lane, 0, "{what}: lane off: {dev_stats:?}");
+    }
     for (r, ((dev, dev_stats), (hst, hst_stats))) in on_device.iter().zip(&host).enumerate() {
         let d = max_abs_diff(&reference, dev);
         assert!(
@@ -142,12 +169,13 @@ fn fused_wgpu_buckets_are_packed_on_the_device_and_match_one_rank() {
     check::<DpFused>(
         "Autodiff<DataParallel<Fusion<CubeBackend<WgpuRuntime>>>>",
         WgpuDevice::default(),
+        false,
     );
 }
 
 #[test]
 fn plain_cubecl_buckets_are_packed_on_the_device_and_match_one_rank() {
-    check::<DpCube>("Autodiff<DataParallel<Wgpu>>", WgpuDevice::default());
+    check::<DpCube>("Autodiff<DataParallel<Wgpu>>", WgpuDevice::default(), false);
 }
 
 #[cfg(feature = "cuda")]
@@ -158,9 +186,11 @@ fn cuda_buckets_are_packed_on_the_device_and_match_one_rank() {
     check::<Autodiff<bonfire::DataParallel<Cube>>>(
         "Autodiff<DataParallel<CubeBackend<CudaRuntime>>>",
         CudaDevice::default(),
+        true,
     );
     check::<Autodiff<bonfire::DataParallel<Fusion<Cube>>>>(
         "Autodiff<DataParallel<Fusion<CubeBackend<CudaRuntime>>>>",
         CudaDevice::default(),
+        true,
     );
 }

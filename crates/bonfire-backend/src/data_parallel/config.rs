@@ -70,6 +70,12 @@ pub struct DataParallelConfig {
     /// Pack and unpack buckets on the device with the fused kernels when the inner backend is a
     /// CubeCL one (wgpu, CUDA; default true). False reads and writes every gradient on its own.
     pub device_pack: bool,
+    /// All-reduce device-packed CUDA buckets through the device lane (default true): the
+    /// bucket stays in device memory, mapped between the processes of one host with CUDA IPC
+    /// and reduced by one fused kernel per rank (`bonfire_kernels::lane`). Used for f32
+    /// gradients that are all-reduced (not under ZeRO stage 2) when every rank can join; the
+    /// others keep the host lane. False always takes the host lane.
+    pub device_lane: bool,
     /// Run the whole synchronisation path at world size 1 (default false): mark the parameters,
     /// fire the gradient hook, plan and pack the buckets, all-reduce them over a group of one and
     /// write the averages back, as every rank of several does. Off, a job of one rank runs no
@@ -88,6 +94,7 @@ impl Default for DataParallelConfig {
             grad_dtype: GradDType::F32,
             failure: FailurePolicy::Exit,
             device_pack: true,
+            device_lane: true,
             sync_alone: false,
             overlap: Overlap::Threads,
         }
@@ -96,14 +103,17 @@ impl Default for DataParallelConfig {
 
 impl DataParallelConfig {
     /// The defaults, changed by `BONFIRE_BUCKET_CAP_MB` (a positive number, fractions allowed)
-    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`), `BONFIRE_DEVICE_PACK` and `BONFIRE_SYNC_ALONE`
-    /// (`1` or `0`). A malformed value is an error naming the variable.
+    /// `BONFIRE_GRAD_DTYPE` (`f32` or `bf16`), `BONFIRE_DEVICE_PACK`, `BONFIRE_DEVICE_LANE` and
+    /// `BONFIRE_SYNC_ALONE` (`1` or `0`). A malformed value is an error naming the variable.
     pub fn from_env() -> Result<Self, ConfigError> {
         let cap = std::env::var("BONFIRE_BUCKET_CAP_MB").ok();
         let dtype = std::env::var("BONFIRE_GRAD_DTYPE").ok();
         let mut config = Self::from_vars(cap.as_deref(), dtype.as_deref())?;
         if let Ok(v) = std::env::var("BONFIRE_DEVICE_PACK") {
             config.device_pack = parse_switch(&v).ok_or(ConfigError::DevicePack { value: v })?;
+        }
+        if let Ok(v) = std::env::var("BONFIRE_DEVICE_LANE") {
+            config.device_lane = parse_switch(&v).ok_or(ConfigError::DeviceLane { value: v })?;
         }
         if let Ok(v) = std::env::var("BONFIRE_SYNC_ALONE") {
             config.sync_alone = parse_switch(&v).ok_or(ConfigError::SyncAlone { value: v })?;
@@ -172,6 +182,12 @@ pub enum ConfigError {
     /// `BONFIRE_DEVICE_PACK` is not a switch.
     #[error("BONFIRE_DEVICE_PACK={value:?}: expected 1 or 0")]
     DevicePack {
+        /// The value found.
+        value: String,
+    },
+    /// `BONFIRE_DEVICE_LANE` is not a switch.
+    #[error("BONFIRE_DEVICE_LANE={value:?}: expected 1 or 0")]
+    DeviceLane {
         /// The value found.
         value: String,
     },

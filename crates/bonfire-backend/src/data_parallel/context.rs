@@ -25,6 +25,9 @@ pub(crate) struct Replica {
     pub(crate) mean: bool,
     state: Mutex<SyncState>,
     stats: Mutex<(StepStats, StepStats)>,
+    /// The device lane, once the ranks have agreed on it (CUDA builds).
+    #[cfg(feature = "cuda")]
+    pub(crate) lane: super::lane::LaneState,
 }
 
 impl Replica {
@@ -35,6 +38,8 @@ impl Replica {
             mean,
             state: Mutex::new(SyncState::default()),
             stats: Mutex::new((StepStats::default(), StepStats::default())),
+            #[cfg(feature = "cuda")]
+            lane: Default::default(),
         })
     }
 

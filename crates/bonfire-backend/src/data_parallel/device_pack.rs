@@ -139,20 +139,44 @@ fn upload_unpack_on<R: CubeRuntime, B: Backend>(
     values: &[f32],
     shapes: &[Shape],
 ) -> Option<Result<Vec<FloatTensor<B>>, KernelError>> {
-    let (client, device, fused) = if let Some(c) = like.downcast_ref::<CubeTensor<R>>() {
-        (c.client.clone(), c.device.clone(), None)
+    let (client, _, _) = cube_client::<R>(like)?;
+    let bucket = DeviceBuffer::<R, f32>::upload(&client, values);
+    unpack_tensors::<R, B>(like, &bucket, shapes)
+}
+
+/// The client and device of `like` (a plain or fused tensor of runtime `R`), and its fusion
+/// client if fused.
+#[allow(clippy::type_complexity)]
+fn cube_client<R: CubeRuntime>(
+    like: &dyn Any,
+) -> Option<(
+    cubecl::prelude::ComputeClient<R>,
+    R::Device,
+    Option<burn_fusion::client::GlobalFusionClient<burn_cubecl::fusion::FusionCubeRuntime<R>>>,
+)> {
+    if let Some(c) = like.downcast_ref::<CubeTensor<R>>() {
+        Some((c.client.clone(), c.device.clone(), None))
     } else {
         let f = like.downcast_ref::<FusionFloat<R>>()?;
         let device = f.client.device().clone();
-        (R::client(&device), device, Some(f.client.clone()))
-    };
-    let bucket = DeviceBuffer::<R, f32>::upload(&client, values);
+        Some((R::client(&device), device, Some(f.client.clone())))
+    }
+}
+
+/// Unpacks `bucket` (on the device of `like`) with one launch of the fused unpack kernel into
+/// new f32 tensors of `shapes`, plain or fused as `like` is.
+fn unpack_tensors<R: CubeRuntime, B: Backend>(
+    like: &dyn Any,
+    bucket: &DeviceBuffer<R, f32>,
+    shapes: &[Shape],
+) -> Option<Result<Vec<FloatTensor<B>>, KernelError>> {
+    let (client, device, fused) = cube_client::<R>(like)?;
     let outputs: Vec<DeviceBuffer<R, f32>> = shapes
         .iter()
         .map(|s| DeviceBuffer::empty(&client, s.num_elements()))
         .collect();
     let refs: Vec<&DeviceBuffer<R, f32>> = outputs.iter().collect();
-    if let Err(e) = unpack(&client, &bucket, &refs, 1.0) {
+    if let Err(e) = unpack(&client, bucket, &refs, 1.0) {
         return Some(Err(e));
     }
     let tensors = outputs.into_iter().zip(shapes).map(|(b, shape)| {
@@ -174,6 +198,163 @@ fn upload_unpack_on<R: CubeRuntime, B: Backend>(
         .map(|t| t.downcast::<FloatTensor<B>>().ok().map(|t| *t))
         .collect::<Option<Vec<_>>>()
         .map(Ok)
+}
+
+/// A bucket's gradients packed on a CUDA device, waiting for the device lane
+/// ([`super::lane`]): the packed buffer, where each gradient lies in it and in the bucket, and
+/// the bucket's presence flags (filled in when the bucket is launched).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct LaneBucket {
+    #[cfg(feature = "cuda")]
+    packed: DeviceBuffer<cubecl::cuda::CudaRuntime, f32>,
+    #[cfg(feature = "cuda")]
+    client: cubecl::prelude::ComputeClient<cubecl::cuda::CudaRuntime>,
+    /// The CUDA device the gradients live on.
+    pub(crate) ordinal: usize,
+    /// (offset in the bucket, offset in the packed buffer, length) of each gradient, in bucket
+    /// order.
+    segments: Vec<(usize, usize, usize)>,
+    /// The presence flags of the bucket's parameters.
+    pub(crate) flags: Vec<f32>,
+}
+
+/// Packs `grads` (f32 gradients of a CUDA backend, plain or fused; `offsets` their places in
+/// their bucket) into one device buffer in bucket order, with one launch of the fused pack
+/// kernel, for the device lane. `None` for any other tensors.
+pub(crate) fn pack_for_lane<B: Backend>(
+    grads: &[FloatTensor<B>],
+    offsets: &[usize],
+) -> Option<Result<LaneBucket, KernelError>> {
+    #[cfg(feature = "cuda")]
+    {
+        use cubecl::cuda::CudaRuntime;
+        let first = grads.first()? as &dyn Any;
+        if !is_cube::<CudaRuntime>(first) {
+            return None;
+        }
+        let mut order: Vec<usize> = (0..grads.len()).collect();
+        order.sort_by_key(|&k| offsets[k]);
+        let tensors: Vec<CubeTensor<CudaRuntime>> = order
+            .iter()
+            .map(|&k| as_cube::<CudaRuntime>(&grads[k] as &dyn Any))
+            .collect::<Option<_>>()?;
+        if tensors.iter().any(|t| t.dtype != DType::F32) {
+            return None;
+        }
+        let client = tensors[0].client.clone();
+        let ordinal = tensors[0].device.index;
+        let buffers: Vec<DeviceBuffer<CudaRuntime, f32>> = tensors
+            .iter()
+            .map(|t| {
+                // SAFETY: a contiguous f32 tensor's handle holds its elements from the start.
+                unsafe {
+                    DeviceBuffer::from_raw_handle(t.handle.clone(), t.meta.shape().num_elements())
+                }
+            })
+            .collect();
+        let mut segments = Vec::with_capacity(buffers.len());
+        let mut at = 0;
+        for (&k, b) in order.iter().zip(&buffers) {
+            segments.push((offsets[k], at, b.len()));
+            at += b.len();
+        }
+        let packed = DeviceBuffer::<CudaRuntime, f32>::empty(&client, at);
+        let inputs: Vec<&DeviceBuffer<CudaRuntime, f32>> = buffers.iter().collect();
+        Some(pack(&client, &inputs, &packed, 1.0).map(|()| LaneBucket {
+            packed,
+            client,
+            ordinal,
+            segments,
+            flags: Vec::new(),
+        }))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (grads, offsets);
+        None
+    }
+}
+
+/// All-reduces a bucket packed for the lane: its gradients (`len` elements in bucket layout)
+/// and its presence flags go into the rank's window, `lane` reduces them with the other ranks',
+/// and the result comes back into new tensors of `shapes` (every slot of the bucket, in order;
+/// like `like`, plain or fused) with one launch of the fused unpack kernel. Returns the reduced
+/// flags and the tensors.
+#[cfg(feature = "cuda")]
+pub(crate) fn lane_all_reduce<B: Backend, L: bonfire_kernels::lane::NodeLink>(
+    lane: &bonfire_kernels::lane::DeviceLane<L>,
+    bucket: LaneBucket,
+    len: usize,
+    op: bonfire_kernels::lane::LaneOp,
+    like: &FloatTensor<B>,
+    shapes: &[Shape],
+) -> Result<(Vec<f32>, Vec<FloatTensor<B>>), String> {
+    use cubecl::cuda::CudaRuntime;
+    let LaneBucket {
+        packed,
+        client,
+        segments,
+        mut flags,
+        ..
+    } = bucket;
+    let lane_err = |e: bonfire_kernels::lane::LaneError| e.to_string();
+    // The pack kernel ran on CubeCL's stream: done before the lane's stream reads its output.
+    futures::executor::block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+    let src = client
+        .get_resource(packed.handle().clone())
+        .map_err(|e| format!("{e:?}"))?;
+    let src_ptr = src.resource().ptr;
+    let contiguous = segments.iter().try_fold(0, |at, &(off, p, n)| {
+        (off == at && p == at).then_some(at + n)
+    }) == Some(len);
+    // SAFETY: `src` keeps the packed buffer alive and CubeCL's stream is idle for it (synced
+    // above); the lane's stream is synchronised by the all-reduce below, before `src` drops.
+    unsafe {
+        if contiguous {
+            lane.copy_in(0, src_ptr, len * 4).map_err(lane_err)?;
+        } else {
+            lane.zero(len * 4).map_err(lane_err)?;
+            for &(off, p, n) in &segments {
+                lane.copy_in(off * 4, src_ptr + (p * 4) as u64, n * 4)
+                    .map_err(lane_err)?;
+            }
+        }
+    }
+    lane.write_at(len, &flags).map_err(lane_err)?;
+    lane.all_reduce::<f32>(len + flags.len(), op)
+        .map_err(lane_err)?;
+    drop(src);
+    lane.read_at(len, &mut flags).map_err(lane_err)?;
+    let out = DeviceBuffer::<CudaRuntime, f32>::empty(&client, len.max(1));
+    let dst = client
+        .get_resource(out.handle().clone())
+        .map_err(|e| format!("{e:?}"))?;
+    // SAFETY: a fresh buffer of `len` elements that no kernel has been given yet; the copy is
+    // waited for before CubeCL's unpack reads it.
+    unsafe { lane.copy_out(0, dst.resource().ptr, len * 4) }.map_err(lane_err)?;
+    lane.sync().map_err(lane_err)?;
+    drop(dst);
+    // SAFETY: `out` holds `len` elements (one more when the bucket is empty).
+    let out = unsafe { DeviceBuffer::from_raw_handle(out.handle().clone(), len) };
+    let tensors = unpack_tensors::<CudaRuntime, B>(like as &dyn Any, &out, shapes)
+        .ok_or("the gradients are not on a CUDA device")?
+        .map_err(|e| e.to_string())?;
+    Ok((flags, tensors))
+}
+
+/// Reads a bucket packed for the lane back to the host in bucket layout (`len` elements), for
+/// ranks that went without the lane after all.
+#[cfg(feature = "cuda")]
+pub(crate) fn lane_bucket_to_host(
+    bucket: &LaneBucket,
+    len: usize,
+) -> Result<Vec<f32>, KernelError> {
+    let packed = bucket.packed.download(&bucket.client)?;
+    let mut out = vec![0.0; len];
+    for &(off, p, n) in &bucket.segments {
+        out[off..off + n].copy_from_slice(&packed[p..p + n]);
+    }
+    Ok(out)
 }
 
 /// Hands a computed tensor to the fusion server of its device, as `Fusion::float_from_data`

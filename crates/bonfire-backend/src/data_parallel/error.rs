@@ -119,6 +119,18 @@ pub enum SyncError {
         #[source]
         source: KernelError,
     },
+    /// A bucket could not be all-reduced through the device lane.
+    #[error("bucket {bucket} of {buckets} ({elements} elements) through the device lane: {detail}")]
+    DeviceLane {
+        /// The bucket.
+        bucket: usize,
+        /// Buckets in the plan.
+        buckets: usize,
+        /// Its elements.
+        elements: usize,
+        /// The lane's error (it names the collective, the sizes and the failed rank).
+        detail: String,
+    },
     /// A tensor could not be read to the host.
     #[error("cannot read {what}: {reason}")]
     Read {

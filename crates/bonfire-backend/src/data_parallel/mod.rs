@@ -17,6 +17,8 @@ mod context;
 mod device_pack;
 mod distributed;
 mod error;
+#[cfg(feature = "cuda")]
+mod lane;
 mod local;
 mod ops;
 mod replicate;
@@ -34,6 +36,8 @@ pub use context::{
     BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,
 };
 pub use error::SyncError;
+#[cfg(feature = "cuda")]
+pub use lane::CommLink;
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;

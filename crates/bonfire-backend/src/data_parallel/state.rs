@@ -58,6 +58,11 @@ pub(crate) struct Step {
     pub(crate) pending: Vec<Vec<usize>>,
     /// Buckets packed on the device this step.
     pub(crate) packed: u64,
+    /// Whether this step's device-packed buckets go through the device lane (decided at its
+    /// start, the same on every rank).
+    pub(crate) use_lane: bool,
+    /// Per bucket, its gradients packed on the device for the lane.
+    pub(crate) lane: Vec<Option<super::device_pack::LaneBucket>>,
     pub(crate) agreement: Option<Agreement>,
     /// `Vec<Option<GradRef<B>>>` by parameter index.
     pub(crate) refs: Box<dyn Any + Send>,
@@ -79,7 +84,10 @@ pub(crate) struct Inflight {
     pub(crate) called: Instant,
     /// Bytes its all-reduce moves.
     pub(crate) bytes: u64,
-    pub(crate) work: Reduction,
+    /// The host collective; `None` for a bucket that goes through the device lane.
+    pub(crate) work: Option<Reduction>,
+    /// The bucket packed for the device lane (when `work` is `None`).
+    pub(crate) lane: Option<super::device_pack::LaneBucket>,
     /// Under ZeRO stage 2, the layout it was reduce-scattered in (the work returns this rank's
     /// share only); `None` for an all-reduce.
     pub(crate) scatter: Option<Scatter>,

@@ -30,6 +30,9 @@ pub struct StepStats {
     /// to the host in one transfer). 0 on host backends (Flex, NdArray), or with
     /// `BONFIRE_DEVICE_PACK=0`.
     pub device_packed: u64,
+    /// Buckets all-reduced through the device lane (CUDA IPC between the processes of one
+    /// host): they never crossed to the host. 0 off CUDA, or with `BONFIRE_DEVICE_LANE=0`.
+    pub device_lane: u64,
     /// Each bucket's times, in bucket order (the order backward fills them and they are sent).
     /// For one step as measured; in [`total_stats`] summed over the steps that had this bucket
     /// plan (each entry's `steps` says how many: divide by it). Empty for the step that made the
@@ -109,6 +112,7 @@ impl StepStats {
         self.bytes += other.bytes;
         self.buckets += other.buckets;
         self.device_packed += other.device_packed;
+        self.device_lane += other.device_lane;
         for (&rank, late) in &other.late_peers {
             let mine = self.late_peers.entry(rank).or_default();
             mine.steps += late.steps;

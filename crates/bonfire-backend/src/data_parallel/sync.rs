@@ -122,6 +122,18 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
     }
     let plan = st.plan(&rep.config);
     let n = st.params.len();
+    // The same on every rank: the configuration, the ZeRO stage and whether gradients were
+    // accumulated are the job's, and a lane some rank could not join is off on all of them.
+    #[cfg(feature = "cuda")]
+    let use_lane = rep.config.device_lane
+        && rep.config.device_pack
+        && rep.config.grad_dtype == GradDType::F32
+        && rep.comm.size() > 1
+        && st.owners.is_none()
+        && st.accum.is_none()
+        && rep.lane.usable();
+    #[cfg(not(feature = "cuda"))]
+    let use_lane = false;
     let mut step = Step {
         started: Instant::now(),
         plan: plan.clone(),
@@ -132,6 +144,8 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
         launched: Vec::new(),
         pending: Vec::new(),
         packed: 0,
+        use_lane,
+        lane: Vec::new(),
         agreement: None,
         refs: Box::new((0..n).map(|_| None).collect::<Vec<Option<GradRef<B>>>>()),
         bytes: 0,
@@ -142,6 +156,7 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
         step.remaining = vec![0; plan.buckets().len()];
         step.ready = vec![None; plan.buckets().len()];
         step.pending = vec![Vec::new(); plan.buckets().len()];
+        step.lane = (0..plan.buckets().len()).map(|_| None).collect();
         for p in &params {
             let i = st.index[&id_of(p.param_id)];
             step.remaining[plan.place(i).0] += 1;
@@ -230,8 +245,8 @@ pub(crate) fn gradient<B: Backend>(
         }
         launch_ready(rep, residual, owners, params, step, false);
         if rep.config.overlap == Overlap::Hooks {
-            for inflight in &step.launched {
-                inflight.work.progress();
+            for work in step.launched.iter().filter_map(|i| i.work.as_ref()) {
+                work.progress();
             }
         }
     }
@@ -269,6 +284,28 @@ fn flush<B: Backend>(
         .collect();
     // SAFETY: as in `gradient`.
     let grads: Vec<FloatTensor<B>> = tensors.iter().map(|t| unsafe { (*t.0).clone() }).collect();
+    if step.use_lane {
+        let offsets: Vec<usize> = pending.iter().map(|&i| plan.place(i).1).collect();
+        match device_pack::pack_for_lane::<B>(&grads, &offsets) {
+            Some(Ok(packed)) => {
+                // The gradients stay on the device; the host buffer carries the flags.
+                let bucket = &plan.buckets()[b];
+                for &i in &pending {
+                    step.buffers[b][bucket.len + plan.slot(i)] = 1.0;
+                }
+                step.lane[b] = Some(packed);
+                step.packed += 1;
+                return;
+            }
+            Some(Err(source)) => rep.fail(SyncError::DevicePack {
+                bucket: b,
+                buckets: plan.buckets().len(),
+                stage: "packing",
+                source,
+            }),
+            None => {}
+        }
+    }
     match device_pack::pack_read::<B>(&grads) {
         Some(Ok(values)) => {
             let mut at = 0;
@@ -408,6 +445,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     let mut intervals = Vec::with_capacity(step.launched.len());
     let mut timeline = Vec::with_capacity(step.launched.len());
     let mut late_peers = BTreeMap::new();
+    let mut lanes = 0;
     let last_bucket = step.launched.len().saturating_sub(1);
     let since = |at: Instant| at.saturating_duration_since(step.started);
     for (b, inflight) in step.launched.drain(..).enumerate() {
@@ -416,8 +454,35 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             called,
             bytes,
             work,
+            lane,
             scatter,
         } = inflight;
+        let work = match (work, lane) {
+            (Some(work), _) => work,
+            (None, Some(packed)) => {
+                let started = Instant::now();
+                match through_lane::<B>(rep, &plan, b, packed, params, &mut refs) {
+                    None => {
+                        lanes += 1;
+                        let done = Instant::now();
+                        intervals.push((called, done));
+                        timeline.push(BucketTimes {
+                            steps: 1,
+                            bytes,
+                            ready: since(ready),
+                            called: since(called),
+                            started: since(started),
+                            peers: since(started),
+                            finished: since(done),
+                        });
+                        continue;
+                    }
+                    // The ranks went without the lane: the bucket takes the host lane.
+                    Some(work) => Reduction::F32(work),
+                }
+            }
+            (None, None) => unreachable!("a launched bucket has host work or a lane bucket"),
+        };
         let (result, times) = work.wait();
         let done = times.finished;
         intervals.push((called, done));
@@ -502,11 +567,102 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         bytes: step.bytes,
         buckets: intervals.len() as u64,
         device_packed: step.packed,
+        device_lane: lanes,
         timeline,
         late_peers,
     };
     drop(st);
     rep.record(stats);
+}
+
+/// Bucket `b`, packed on the device, through the device lane: set up at the first such bucket
+/// (every rank together), then the bucket all-reduced in the ranks' windows and unpacked into
+/// fresh gradients; its flags checked (`None`). Where the ranks went without the lane, the
+/// bucket is read back and its host all-reduce started and returned instead.
+fn through_lane<B: Backend>(
+    rep: &Replica,
+    plan: &BucketPlan,
+    b: usize,
+    packed: device_pack::LaneBucket,
+    params: &[ParamInfo],
+    refs: &mut [Option<GradRef<B>>],
+) -> Option<bonfire_collectives::Work<Vec<f32>>> {
+    let bucket = &plan.buckets()[b];
+    let len = bucket.len;
+    let op = if rep.mean {
+        ReduceOp::Mean
+    } else {
+        ReduceOp::Sum
+    };
+    #[cfg(feature = "cuda")]
+    {
+        let shapes: Vec<Shape> = (0..bucket.params.len())
+            .map(|k| match &refs[bucket.params[k]] {
+                Some(r) => r.shape.clone(),
+                None => Shape::new([slot_len(bucket, k)]),
+            })
+            .collect();
+        let first = bucket
+            .params
+            .iter()
+            .find_map(|&p| refs[p].as_ref())
+            .expect("a packed bucket has a gradient");
+        // SAFETY: as in `gradient`; backward has not returned yet.
+        let like = unsafe { &*first.tensor.0 };
+        let bytes = (len + bucket.params.len()) * 4;
+        let ordinal = packed.ordinal;
+        let mut packed = Some(packed);
+        let outcome = rep.lane.with(&rep.comm, ordinal, bytes, |lane| {
+            let packed = packed.take().expect("taken once");
+            device_pack::lane_all_reduce::<B, _>(
+                lane,
+                packed,
+                len,
+                super::lane::op(rep.mean),
+                like,
+                &shapes,
+            )
+        });
+        match outcome {
+            Some(Ok((flags, tensors))) => {
+                for (k, &p) in bucket.params.iter().enumerate() {
+                    check_presence(rep, &params[p], flags[k]);
+                }
+                for (&p, t) in bucket.params.iter().zip(tensors) {
+                    if let Some(r) = refs[p].take() {
+                        // SAFETY: as in `gradient`; backward has not returned yet.
+                        unsafe { *r.tensor.0 = t };
+                    }
+                }
+                None
+            }
+            Some(Err(detail)) => rep.fail(SyncError::DeviceLane {
+                bucket: b,
+                buckets: plan.buckets().len(),
+                elements: len,
+                detail,
+            }),
+            None => {
+                let packed = packed.expect("the lane declined before taking it");
+                let mut buf = match device_pack::lane_bucket_to_host(&packed, len) {
+                    Ok(v) => v,
+                    Err(source) => rep.fail(SyncError::DevicePack {
+                        bucket: b,
+                        buckets: plan.buckets().len(),
+                        stage: "packing",
+                        source,
+                    }),
+                };
+                buf.extend_from_slice(&packed.flags);
+                Some(rep.comm.all_reduce(buf, op))
+            }
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (rep, packed, params, refs, op, len);
+        unreachable!("buckets are packed for the device lane in CUDA builds only")
+    }
 }
 
 /// The order every rank plans its buckets in: the order in which rank 0's gradients became final
@@ -703,6 +859,21 @@ fn launch_ready(
         let ready = step.ready.get(b).copied().flatten().unwrap_or(called);
         let bytes_before = step.bytes;
         let bucket = &plan.buckets()[b];
+        if let Some(mut packed) = step.lane.get_mut(b).and_then(Option::take) {
+            // Through the device lane, once backward is done (`finish`): only the flags are
+            // here.
+            packed.flags = buf[bucket.len..].to_vec();
+            step.bytes += (buf.len() * 4) as u64;
+            step.launched.push(Inflight {
+                ready,
+                called,
+                bytes: step.bytes - bytes_before,
+                work: None,
+                lane: Some(packed),
+                scatter: None,
+            });
+            continue;
+        }
         let scatter = owners.map(|owners| Scatter::new(bucket, |p| params[p].id, owners));
         let work = match rep.config.grad_dtype {
             GradDType::F32 => {
@@ -730,7 +901,8 @@ fn launch_ready(
             ready,
             called,
             bytes: step.bytes - bytes_before,
-            work,
+            work: Some(work),
+            lane: None,
             scatter,
         });
     }

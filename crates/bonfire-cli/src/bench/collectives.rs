@@ -11,6 +11,9 @@ use half::{bf16, f16};
 use crate::error::CliError;
 use crate::size;
 
+#[cfg(feature = "cuda")]
+mod device;
+
 /// How the ranks of the benchmark talk.
 #[derive(Copy, Clone, Debug, ValueEnum)]
 pub(crate) enum TransportKind {
@@ -37,6 +40,18 @@ impl TransportKind {
             TransportKind::Shm => Some("shm"),
         }
     }
+}
+
+/// Where the buffers live.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Device {
+    /// Host memory, through the transport (`--transport`).
+    Host,
+    /// CUDA device memory, through the device lane: each rank's window is mapped into the
+    /// other processes of this host with CUDA IPC and one fused kernel per rank reduces it.
+    /// Ranks are always processes here (`inproc` is taken as `auto`). Needs a build with
+    /// `--features cuda`.
+    Cuda,
 }
 
 /// The collective to time.
@@ -98,6 +113,9 @@ pub(crate) struct Args {
     /// How ranks talk.
     #[arg(long, value_enum, default_value_t = TransportKind::Inproc)]
     transport: TransportKind,
+    /// Where the buffers live: host memory, or CUDA device memory through the device lane.
+    #[arg(long, value_enum, default_value_t = Device::Host)]
+    device: Device,
     /// Number of ranks (ignored under `bonfire launch`, where the job decides).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
     nproc: u16,
@@ -129,6 +147,14 @@ pub(crate) struct Args {
 }
 
 pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    if args.device == Device::Cuda {
+        #[cfg(feature = "cuda")]
+        return device::run(&args);
+        #[cfg(not(feature = "cuda"))]
+        return Err(CliError::Usage(
+            "--device cuda needs a build with CUDA: cargo build --release -p bonfire-cli --features cuda".into(),
+        ));
+    }
     match args.dtype {
         DType::F32 => bench::<f32>(&args),
         DType::F64 => bench::<f64>(&args),

@@ -1,0 +1,970 @@
+//! The device lane (CUDA): collectives between the processes of one node that never leave device
+//! memory.
+//!
+//! Each rank allocates one *window* in device memory (`cuMemAlloc`, so that CUDA IPC can export
+//! it), sends its IPC handle to the other ranks over the job's authenticated link, and maps
+//! theirs once. A collective is then one kernel per rank: the rank that owns a chunk reads that
+//! chunk from every window, sums in f32 in rank order, scales, rounds to the element type and
+//! writes the result into every window that needs it (all of them for an all-reduce, its own
+//! for a reduce-scatter). Nothing is staged through the host and no peer's chunk is copied
+//! before it is reduced: the kernel reads the peers' memory where it lies, through NVLink or
+//! PCIe peer access between GPUs, or directly when the ranks share one GPU.
+//!
+//! Ordering between ranks is two host barriers on the link per collective (inputs written; all
+//! chunks written). The ranks wait on the host, not in a kernel: two processes on one GPU
+//! without MPS take turns on it, so a kernel spinning on a peer's flag would hold the GPU until
+//! its time slice ended while the peer it waits for could not run. The barriers carry the
+//! link's timeouts, so a dead rank is named by the link's error, never waited on forever.
+//!
+//! The reduction kernel is CUDA C compiled at run time with NVRTC (the compiler CubeCL uses),
+//! not a CubeCL kernel: CubeCL 0.10 binds only memory it allocated itself, and a peer's mapped
+//! window is not such memory. [`reference`] computes the same results on the host, in the same
+//! order of operations, so the tests compare bit for bit.
+
+use std::ffi::{CString, c_void};
+use std::sync::OnceLock;
+
+use cudarc::driver::{result, sys};
+
+use crate::GradElement;
+
+/// The most ranks one lane joins (the kernel takes the windows' addresses by value).
+pub const MAX_RANKS: usize = 16;
+
+/// The link a lane's ranks set up and order their collectives over: the job's authenticated
+/// communicator in bonfire, any all-gather and barrier in a test.
+pub trait NodeLink {
+    /// This rank's index in the link, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks on the link.
+    fn size(&self) -> usize;
+    /// Every rank's `mine`, in rank order. The error says which rank failed, if one did.
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, String>;
+    /// Returns once every rank has called it. The error says which rank failed, if one did.
+    fn barrier(&self) -> Result<(), String>;
+}
+
+/// What went wrong in the device lane.
+#[derive(Debug, thiserror::Error)]
+pub enum LaneError {
+    /// A CUDA driver or NVRTC call failed.
+    #[error("device lane: {call} failed: {detail}")]
+    Cuda {
+        /// The call.
+        call: &'static str,
+        /// The driver's error.
+        detail: String,
+    },
+    /// The link failed during a collective or the setup.
+    #[error("device lane: {collective} of {bytes} bytes on rank {rank} of {size}: {detail}")]
+    Link {
+        /// The collective or setup step.
+        collective: &'static str,
+        /// The bytes each rank contributed.
+        bytes: usize,
+        /// This rank.
+        rank: usize,
+        /// The link's size.
+        size: usize,
+        /// The link's error (it names the failed rank).
+        detail: String,
+    },
+    /// The ranks disagree on the lane's set-up.
+    #[error("device lane: rank {rank} {detail}")]
+    Mismatch {
+        /// The rank that differs.
+        rank: usize,
+        /// What differs.
+        detail: String,
+    },
+    /// A collective asked for more than the window holds.
+    #[error(
+        "device lane: {collective} needs {needed} bytes of window, the lane holds {capacity} per rank"
+    )]
+    Capacity {
+        /// The collective.
+        collective: &'static str,
+        /// Bytes it needs.
+        needed: usize,
+        /// Bytes per window.
+        capacity: usize,
+    },
+    /// The lane cannot join this many ranks.
+    #[error("device lane: {size} ranks, at most {MAX_RANKS} share one lane")]
+    TooManyRanks {
+        /// The link's size.
+        size: usize,
+    },
+}
+
+fn cuda<T>(call: &'static str, r: Result<T, result::DriverError>) -> Result<T, LaneError> {
+    r.map_err(|e| LaneError::Cuda {
+        call,
+        detail: format!("{e:?}"),
+    })
+}
+
+/// The number of CUDA devices this process can use, or why none: the driver library is loaded
+/// at run time, so a machine without one says so here instead of failing later.
+pub fn devices() -> Result<usize, String> {
+    let probe = std::panic::catch_unwind(|| {
+        result::init()?;
+        result::device::get_count()
+    });
+    match probe {
+        Ok(Ok(n)) if n > 0 => Ok(n as usize),
+        Ok(Ok(_)) => Err("the CUDA driver reports no device".into()),
+        Ok(Err(e)) => Err(format!("the CUDA driver did not start: {e:?}")),
+        Err(_) => Err("no CUDA driver library (libcuda) could be loaded".into()),
+    }
+}
+
+/// How a reducing collective combines the ranks' values.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LaneOp {
+    /// The sum.
+    Sum,
+    /// The sum times 1/n (one f32 multiply after the sum).
+    Mean,
+}
+
+impl LaneOp {
+    fn scale(self, n: usize) -> f32 {
+        match self {
+            LaneOp::Sum => 1.0,
+            LaneOp::Mean => 1.0 / n as f32,
+        }
+    }
+}
+
+/// The CUDA C of the lane's kernels: one per element type, each a grid-stride loop over the
+/// owner's range that moves 16 bytes per load and store where the range allows.
+const SOURCE: &str = r#"
+typedef unsigned long long u64;
+typedef unsigned short u16;
+struct Ptrs { u64 p[16]; };
+
+__device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ u16 f2b(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+struct F32 { typedef float T;
+    static __device__ __forceinline__ float load(float x) { return x; }
+    static __device__ __forceinline__ float store(float x) { return x; } };
+struct F16 { typedef u16 T;
+    static __device__ __forceinline__ float load(u16 x) { return h2f(x); }
+    static __device__ __forceinline__ u16 store(float x) { return f2h(x); } };
+struct BF16 { typedef u16 T;
+    static __device__ __forceinline__ float load(u16 x) { return b2f(x); }
+    static __device__ __forceinline__ u16 store(float x) { return f2b(x); } };
+
+template <class E>
+__device__ __forceinline__ void one(const Ptrs& src, int nsrc, const Ptrs& dst, int ndst, u64 i, float scale) {
+    typedef typename E::T T;
+    float acc = E::load(((const T*)src.p[0])[i]);
+    for (int k = 1; k < nsrc; ++k) acc += E::load(((const T*)src.p[k])[i]);
+    T out = E::store(acc * scale);
+    for (int k = 0; k < ndst; ++k) ((T*)dst.p[k])[i] = out;
+}
+
+template <class E>
+__device__ __forceinline__ void run(const Ptrs& src, int nsrc, const Ptrs& dst, int ndst, u64 lo, u64 hi, float scale) {
+    typedef typename E::T T;
+    const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 a = (lo + V - 1) / V * V; if (a > hi) a = hi;
+    u64 b = hi / V * V; if (b < a) b = a;
+    for (u64 i = lo + tid; i < a; i += stride) one<E>(src, nsrc, dst, ndst, i, scale);
+    for (u64 i = b + tid; i < hi; i += stride) one<E>(src, nsrc, dst, ndst, i, scale);
+    for (u64 v = a / V + tid; v < b / V; v += stride) {
+        float acc[V];
+        uint4 w = ((const uint4*)src.p[0])[v];
+        const T* e = (const T*)&w;
+        #pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = E::load(e[j]);
+        for (int k = 1; k < nsrc; ++k) {
+            uint4 x = ((const uint4*)src.p[k])[v];
+            const T* f = (const T*)&x;
+            #pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += E::load(f[j]);
+        }
+        uint4 o;
+        T* g = (T*)&o;
+        #pragma unroll
+        for (int j = 0; j < V; ++j) g[j] = E::store(acc[j] * scale);
+        for (int k = 0; k < ndst; ++k) ((uint4*)dst.p[k])[v] = o;
+    }
+}
+
+extern "C" __global__ void bonfire_lane_f32(Ptrs src, int nsrc, Ptrs dst, int ndst, u64 lo, u64 hi, float scale) { run<F32>(src, nsrc, dst, ndst, lo, hi, scale); }
+extern "C" __global__ void bonfire_lane_f16(Ptrs src, int nsrc, Ptrs dst, int ndst, u64 lo, u64 hi, float scale) { run<F16>(src, nsrc, dst, ndst, lo, hi, scale); }
+extern "C" __global__ void bonfire_lane_bf16(Ptrs src, int nsrc, Ptrs dst, int ndst, u64 lo, u64 hi, float scale) { run<BF16>(src, nsrc, dst, ndst, lo, hi, scale); }
+"#;
+
+/// The kernels' PTX, compiled once per process. `--fmad=false`: the sum and the scale round as
+/// the host reference does.
+fn ptx() -> Result<&'static CString, LaneError> {
+    static PTX: OnceLock<Result<CString, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        let opts = cudarc::nvrtc::CompileOptions {
+            fmad: Some(false),
+            ..Default::default()
+        };
+        let ptx =
+            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| format!("{e:?}"))?;
+        CString::new(ptx.to_src()).map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|detail| LaneError::Cuda {
+        call: "NVRTC compile of the lane's kernels",
+        detail: detail.clone(),
+    })
+}
+
+/// Which of the three kernels reduces `T`.
+fn kernel_of<T: GradElement>() -> usize {
+    use std::any::TypeId;
+    let t = TypeId::of::<T>();
+    if t == TypeId::of::<f32>() {
+        0
+    } else if t == TypeId::of::<half::f16>() {
+        1
+    } else {
+        2
+    }
+}
+
+#[repr(C)]
+#[derive(Copy, Clone)]
+struct Ptrs([u64; MAX_RANKS]);
+
+impl Ptrs {
+    fn of(ptrs: &[sys::CUdeviceptr]) -> Ptrs {
+        let mut p = [0u64; MAX_RANKS];
+        p[..ptrs.len()].copy_from_slice(ptrs);
+        Ptrs(p)
+    }
+}
+
+/// A lane that was not set up: why, and the link, to go on without the lane. Every rank of the
+/// link gets the same verdict.
+pub struct Declined<L> {
+    /// The link the lane was to use.
+    pub link: L,
+    /// Why the ranks went without the lane.
+    pub error: LaneError,
+}
+
+impl<L> std::fmt::Debug for Declined<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.error, f)
+    }
+}
+
+impl<L> std::fmt::Display for Declined<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.error, f)
+    }
+}
+
+/// Checks every rank's set-up message: a window of rank 0's capacity, in the lane's format. The
+/// same messages reach every rank, so every rank comes to the same verdict.
+fn check_announces(all: &[Vec<u8>], capacity: usize) -> Result<(), LaneError> {
+    let capacity_of = |msg: &[u8]| u64::from_le_bytes(msg[12..20].try_into().expect("8 bytes"));
+    for (r, msg) in all.iter().enumerate() {
+        if let Some(why) = msg.strip_prefix(FAILED) {
+            return Err(LaneError::Mismatch {
+                rank: r,
+                detail: format!(
+                    "could not set up its window: {}",
+                    String::from_utf8_lossy(why)
+                ),
+            });
+        }
+        if msg.len() != ANNOUNCE || &msg[..8] != TAG {
+            return Err(LaneError::Mismatch {
+                rank: r,
+                detail: format!(
+                    "sent a {}-byte set-up message, not the lane's {ANNOUNCE} bytes",
+                    msg.len()
+                ),
+            });
+        }
+    }
+    let first = capacity_of(&all[0]);
+    if let Some(r) = all.iter().position(|m| capacity_of(m) != first) {
+        return Err(LaneError::Mismatch {
+            rank: r,
+            detail: format!(
+                "has a window of {} bytes, rank 0 of {first} (this rank: {capacity}): every rank sets the lane up with the same capacity",
+                capacity_of(&all[r])
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// What each rank sends the others at set-up: a format tag, its process id, its window's size
+/// and address, and the window's IPC handle; or `FAILED` and why it has no window.
+const TAG: &[u8; 8] = b"BFLANE01";
+const FAILED: &[u8; 8] = b"BFLANE!!";
+const ANNOUNCE: usize = 8 + 4 + 8 + 8 + 64;
+
+impl<T: NodeLink + ?Sized> NodeLink for &T {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, String> {
+        (**self).all_gather(mine)
+    }
+    fn barrier(&self) -> Result<(), String> {
+        (**self).barrier()
+    }
+}
+
+/// One rank's end of the device lane: its window, the peers' mapped windows, a stream and the
+/// kernels. Dropping it unmaps the peers' windows and frees its own.
+pub struct DeviceLane<L: NodeLink> {
+    link: L,
+    rank: usize,
+    size: usize,
+    capacity: usize,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    module: sys::CUmodule,
+    kernels: [sys::CUfunction; 3],
+    sms: u32,
+    /// Every rank's window, this rank's own included, as addresses in this process.
+    windows: Vec<sys::CUdeviceptr>,
+    /// Which windows this rank mapped through IPC (and unmaps on drop).
+    mapped: Vec<bool>,
+    ipc_peers: usize,
+}
+
+// SAFETY: the lane's CUDA objects belong to the device's primary context, which any thread may
+// make current; every method makes it current before it calls the driver.
+unsafe impl<L: NodeLink + Send> Send for DeviceLane<L> {}
+
+/// This rank's half of the set-up, before any peer is known.
+fn prepare<L: NodeLink>(
+    link: L,
+    ordinal: usize,
+    capacity: usize,
+) -> Result<(DeviceLane<L>, sys::CUipcMemHandle), (L, LaneError)> {
+    let (rank, size) = (link.rank(), link.size());
+    let mut lane = DeviceLane {
+        link,
+        rank,
+        size,
+        capacity,
+        ctx: std::ptr::null_mut(),
+        stream: std::ptr::null_mut(),
+        module: std::ptr::null_mut(),
+        kernels: [std::ptr::null_mut(); 3],
+        sms: 1,
+        windows: vec![0; size],
+        mapped: vec![false; size],
+        ipc_peers: 0,
+    };
+    let handle = (|| -> Result<sys::CUipcMemHandle, LaneError> {
+        cuda("cuInit", result::init())?;
+        let device = cuda("cuDeviceGet", result::device::get(ordinal as i32))?;
+        // SAFETY: `device` is valid; the primary context is CubeCL's too.
+        lane.ctx = cuda("cuDevicePrimaryCtxRetain", unsafe {
+            result::primary_ctx::retain(device)
+        })?;
+        lane.current()?;
+        // SAFETY: a plain query of a valid device.
+        let sms = unsafe {
+            result::device::get_attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        };
+        lane.sms = cuda("cuDeviceGetAttribute", sms)?.max(1) as u32;
+        lane.stream = cuda(
+            "cuStreamCreate",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        // SAFETY: an allocation in the current context, zeroed, then exported.
+        let own = cuda("cuMemAlloc", unsafe { result::malloc_sync(capacity) })?;
+        lane.windows[rank] = own;
+        cuda("cuMemsetD8", unsafe {
+            result::memset_d8_sync(own, 0, capacity)
+        })?;
+        let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `own` is the base of an allocation made by cuMemAlloc.
+        cuda("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), own).result()
+        })?;
+        let image = ptx()?;
+        // SAFETY: a NUL-terminated PTX image.
+        lane.module = cuda("cuModuleLoadData", unsafe {
+            result::module::load_data(image.as_ptr().cast())
+        })?;
+        for (k, name) in ["bonfire_lane_f32", "bonfire_lane_f16", "bonfire_lane_bf16"]
+            .iter()
+            .enumerate()
+        {
+            let name = CString::new(*name).expect("no NUL");
+            // SAFETY: the module was just loaded and holds these functions.
+            lane.kernels[k] = cuda("cuModuleGetFunction", unsafe {
+                result::module::get_function(lane.module, name)
+            })?;
+        }
+        // SAFETY: initialised by the successful call above.
+        Ok(unsafe { handle.assume_init() })
+    })();
+    match handle {
+        Ok(h) => Ok((lane, h)),
+        Err(e) => {
+            let link = lane.release();
+            Err((link, e))
+        }
+    }
+}
+
+impl<L: NodeLink> DeviceLane<L> {
+    /// Sets up the lane on CUDA device `ordinal` with a window of `capacity` bytes per rank:
+    /// allocates and exports this rank's window, exchanges the handles over `link`, and maps the
+    /// peers' windows. Every rank of `link` calls it. The ranks agree on the outcome: where any
+    /// rank cannot take part (no device, no IPC between the devices, another capacity), every
+    /// rank gets an error naming that rank, and the link back to go on without the lane. Ranks
+    /// of one process (threads, in tests) use each other's windows directly.
+    pub fn new(link: L, ordinal: usize, capacity: usize) -> Result<Self, Declined<L>> {
+        let (rank, size) = (link.rank(), link.size());
+        if size > MAX_RANKS {
+            return Err(Declined {
+                link,
+                error: LaneError::TooManyRanks { size },
+            });
+        }
+        let capacity = capacity.max(16).next_multiple_of(256);
+        let (prepared, mine) = match prepare(link, ordinal, capacity) {
+            Ok((lane, handle)) => {
+                let mut mine = Vec::with_capacity(ANNOUNCE);
+                mine.extend_from_slice(TAG);
+                mine.extend_from_slice(&std::process::id().to_le_bytes());
+                mine.extend_from_slice(&(capacity as u64).to_le_bytes());
+                mine.extend_from_slice(&lane.windows[rank].to_le_bytes());
+                mine.extend(handle.reserved.iter().map(|&c| c as u8));
+                (Ok(lane), mine)
+            }
+            Err((link, e)) => {
+                let mut mine = FAILED.to_vec();
+                mine.extend_from_slice(e.to_string().as_bytes());
+                (Err(link), mine)
+            }
+        };
+        let link_error = |detail| LaneError::Link {
+            collective: "set-up: the windows' handles",
+            bytes: ANNOUNCE,
+            rank,
+            size,
+            detail,
+        };
+        let gathered = match &prepared {
+            Ok(lane) => lane.link.all_gather(mine),
+            Err(link) => link.all_gather(mine),
+        };
+        let agreed = gathered
+            .map_err(link_error)
+            .and_then(|all| check_announces(&all, capacity).map(|()| all));
+        let (mut l, all) = match (prepared, agreed) {
+            (Ok(lane), Ok(all)) => (lane, all),
+            (Ok(lane), Err(error)) => {
+                return Err(Declined {
+                    link: lane.release(),
+                    error,
+                });
+            }
+            (Err(_), Ok(_)) => unreachable!("a rank without a window fails the agreement"),
+            (Err(link), Err(error)) => return Err(Declined { link, error }),
+        };
+        // Map the peers' windows, then agree again: every rank mapped every window, or none
+        // goes on.
+        let mut failure = Vec::new();
+        for (r, msg) in all.iter().enumerate() {
+            if r == rank {
+                continue;
+            }
+            let word = |at: usize| u64::from_le_bytes(msg[at..at + 8].try_into().expect("8 bytes"));
+            let pid = u32::from_le_bytes(msg[8..12].try_into().expect("4 bytes"));
+            if pid == std::process::id() {
+                l.windows[r] = word(20);
+                continue;
+            }
+            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+            for (d, s) in h.reserved.iter_mut().zip(&msg[28..92]) {
+                *d = *s as _;
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: `h` is a handle another process exported; the driver validates it.
+            let opened = unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+                .result()
+            };
+            match opened {
+                Ok(()) => {
+                    l.windows[r] = ptr;
+                    l.mapped[r] = true;
+                    l.ipc_peers += 1;
+                }
+                Err(e) => {
+                    failure = format!(
+                        "could not map rank {r}'s window ({e:?}): the device lane needs its ranks on one host, with CUDA IPC between their devices"
+                    )
+                    .into_bytes();
+                    break;
+                }
+            }
+        }
+        let lane = l;
+        match lane.link.all_gather(failure) {
+            Err(detail) => Err(Declined {
+                error: link_error(detail),
+                link: lane.release(),
+            }),
+            Ok(all) => match all.iter().position(|f| !f.is_empty()) {
+                Some(r) => {
+                    let detail = String::from_utf8_lossy(&all[r]).into_owned();
+                    Err(Declined {
+                        error: LaneError::Mismatch { rank: r, detail },
+                        link: lane.release(),
+                    })
+                }
+                None => Ok(lane),
+            },
+        }
+    }
+
+    /// Frees what this rank set up and hands the link back.
+    fn release(mut self) -> L {
+        self.free();
+        // SAFETY: `self` is forgotten below, so the link is read out exactly once and `Drop`
+        // (which would free again) does not run.
+        let link = unsafe { std::ptr::read(&self.link) };
+        let windows = std::mem::take(&mut self.windows);
+        let mapped = std::mem::take(&mut self.mapped);
+        drop((windows, mapped));
+        std::mem::forget(self);
+        link
+    }
+
+    fn free(&mut self) {
+        if self.ctx.is_null() {
+            return;
+        }
+        // SAFETY: every object below was created in `prepare` or `new` and is released once,
+        // here (null ones were never made); the windows mapped through IPC are unmapped before
+        // this rank's own is freed.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            if !self.stream.is_null() {
+                let _ = result::stream::synchronize(self.stream);
+            }
+            for (r, &ptr) in self.windows.iter().enumerate() {
+                if self.mapped[r] {
+                    let _ = sys::cuIpcCloseMemHandle(ptr);
+                }
+            }
+            if !self.module.is_null() {
+                let _ = result::module::unload(self.module);
+            }
+            if self.windows[self.rank] != 0 {
+                let _ = result::free_sync(self.windows[self.rank]);
+            }
+            if !self.stream.is_null() {
+                let _ = result::stream::destroy(self.stream);
+            }
+        }
+        self.ctx = std::ptr::null_mut();
+    }
+
+    /// This rank's index on the lane.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks on the lane.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Bytes per window: the largest buffer one collective can take.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// How many peers' windows this rank mapped through CUDA IPC (the others live in this
+    /// process).
+    pub fn ipc_peers(&self) -> usize {
+        self.ipc_peers
+    }
+
+    /// This rank's window: the device address collectives read this rank's input from and
+    /// write its result to.
+    pub fn window(&self) -> sys::CUdeviceptr {
+        self.windows[self.rank]
+    }
+
+    /// The lane's stream. Work that fills or drains the window on another stream must be
+    /// complete before a collective starts.
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    fn current(&self) -> Result<(), LaneError> {
+        // SAFETY: the context was retained in `new` and is released only on drop.
+        cuda("cuCtxSetCurrent", unsafe {
+            result::ctx::set_current(self.ctx)
+        })
+    }
+
+    fn link_step<T>(
+        &self,
+        collective: &'static str,
+        bytes: usize,
+        f: impl FnOnce(&L) -> Result<T, String>,
+    ) -> Result<T, LaneError> {
+        f(&self.link).map_err(|detail| LaneError::Link {
+            collective,
+            bytes,
+            rank: self.rank,
+            size: self.size,
+            detail,
+        })
+    }
+
+    fn fits(&self, collective: &'static str, needed: usize) -> Result<(), LaneError> {
+        if needed > self.capacity {
+            return Err(LaneError::Capacity {
+                collective,
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes `values` at the start of this rank's window (one host-to-device copy).
+    pub fn write<T: GradElement>(&self, values: &[T]) -> Result<(), LaneError> {
+        self.write_at(0, values)
+    }
+
+    /// Writes `values` into this rank's window from element `at` on (elements of `T`).
+    pub fn write_at<T: GradElement>(&self, at: usize, values: &[T]) -> Result<(), LaneError> {
+        let start = at * size_of::<T>();
+        self.fits("write", start + std::mem::size_of_val(values))?;
+        self.current()?;
+        // SAFETY: the window holds the range (checked above).
+        cuda("cuMemcpyHtoD", unsafe {
+            result::memcpy_htod_sync(self.window() + start as u64, values)
+        })
+    }
+
+    /// Reads the first `out.len()` elements of this rank's window.
+    pub fn read<T: GradElement>(&self, out: &mut [T]) -> Result<(), LaneError> {
+        self.read_at(0, out)
+    }
+
+    /// Reads `out.len()` elements of this rank's window from element `at` on.
+    pub fn read_at<T: GradElement>(&self, at: usize, out: &mut [T]) -> Result<(), LaneError> {
+        let start = at * size_of::<T>();
+        self.fits("read", start + std::mem::size_of_val(out))?;
+        self.current()?;
+        // SAFETY: the window holds the range (checked above).
+        cuda("cuMemcpyDtoH", unsafe {
+            result::memcpy_dtoh_sync(out, self.window() + start as u64)
+        })
+    }
+
+    /// Zeroes the first `bytes` of this rank's window, on the lane's stream (ordered before the
+    /// next copy or collective).
+    pub fn zero(&self, bytes: usize) -> Result<(), LaneError> {
+        self.fits("zero", bytes)?;
+        self.current()?;
+        // SAFETY: the window holds `bytes` (checked above).
+        cuda("cuMemsetD8Async", unsafe {
+            result::memset_d8_async(self.window(), 0, bytes, self.stream)
+        })
+    }
+
+    /// Copies `bytes` from device address `src` (any allocation of this context: a CubeCL
+    /// buffer's resource, say) into this rank's window at byte `at`, on the lane's stream.
+    /// Collectives wait for it; [`DeviceLane::sync`] does too.
+    ///
+    /// # Safety
+    /// `src` must hold `bytes` readable bytes of this device that no other stream writes until
+    /// the lane's stream has passed the copy.
+    pub unsafe fn copy_in(
+        &self,
+        at: usize,
+        src: sys::CUdeviceptr,
+        bytes: usize,
+    ) -> Result<(), LaneError> {
+        self.fits("copy into the window", at + bytes)?;
+        self.current()?;
+        // SAFETY: the caller vouches for `src`; the window holds the range (checked above).
+        cuda("cuMemcpyDtoDAsync", unsafe {
+            result::memcpy_dtod_async(self.window() + at as u64, src, bytes, self.stream)
+        })
+    }
+
+    /// Copies `bytes` of this rank's window from byte `at` to device address `dst`, on the
+    /// lane's stream. [`DeviceLane::sync`] waits for it.
+    ///
+    /// # Safety
+    /// `dst` must hold `bytes` writable bytes of this device that no other stream touches until
+    /// the lane's stream has passed the copy.
+    pub unsafe fn copy_out(
+        &self,
+        at: usize,
+        dst: sys::CUdeviceptr,
+        bytes: usize,
+    ) -> Result<(), LaneError> {
+        self.fits("copy out of the window", at + bytes)?;
+        self.current()?;
+        // SAFETY: as for `copy_in`.
+        cuda("cuMemcpyDtoDAsync", unsafe {
+            result::memcpy_dtod_async(dst, self.window() + at as u64, bytes, self.stream)
+        })
+    }
+
+    /// Waits until the lane's stream has done everything asked of it.
+    pub fn sync(&self) -> Result<(), LaneError> {
+        self.current()?;
+        // SAFETY: the lane's own stream.
+        cuda("cuStreamSynchronize", unsafe {
+            result::stream::synchronize(self.stream)
+        })
+    }
+
+    /// The range of elements rank `r` reduces in an all-reduce of `count`: equal shares,
+    /// rounded to 64 elements so that each starts on a 16-byte boundary.
+    pub fn share(&self, count: usize, r: usize) -> std::ops::Range<usize> {
+        let per = count.div_ceil(self.size).next_multiple_of(64);
+        (r * per).min(count)..((r + 1) * per).min(count)
+    }
+
+    /// All-reduce in place over the first `count` elements of every rank's window: afterwards
+    /// each window holds `op` of all of them, the same bits on every rank.
+    pub fn all_reduce<T: GradElement>(&self, count: usize, op: LaneOp) -> Result<(), LaneError> {
+        let bytes = count * size_of::<T>();
+        self.fits("all-reduce", bytes)?;
+        let mine = self.share(count, self.rank);
+        let all: Vec<_> = self.windows.clone();
+        self.collective::<T>("all-reduce", bytes, &all, &all, mine, op.scale(self.size))
+    }
+
+    /// Reduce-scatter in place: rank r's result covers elements `offset(r)..offset(r) +
+    /// counts[r]` of the windows (the counts in rank order) and lands at the same place in rank
+    /// r's own window.
+    pub fn reduce_scatter<T: GradElement>(
+        &self,
+        counts: &[usize],
+        op: LaneOp,
+    ) -> Result<(), LaneError> {
+        let (range, bytes) = self.segment::<T>("reduce-scatter", counts)?;
+        let all: Vec<_> = self.windows.clone();
+        let own = [self.window()];
+        self.collective::<T>(
+            "reduce-scatter",
+            bytes,
+            &all,
+            &own,
+            range,
+            op.scale(self.size),
+        )
+    }
+
+    /// All-gather in place: rank r's segment (elements `offset(r)..offset(r) + counts[r]` of its
+    /// own window) is copied to the same place in every other window.
+    pub fn all_gather<T: GradElement>(&self, counts: &[usize]) -> Result<(), LaneError> {
+        let (range, bytes) = self.segment::<T>("all-gather", counts)?;
+        let own = [self.window()];
+        let others: Vec<_> = (0..self.size)
+            .filter(|&r| r != self.rank)
+            .map(|r| self.windows[r])
+            .collect();
+        self.collective::<T>("all-gather", bytes, &own, &others, range, 1.0)
+    }
+
+    fn segment<T: GradElement>(
+        &self,
+        collective: &'static str,
+        counts: &[usize],
+    ) -> Result<(std::ops::Range<usize>, usize), LaneError> {
+        if counts.len() != self.size {
+            return Err(LaneError::Mismatch {
+                rank: self.rank,
+                detail: format!(
+                    "called {collective} with {} counts on a lane of {} ranks",
+                    counts.len(),
+                    self.size
+                ),
+            });
+        }
+        let total: usize = counts.iter().sum();
+        let bytes = total * size_of::<T>();
+        self.fits(collective, bytes)?;
+        let start: usize = counts[..self.rank].iter().sum();
+        Ok((start..start + counts[self.rank], bytes))
+    }
+
+    /// The common body: inputs in place (barrier), this rank's kernel over `range`, all kernels
+    /// done (barrier).
+    fn collective<T: GradElement>(
+        &self,
+        name: &'static str,
+        bytes: usize,
+        src: &[sys::CUdeviceptr],
+        dst: &[sys::CUdeviceptr],
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Result<(), LaneError> {
+        self.current()?;
+        // SAFETY: the lane's own stream.
+        cuda("cuStreamSynchronize", unsafe {
+            result::stream::synchronize(self.stream)
+        })?;
+        self.link_step(name, bytes, |l| l.barrier())?;
+        if !range.is_empty() && !dst.is_empty() {
+            self.launch::<T>(src, dst, range, scale)?;
+            // SAFETY: the lane's own stream.
+            cuda("cuStreamSynchronize", unsafe {
+                result::stream::synchronize(self.stream)
+            })?;
+        }
+        self.link_step(name, bytes, |l| l.barrier())
+    }
+
+    fn launch<T: GradElement>(
+        &self,
+        src: &[sys::CUdeviceptr],
+        dst: &[sys::CUdeviceptr],
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Result<(), LaneError> {
+        let per_thread = 16 / size_of::<T>();
+        let threads = 256u32;
+        let units = range.len().div_ceil(per_thread).max(1);
+        let blocks = (units.div_ceil(threads as usize) as u32).clamp(1, self.sms * 8);
+        let mut src_p = Ptrs::of(src);
+        let mut dst_p = Ptrs::of(dst);
+        let mut nsrc = src.len() as i32;
+        let mut ndst = dst.len() as i32;
+        let mut lo = range.start as u64;
+        let mut hi = range.end as u64;
+        let mut scale = scale;
+        let mut params: [*mut c_void; 7] = [
+            (&mut src_p as *mut Ptrs).cast(),
+            (&mut nsrc as *mut i32).cast(),
+            (&mut dst_p as *mut Ptrs).cast(),
+            (&mut ndst as *mut i32).cast(),
+            (&mut lo as *mut u64).cast(),
+            (&mut hi as *mut u64).cast(),
+            (&mut scale as *mut f32).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's signature; every address points into a
+        // window of at least `hi` elements (the callers check the capacity).
+        cuda("cuLaunchKernel", unsafe {
+            result::launch_kernel(
+                self.kernels[kernel_of::<T>()],
+                (blocks, 1, 1),
+                (threads, 1, 1),
+                0,
+                self.stream,
+                &mut params,
+            )
+        })
+    }
+
+    /// The device's copy bandwidth, the lane's ceiling: `cuMemcpyDtoD` of `bytes` between two
+    /// fresh buffers, timed with CUDA events, best of `reps` after a warm-up. Returns seconds
+    /// per copy.
+    pub fn time_device_copy(&self, bytes: usize, reps: usize) -> Result<f64, LaneError> {
+        self.current()?;
+        let bytes = bytes.max(4);
+        // SAFETY: fresh allocations, freed below; copies and events on the lane's stream.
+        unsafe {
+            let a = cuda("cuMemAlloc", result::malloc_sync(bytes))?;
+            let b = cuda("cuMemAlloc", result::malloc_sync(bytes))?;
+            let start = cuda(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+            )?;
+            let stop = cuda(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+            )?;
+            let mut best = f64::INFINITY;
+            let timed = (|| -> Result<(), LaneError> {
+                cuda(
+                    "cuMemcpyDtoDAsync",
+                    result::memcpy_dtod_async(b, a, bytes, self.stream),
+                )?;
+                for _ in 0..reps.max(1) {
+                    cuda("cuEventRecord", result::event::record(start, self.stream))?;
+                    cuda(
+                        "cuMemcpyDtoDAsync",
+                        result::memcpy_dtod_async(b, a, bytes, self.stream),
+                    )?;
+                    cuda("cuEventRecord", result::event::record(stop, self.stream))?;
+                    cuda("cuEventSynchronize", result::event::synchronize(stop))?;
+                    let ms = cuda("cuEventElapsedTime", result::event::elapsed(start, stop))?;
+                    best = best.min(f64::from(ms) / 1e3);
+                }
+                Ok(())
+            })();
+            let _ = result::event::destroy(start);
+            let _ = result::event::destroy(stop);
+            let _ = result::free_sync(a);
+            let _ = result::free_sync(b);
+            timed?;
+            Ok(best)
+        }
+    }
+}
+
+impl<L: NodeLink> Drop for DeviceLane<L> {
+    fn drop(&mut self) {
+        self.free();
+    }
+}
+
+/// The lane's collectives computed on the host, in the kernel's order of operations: f32 sum in
+/// rank order from the first rank's value, one multiply by the scale, one rounding to `T`.
+pub mod reference {
+    use super::LaneOp;
+    use crate::GradElement;
+
+    /// Every rank's result of an all-reduce of `inputs` (one per rank, equal lengths).
+    pub fn all_reduce<T: GradElement>(inputs: &[Vec<T>], op: LaneOp) -> Vec<T> {
+        let n = inputs.len();
+        let scale = op.scale(n);
+        (0..inputs.first().map_or(0, Vec::len))
+            .map(|i| {
+                let mut acc = inputs[0][i].widen();
+                for input in &inputs[1..] {
+                    acc += input[i].widen();
+                }
+                T::narrow(acc * scale)
+            })
+            .collect()
+    }
+}

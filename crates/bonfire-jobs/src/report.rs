@@ -146,12 +146,18 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
     lines
 }
 
-/// Where the buckets went when not all through the host: `", 3 through the device lane"`.
+/// Where the buckets went when not all through the host: `"; 398 of 400 buckets in all
+/// through the device lane"` (the first step's buckets are planned on the host).
 fn lane_words(st: &StepStats) -> String {
-    match st.device_lane / st.steps.max(1) {
-        0 if st.device_packed > 0 => ", packed on the device, all-reduced on the host".into(),
-        0 => String::new(),
-        n => format!(", {n} through the device lane (CUDA IPC, never on the host)"),
+    if st.device_lane > 0 {
+        format!(
+            "; {} of {} buckets in all through the device lane (CUDA IPC, never on the host)",
+            st.device_lane, st.buckets
+        )
+    } else if st.device_packed > 0 {
+        ", packed on the device, all-reduced on the host".into()
+    } else {
+        String::new()
     }
 }
 

@@ -154,29 +154,62 @@ __device__ __forceinline__ u16 f2b(float f) {
     return (u16)(u >> 16);
 }
 
+// Each element type: its storage type, and its value from and to raw bits.
 struct F32 { typedef float T;
-    static __device__ __forceinline__ float load(float x) { return x; }
-    static __device__ __forceinline__ float store(float x) { return x; } };
+    static __device__ __forceinline__ float load(unsigned x) { return __uint_as_float(x); }
+    static __device__ __forceinline__ unsigned store(float x) { return __float_as_uint(x); } };
 struct F16 { typedef u16 T;
-    static __device__ __forceinline__ float load(u16 x) { return h2f(x); }
-    static __device__ __forceinline__ u16 store(float x) { return f2h(x); } };
+    static __device__ __forceinline__ float load(unsigned x) { return h2f((u16)x); }
+    static __device__ __forceinline__ unsigned store(float x) { return f2h(x); } };
 struct BF16 { typedef u16 T;
-    static __device__ __forceinline__ float load(u16 x) { return b2f(x); }
-    static __device__ __forceinline__ u16 store(float x) { return f2b(x); } };
+    static __device__ __forceinline__ float load(unsigned x) { return b2f((u16)x); }
+    static __device__ __forceinline__ unsigned store(float x) { return f2b(x); } };
 
+__device__ __forceinline__ unsigned word(const uint4& w, int i) {
+    return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+}
+__device__ __forceinline__ void set_word(uint4& w, int i, unsigned v) {
+    if (i == 0) w.x = v; else if (i == 1) w.y = v; else if (i == 2) w.z = v; else w.w = v;
+}
+// Element j of a 16-byte word (in registers: no address is taken).
+template <class E> __device__ __forceinline__ float get(const uint4& w, int j) {
+    if (sizeof(typename E::T) == 4) return E::load(word(w, j));
+    unsigned x = word(w, j >> 1);
+    return E::load((j & 1) ? (x >> 16) : (x & 0xffffu));
+}
+template <class E> __device__ __forceinline__ void put(uint4& w, int j, float v) {
+    unsigned b = E::store(v);
+    if (sizeof(typename E::T) == 4) { set_word(w, j, b); return; }
+    unsigned x = word(w, j >> 1);
+    set_word(w, j >> 1, (j & 1) ? ((x & 0xffffu) | (b << 16)) : ((x & 0xffff0000u) | b));
+}
+
+template <class E> __device__ __forceinline__ float load1(u64 base, u64 i) {
+    if (sizeof(typename E::T) == 4) return E::load(((const unsigned*)base)[i]);
+    return E::load(((const u16*)base)[i]);
+}
+template <class E> __device__ __forceinline__ void store1(u64 base, u64 i, float v) {
+    if (sizeof(typename E::T) == 4) ((unsigned*)base)[i] = E::store(v);
+    else ((u16*)base)[i] = (u16)E::store(v);
+}
+
+// The loops over ranks are unrolled to the most a lane has (16), so every window's address is
+// read from the kernel's parameters, not from a copy in local memory.
+
+// One element: the sum over the sources in rank order, times the scale, to every destination.
 template <class E>
 __device__ __forceinline__ void one(const Ptrs& src, int nsrc, const Ptrs& dst, int ndst, u64 i, float scale) {
-    typedef typename E::T T;
-    float acc = E::load(((const T*)src.p[0])[i]);
-    for (int k = 1; k < nsrc; ++k) acc += E::load(((const T*)src.p[k])[i]);
-    T out = E::store(acc * scale);
-    for (int k = 0; k < ndst; ++k) ((T*)dst.p[k])[i] = out;
+    float acc = load1<E>(src.p[0], i);
+    #pragma unroll
+    for (int k = 1; k < 16; ++k) if (k < nsrc) acc += load1<E>(src.p[k], i);
+    const float out = acc * scale;
+    #pragma unroll
+    for (int k = 0; k < 16; ++k) if (k < ndst) store1<E>(dst.p[k], i, out);
 }
 
 template <class E>
 __device__ __forceinline__ void run(const Ptrs& src, int nsrc, const Ptrs& dst, int ndst, u64 lo, u64 hi, float scale) {
-    typedef typename E::T T;
-    const int V = 16 / sizeof(T);
+    const int V = 16 / sizeof(typename E::T);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 a = (lo + V - 1) / V * V; if (a > hi) a = hi;
@@ -185,21 +218,21 @@ __device__ __forceinline__ void run(const Ptrs& src, int nsrc, const Ptrs& dst, 
     for (u64 i = b + tid; i < hi; i += stride) one<E>(src, nsrc, dst, ndst, i, scale);
     for (u64 v = a / V + tid; v < b / V; v += stride) {
         float acc[V];
-        uint4 w = ((const uint4*)src.p[0])[v];
-        const T* e = (const T*)&w;
+        const uint4 w = ((const uint4*)src.p[0])[v];
         #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = E::load(e[j]);
-        for (int k = 1; k < nsrc; ++k) {
-            uint4 x = ((const uint4*)src.p[k])[v];
-            const T* f = (const T*)&x;
+        for (int j = 0; j < V; ++j) acc[j] = get<E>(w, j);
+        #pragma unroll
+        for (int k = 1; k < 16; ++k) {
+            if (k >= nsrc) break;
+            const uint4 x = ((const uint4*)src.p[k])[v];
             #pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] += E::load(f[j]);
+            for (int j = 0; j < V; ++j) acc[j] += get<E>(x, j);
         }
-        uint4 o;
-        T* g = (T*)&o;
+        uint4 o = make_uint4(0u, 0u, 0u, 0u);
         #pragma unroll
-        for (int j = 0; j < V; ++j) g[j] = E::store(acc[j] * scale);
-        for (int k = 0; k < ndst; ++k) ((uint4*)dst.p[k])[v] = o;
+        for (int j = 0; j < V; ++j) put<E>(o, j, acc[j] * scale);
+        #pragma unroll
+        for (int k = 0; k < 16; ++k) if (k < ndst) ((uint4*)dst.p[k])[v] = o;
     }
 }
 
@@ -312,10 +345,11 @@ fn check_announces(all: &[Vec<u8>], capacity: usize) -> Result<(), LaneError> {
 }
 
 /// What each rank sends the others at set-up: a format tag, its process id, its window's size
-/// and address, and the window's IPC handle; or `FAILED` and why it has no window.
-const TAG: &[u8; 8] = b"BFLANE01";
+/// and address, the window's IPC handle and its device's UUID; or `FAILED` and why it has no
+/// window.
+const TAG: &[u8; 8] = b"BFLANE02";
 const FAILED: &[u8; 8] = b"BFLANE!!";
-const ANNOUNCE: usize = 8 + 4 + 8 + 8 + 64;
+const ANNOUNCE: usize = 8 + 4 + 8 + 8 + 64 + 16;
 
 impl<T: NodeLink + ?Sized> NodeLink for &T {
     fn rank(&self) -> usize {
@@ -349,6 +383,12 @@ pub struct DeviceLane<L: NodeLink> {
     /// Which windows this rank mapped through IPC (and unmaps on drop).
     mapped: Vec<bool>,
     ipc_peers: usize,
+    /// This rank's device's UUID.
+    uuid: [u8; 16],
+    /// Whether every rank's window is on one device: then rank 0's kernel reduces the whole
+    /// buffer and the others launch nothing (two processes on one GPU take turns on it, so one
+    /// kernel instead of one per rank saves a switch between them).
+    one_device: bool,
 }
 
 // SAFETY: the lane's CUDA objects belong to the device's primary context, which any thread may
@@ -375,6 +415,8 @@ fn prepare<L: NodeLink>(
         windows: vec![0; size],
         mapped: vec![false; size],
         ipc_peers: 0,
+        uuid: [0; 16],
+        one_device: false,
     };
     let handle = (|| -> Result<sys::CUipcMemHandle, LaneError> {
         cuda("cuInit", result::init())?;
@@ -392,6 +434,10 @@ fn prepare<L: NodeLink>(
             )
         };
         lane.sms = cuda("cuDeviceGetAttribute", sms)?.max(1) as u32;
+        let uuid = cuda("cuDeviceGetUuid", result::device::get_uuid(device))?;
+        for (d, s) in lane.uuid.iter_mut().zip(uuid.bytes) {
+            *d = s as u8;
+        }
         lane.stream = cuda(
             "cuStreamCreate",
             result::stream::create(result::stream::StreamKind::NonBlocking),
@@ -458,6 +504,7 @@ impl<L: NodeLink> DeviceLane<L> {
                 mine.extend_from_slice(&(capacity as u64).to_le_bytes());
                 mine.extend_from_slice(&lane.windows[rank].to_le_bytes());
                 mine.extend(handle.reserved.iter().map(|&c| c as u8));
+                mine.extend_from_slice(&lane.uuid);
                 (Ok(lane), mine)
             }
             Err((link, e)) => {
@@ -491,6 +538,7 @@ impl<L: NodeLink> DeviceLane<L> {
             (Err(_), Ok(_)) => unreachable!("a rank without a window fails the agreement"),
             (Err(link), Err(error)) => return Err(Declined { link, error }),
         };
+        l.one_device = all.iter().all(|m| m[92..108] == l.uuid);
         // Map the peers' windows, then agree again: every rank mapped every window, or none
         // goes on.
         let mut failure = Vec::new();
@@ -757,8 +805,18 @@ impl<L: NodeLink> DeviceLane<L> {
     /// The range of elements rank `r` reduces in an all-reduce of `count`: equal shares,
     /// rounded to 64 elements so that each starts on a 16-byte boundary.
     pub fn share(&self, count: usize, r: usize) -> std::ops::Range<usize> {
-        let per = count.div_ceil(self.size).next_multiple_of(64);
-        (r * per).min(count)..((r + 1) * per).min(count)
+        share(count, self.size, r)
+    }
+
+    /// Whether every rank's window is on one device (then rank 0 runs every collective's kernel).
+    pub fn one_device(&self) -> bool {
+        self.one_device
+    }
+
+    /// Makes each rank reduce its own share with its own kernel even on one device, as on
+    /// several (for tests of that schedule on one GPU). Every rank must make the same call.
+    pub fn split_kernels(&mut self) {
+        self.one_device = false;
     }
 
     /// All-reduce in place over the first `count` elements of every rank's window: afterwards
@@ -766,9 +824,15 @@ impl<L: NodeLink> DeviceLane<L> {
     pub fn all_reduce<T: GradElement>(&self, count: usize, op: LaneOp) -> Result<(), LaneError> {
         let bytes = count * size_of::<T>();
         self.fits("all-reduce", bytes)?;
-        let mine = self.share(count, self.rank);
-        let all: Vec<_> = self.windows.clone();
-        self.collective::<T>("all-reduce", bytes, &all, &all, mine, op.scale(self.size))
+        let all = &self.windows;
+        let launches = if !self.one_device {
+            vec![(all.clone(), all.clone(), self.share(count, self.rank))]
+        } else if self.rank == 0 {
+            vec![(all.clone(), all.clone(), 0..count)]
+        } else {
+            Vec::new()
+        };
+        self.collective::<T>("all-reduce", bytes, &launches, op.scale(self.size))
     }
 
     /// Reduce-scatter in place: rank r's result covers elements `offset(r)..offset(r) +
@@ -779,36 +843,37 @@ impl<L: NodeLink> DeviceLane<L> {
         counts: &[usize],
         op: LaneOp,
     ) -> Result<(), LaneError> {
-        let (range, bytes) = self.segment::<T>("reduce-scatter", counts)?;
-        let all: Vec<_> = self.windows.clone();
-        let own = [self.window()];
-        self.collective::<T>(
-            "reduce-scatter",
-            bytes,
-            &all,
-            &own,
-            range,
-            op.scale(self.size),
-        )
+        let bytes = self.segments::<T>("reduce-scatter", counts)?;
+        let launches: Vec<_> = self
+            .mine(counts)
+            .map(|(r, range)| (self.windows.clone(), vec![self.windows[r]], range))
+            .collect();
+        self.collective::<T>("reduce-scatter", bytes, &launches, op.scale(self.size))
     }
 
     /// All-gather in place: rank r's segment (elements `offset(r)..offset(r) + counts[r]` of its
     /// own window) is copied to the same place in every other window.
     pub fn all_gather<T: GradElement>(&self, counts: &[usize]) -> Result<(), LaneError> {
-        let (range, bytes) = self.segment::<T>("all-gather", counts)?;
-        let own = [self.window()];
-        let others: Vec<_> = (0..self.size)
-            .filter(|&r| r != self.rank)
-            .map(|r| self.windows[r])
+        let bytes = self.segments::<T>("all-gather", counts)?;
+        let launches: Vec<_> = self
+            .mine(counts)
+            .map(|(r, range)| {
+                let others = (0..self.size)
+                    .filter(|&o| o != r)
+                    .map(|o| self.windows[o])
+                    .collect();
+                (vec![self.windows[r]], others, range)
+            })
             .collect();
-        self.collective::<T>("all-gather", bytes, &own, &others, range, 1.0)
+        self.collective::<T>("all-gather", bytes, &launches, 1.0)
     }
 
-    fn segment<T: GradElement>(
+    /// Checks a collective's counts (one per rank) and returns its bytes.
+    fn segments<T: GradElement>(
         &self,
         collective: &'static str,
         counts: &[usize],
-    ) -> Result<(std::ops::Range<usize>, usize), LaneError> {
+    ) -> Result<usize, LaneError> {
         if counts.len() != self.size {
             return Err(LaneError::Mismatch {
                 rank: self.rank,
@@ -819,22 +884,46 @@ impl<L: NodeLink> DeviceLane<L> {
                 ),
             });
         }
-        let total: usize = counts.iter().sum();
-        let bytes = total * size_of::<T>();
+        let bytes = counts.iter().sum::<usize>() * size_of::<T>();
         self.fits(collective, bytes)?;
-        let start: usize = counts[..self.rank].iter().sum();
-        Ok((start..start + counts[self.rank], bytes))
+        Ok(bytes)
     }
 
-    /// The common body: inputs in place (barrier), this rank's kernel over `range`, all kernels
-    /// done (barrier).
+    /// The segments this rank's kernels handle, with their owners: its own, or on one device,
+    /// every rank's on rank 0.
+    fn mine<'a>(
+        &'a self,
+        counts: &'a [usize],
+    ) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + 'a {
+        let starts = counts.iter().scan(0, |at, &c| {
+            *at += c;
+            Some(*at - c)
+        });
+        starts
+            .zip(counts)
+            .enumerate()
+            .map(|(r, (start, &c))| (r, start..start + c))
+            .filter(move |(r, _)| {
+                if self.one_device {
+                    self.rank == 0
+                } else {
+                    *r == self.rank
+                }
+            })
+    }
+
+    /// The common body: inputs in place (barrier), this rank's kernels, all kernels done
+    /// (barrier).
+    #[allow(clippy::type_complexity)]
     fn collective<T: GradElement>(
         &self,
         name: &'static str,
         bytes: usize,
-        src: &[sys::CUdeviceptr],
-        dst: &[sys::CUdeviceptr],
-        range: std::ops::Range<usize>,
+        launches: &[(
+            Vec<sys::CUdeviceptr>,
+            Vec<sys::CUdeviceptr>,
+            std::ops::Range<usize>,
+        )],
         scale: f32,
     ) -> Result<(), LaneError> {
         self.current()?;
@@ -843,8 +932,14 @@ impl<L: NodeLink> DeviceLane<L> {
             result::stream::synchronize(self.stream)
         })?;
         self.link_step(name, bytes, |l| l.barrier())?;
-        if !range.is_empty() && !dst.is_empty() {
-            self.launch::<T>(src, dst, range, scale)?;
+        let mut launched = false;
+        for (src, dst, range) in launches {
+            if !range.is_empty() && !dst.is_empty() {
+                self.launch::<T>(src, dst, range.clone(), scale)?;
+                launched = true;
+            }
+        }
+        if launched {
             // SAFETY: the lane's own stream.
             cuda("cuStreamSynchronize", unsafe {
                 result::stream::synchronize(self.stream)
@@ -947,6 +1042,13 @@ impl<L: NodeLink> Drop for DeviceLane<L> {
     }
 }
 
+/// Rank `r`'s range of an all-reduce of `count` elements over `size` ranks: equal shares rounded
+/// up to 64 elements (so each starts on a 16-byte boundary), the last ones shorter or empty.
+fn share(count: usize, size: usize, r: usize) -> std::ops::Range<usize> {
+    let per = count.div_ceil(size.max(1)).next_multiple_of(64);
+    (r * per).min(count)..((r + 1) * per).min(count)
+}
+
 /// The lane's collectives computed on the host, in the kernel's order of operations: f32 sum in
 /// rank order from the first rank's value, one multiply by the scale, one rounding to `T`.
 pub mod reference {
@@ -966,5 +1068,64 @@ pub mod reference {
                 T::narrow(acc * scale)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shares_cover_every_element_once_on_aligned_starts() {
+        for size in 1..=MAX_RANKS {
+            for count in [0, 1, 63, 64, 65, 1000, 4097, (1 << 20) + 3] {
+                let mut next = 0;
+                for r in 0..size {
+                    let s = share(count, size, r);
+                    assert_eq!(s.start, next, "count {count}, {size} ranks, rank {r}");
+                    assert!(s.start.is_multiple_of(64) || s.is_empty());
+                    next = s.end;
+                }
+                assert_eq!(next, count, "count {count}, {size} ranks");
+            }
+        }
+    }
+
+    fn announce(capacity: u64) -> Vec<u8> {
+        let mut m = TAG.to_vec();
+        m.extend_from_slice(&7u32.to_le_bytes());
+        m.extend_from_slice(&capacity.to_le_bytes());
+        m.extend_from_slice(&0u64.to_le_bytes());
+        m.extend_from_slice(&[0; 64]);
+        m.extend_from_slice(&[0; 16]);
+        m
+    }
+
+    #[test]
+    fn every_rank_reaches_the_same_verdict_on_the_set_up_messages() {
+        assert!(check_announces(&[announce(256), announce(256)], 256).is_ok());
+        // Judged against rank 0's capacity, whatever this rank asked for.
+        let e = check_announces(&[announce(256), announce(512)], 256).unwrap_err();
+        assert!(matches!(e, LaneError::Mismatch { rank: 1, .. }), "{e}");
+        let e = check_announces(&[announce(256), announce(512)], 512).unwrap_err();
+        assert!(matches!(e, LaneError::Mismatch { rank: 1, .. }), "{e}");
+        let mut failed = FAILED.to_vec();
+        failed.extend_from_slice(b"cuMemAlloc failed: out of memory");
+        let e = check_announces(&[announce(256), failed], 256).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("rank 1 could not set up its window: cuMemAlloc"),
+            "{e}"
+        );
+        let e = check_announces(&[b"garbage".to_vec(), announce(256)], 256).unwrap_err();
+        assert!(matches!(e, LaneError::Mismatch { rank: 0, .. }), "{e}");
+    }
+
+    #[test]
+    fn the_reference_sums_in_rank_order_and_scales_once() {
+        let inputs = vec![vec![1.0f32, 1e8], vec![2.0, 1.0], vec![4.0, -1e8]];
+        assert_eq!(reference::all_reduce(&inputs, LaneOp::Sum), vec![7.0, 0.0]);
+        let mean = reference::all_reduce(&inputs, LaneOp::Mean);
+        assert_eq!(mean[0], 7.0f32 * (1.0 / 3.0));
     }
 }

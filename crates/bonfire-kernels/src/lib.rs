@@ -16,6 +16,9 @@
 //! - [`unpack`]: the bucket back into the gradient buffers, with the cast back;
 //! - [`copy_to_device`] and [`LocalRing`]: copies between the devices of one node and a ring
 //!   all-reduce across them.
+//! - `lane` (CUDA builds): the device lane, collectives between the *processes* of one host
+//!   over device windows mapped with CUDA IPC, one fused kernel per rank (sum in rank order,
+//!   scale, round to f32/f16/bf16) and never a byte through the host.
 //!
 //! Every kernel has a plain Rust `*_reference` computing the same thing in the same order of
 //! operations; the tests compare the two on fresh random inputs.

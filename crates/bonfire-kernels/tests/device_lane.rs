@@ -193,10 +193,15 @@ fn lane_collectives_between_threads_match_the_reference() {
         std::thread::scope(|s| {
             for link in &links {
                 s.spawn(move || {
-                    let lane = DeviceLane::new(link, 0, CAPACITY).expect("the lane sets up");
-                    check_all::<f32, _>(&lane, LENS, 1);
-                    check_all::<f16, _>(&lane, LENS, 2);
-                    check_all::<bf16, _>(&lane, LENS, 3);
+                    let mut lane = DeviceLane::new(link, 0, CAPACITY).expect("the lane sets up");
+                    assert!(lane.one_device(), "threads of one process share device 0");
+                    // Rank 0's kernels for every rank, then each rank's own.
+                    for seed in [1, 4] {
+                        check_all::<f32, _>(&lane, LENS, seed);
+                        check_all::<f16, _>(&lane, LENS, seed + 1);
+                        check_all::<bf16, _>(&lane, LENS, seed + 2);
+                        lane.split_kernels();
+                    }
                 });
             }
         });
@@ -391,15 +396,18 @@ fn as_child() -> Option<(usize, usize, u16)> {
 fn lane_collectives_between_processes_match_the_reference() {
     if let Some((rank, size, port)) = as_child() {
         let link = Tcp::connect(rank, size, port);
-        let lane = DeviceLane::new(&link, 0, CAPACITY).expect("the lane sets up");
+        let mut lane = DeviceLane::new(&link, 0, CAPACITY).expect("the lane sets up");
         assert_eq!(
             lane.ipc_peers(),
             size - 1,
             "every peer's window crossed through IPC"
         );
-        check_all::<f32, _>(&lane, LENS, 11);
-        check_all::<f16, _>(&lane, &LENS[..8], 12);
-        check_all::<bf16, _>(&lane, &LENS[..8], 13);
+        for seed in [11, 21] {
+            check_all::<f32, _>(&lane, LENS, seed);
+            check_all::<f16, _>(&lane, &LENS[..8], seed + 1);
+            check_all::<bf16, _>(&lane, &LENS[..8], seed + 2);
+            lane.split_kernels();
+        }
         println!("rank {rank}: every collective matched the reference");
         return;
     }

@@ -609,7 +609,13 @@ fn through_lane<B: Backend>(
             .expect("a packed bucket has a gradient");
         // SAFETY: as in `gradient`; backward has not returned yet.
         let like = unsafe { &*first.tensor.0 };
-        let bytes = (len + bucket.params.len()) * 4;
+        // The window holds the plan's largest bucket, so the lane is set up once per plan.
+        let bytes = plan
+            .buckets()
+            .iter()
+            .map(|bk| (bk.len + bk.params.len()) * 4)
+            .max()
+            .unwrap_or(0);
         let ordinal = packed.ordinal;
         let mut packed = Some(packed);
         let outcome = rep.lane.with(&rep.comm, ordinal, bytes, |lane| {

@@ -82,7 +82,7 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
     let lane = DeviceLane::new(CommLink(world.comm().clone()), ordinal, largest)
         .map_err(|declined| lane_error(declined.error))?;
     say!(
-        "# bonfire bench collectives --device cuda: {}{}, {n} ranks on {} CUDA device(s) of this host, {}, windows of {} mapped through CUDA IPC ({} peers per rank)",
+        "# bonfire bench collectives --device cuda: {}{}, {n} ranks on {} CUDA device(s) of this host, {}, windows of {} mapped through CUDA IPC ({} peers per rank), {}",
         args.op.name(),
         match args.op {
             Op::AllGather => String::new(),
@@ -92,6 +92,11 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
         args.dtype,
         size::format(lane.capacity()),
         lane.ipc_peers(),
+        if lane.one_device() {
+            "one device: rank 0's kernel reduces for all"
+        } else {
+            "one kernel per rank"
+        },
     );
     say!(
         "# {:>10} {:>11} {:>6} {:>11} {:>11} {:>11} {:>12} {:>11} {:>7}",
@@ -132,10 +137,24 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
                 Op::ReduceScatter => (&got[at..at + per], reduced[at..at + per].to_vec()),
                 _ => (&got, gathered(&inputs, n)),
             };
-            let ok = mine
+            let bad = mine
                 .iter()
                 .zip(&want)
-                .all(|(a, b)| a.widen().to_bits() == b.widen().to_bits());
+                .position(|(a, b)| a.widen().to_bits() != b.widen().to_bits());
+            if let Some(i) = bad {
+                eprintln!(
+                    "rank {}: element {i} of {} is {}, the reference says {} (inputs {:?})",
+                    lane.rank(),
+                    mine.len(),
+                    mine[i].widen(),
+                    want[i].widen(),
+                    inputs
+                        .iter()
+                        .map(|v| v.get(i).map(|x| x.widen()))
+                        .collect::<Vec<_>>()
+                );
+            }
+            let ok = bad.is_none();
             let all_ok = world
                 .comm()
                 .all_reduce(vec![u8::from(!ok)], ReduceOp::Max)

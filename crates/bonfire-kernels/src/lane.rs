@@ -445,9 +445,19 @@ fn prepare<L: NodeLink>(
         // SAFETY: an allocation in the current context, zeroed, then exported.
         let own = cuda("cuMemAlloc", unsafe { result::malloc_sync(capacity) })?;
         lane.windows[rank] = own;
-        cuda("cuMemsetD8", unsafe {
-            result::memset_d8_sync(own, 0, capacity)
-        })?;
+        // Zeroed on the lane's stream and waited for (the legacy stream's memset is not
+        // ordered with the lane's non-blocking stream).
+        // SAFETY: the allocation just made.
+        unsafe {
+            cuda(
+                "cuMemsetD8Async",
+                result::memset_d8_async(own, 0, capacity, lane.stream),
+            )?;
+            cuda(
+                "cuStreamSynchronize",
+                result::stream::synchronize(lane.stream),
+            )?;
+        }
         let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
         // SAFETY: `own` is the base of an allocation made by cuMemAlloc.
         cuda("cuIpcGetMemHandle", unsafe {
@@ -719,10 +729,21 @@ impl<L: NodeLink> DeviceLane<L> {
         let start = at * size_of::<T>();
         self.fits("write", start + std::mem::size_of_val(values))?;
         self.current()?;
-        // SAFETY: the window holds the range (checked above).
-        cuda("cuMemcpyHtoD", unsafe {
-            result::memcpy_htod_sync(self.window() + start as u64, values)
-        })
+        // On the lane's stream, and waited for: the synchronous `cuMemcpyHtoD` runs on the
+        // legacy stream, which the lane's non-blocking stream does not wait for, and from
+        // pageable memory it may return before the device has the bytes (the GPU tests caught a
+        // collective reading a window the copy had not finished).
+        // SAFETY: the window holds the range (checked above); `values` outlives the wait.
+        unsafe {
+            cuda(
+                "cuMemcpyHtoDAsync",
+                result::memcpy_htod_async(self.window() + start as u64, values, self.stream),
+            )?;
+            cuda(
+                "cuStreamSynchronize",
+                result::stream::synchronize(self.stream),
+            )
+        }
     }
 
     /// Reads the first `out.len()` elements of this rank's window.
@@ -735,10 +756,18 @@ impl<L: NodeLink> DeviceLane<L> {
         let start = at * size_of::<T>();
         self.fits("read", start + std::mem::size_of_val(out))?;
         self.current()?;
-        // SAFETY: the window holds the range (checked above).
-        cuda("cuMemcpyDtoH", unsafe {
-            result::memcpy_dtoh_sync(out, self.window() + start as u64)
-        })
+        // On the lane's stream, after whatever it was asked before, and waited for.
+        // SAFETY: the window holds the range (checked above); `out` outlives the wait.
+        unsafe {
+            cuda(
+                "cuMemcpyDtoHAsync",
+                result::memcpy_dtoh_async(out, self.window() + start as u64, self.stream),
+            )?;
+            cuda(
+                "cuStreamSynchronize",
+                result::stream::synchronize(self.stream),
+            )
+        }
     }
 
     /// Zeroes the first `bytes` of this rank's window, on the lane's stream (ordered before the

@@ -8,7 +8,10 @@
 //! writes the result into every window that needs it (all of them for an all-reduce, its own
 //! for a reduce-scatter). Nothing is staged through the host and no peer's chunk is copied
 //! before it is reduced: the kernel reads the peers' memory where it lies, through NVLink or
-//! PCIe peer access between GPUs, or directly when the ranks share one GPU.
+//! PCIe peer access between GPUs, or directly when the ranks share one GPU. When every window
+//! is on one device, rank 0's kernel reduces every chunk and the others launch nothing: their
+//! processes take turns on the GPU, and one kernel per collective saves the switches between
+//! them (on an H200, 23 us per small all-reduce instead of 230).
 //!
 //! Ordering between ranks is two host barriers on the link per collective (inputs written; all
 //! chunks written). The ranks wait on the host, not in a kernel: two processes on one GPU

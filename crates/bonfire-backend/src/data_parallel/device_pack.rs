@@ -107,6 +107,20 @@ fn as_cube<R: CubeRuntime>(t: &dyn Any) -> Option<CubeTensor<R>> {
     })
 }
 
+/// The buffers of contiguous f32 tensors, for the fused kernels.
+fn buffers_of<R: CubeRuntime>(tensors: &[CubeTensor<R>]) -> Vec<DeviceBuffer<R, f32>> {
+    tensors
+        .iter()
+        .map(|t| {
+            // SAFETY: a contiguous f32 tensor's handle holds its elements from the start (the
+            // callers made them contiguous and checked their dtype).
+            unsafe {
+                DeviceBuffer::from_raw_handle(t.handle.clone(), t.meta.shape().num_elements())
+            }
+        })
+        .collect()
+}
+
 fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, KernelError>> {
     if !is_cube::<R>(*grads.first()?) {
         return None;
@@ -119,15 +133,7 @@ fn pack_read_on<R: CubeRuntime>(grads: &[&dyn Any]) -> Option<Result<Vec<f32>, K
         return None;
     }
     let client = tensors[0].client.clone();
-    let buffers: Vec<DeviceBuffer<R, f32>> = tensors
-        .iter()
-        .map(|t| {
-            // SAFETY: a contiguous f32 tensor's handle holds its elements from the start.
-            unsafe {
-                DeviceBuffer::from_raw_handle(t.handle.clone(), t.meta.shape().num_elements())
-            }
-        })
-        .collect();
+    let buffers = buffers_of(&tensors);
     let total = buffers.iter().map(|b| b.len()).sum();
     let bucket = DeviceBuffer::<R, f32>::empty(&client, total);
     let inputs: Vec<&DeviceBuffer<R, f32>> = buffers.iter().collect();
@@ -243,15 +249,7 @@ pub(crate) fn pack_for_lane<B: Backend>(
         }
         let client = tensors[0].client.clone();
         let ordinal = tensors[0].device.index;
-        let buffers: Vec<DeviceBuffer<CudaRuntime, f32>> = tensors
-            .iter()
-            .map(|t| {
-                // SAFETY: a contiguous f32 tensor's handle holds its elements from the start.
-                unsafe {
-                    DeviceBuffer::from_raw_handle(t.handle.clone(), t.meta.shape().num_elements())
-                }
-            })
-            .collect();
+        let buffers = buffers_of(&tensors);
         let mut segments = Vec::with_capacity(buffers.len());
         let mut at = 0;
         for (&k, b) in order.iter().zip(&buffers) {

@@ -225,6 +225,16 @@ impl OutLink {
         }
     }
 
+    /// Ends a lane that never carried a frame (its reader never started): the writer thread
+    /// stops without a goodbye, which nobody would read.
+    pub(crate) fn abandon(self) {
+        self.producer.done.store(true, Ordering::Release);
+        drop(crate::lock(&self.queue).take());
+        if let Some(w) = crate::lock(&self.writer).take() {
+            let _ = w.join();
+        }
+    }
+
     /// The rank this lane writes to.
     pub(crate) fn peer(&self) -> Rank {
         self.peer

@@ -277,6 +277,7 @@ pub fn remove_segments(dir: &Path, tag: &str) -> usize {
 const SETUP_CONTEXT: u64 = 0x6266_7368_6d73_6574;
 const STEP_OFFER: u32 = 0;
 const STEP_ANSWER: u32 = 1;
+const STEP_CONFIRM: u32 = 2;
 
 #[derive(Serialize, Deserialize)]
 enum Offer {
@@ -296,6 +297,15 @@ enum Offer {
 enum Answer {
     Mapped { pid: u32 },
     Refused { reason: String },
+}
+
+/// The offering rank's last word on its ring: it reads it, or it does not (and the mapping
+/// rank sends over QUIC instead). No rank writes into a ring before it has this word, so no
+/// frame goes into a ring nobody reads.
+#[derive(Serialize, Deserialize)]
+enum Confirm {
+    Reading,
+    NotReading { reason: String },
 }
 
 /// The shared-memory lanes of one rank, once set up.
@@ -464,7 +474,9 @@ pub(crate) async fn setup<T: Transport>(
         offered.push((peer, seg, nonce));
     }
 
-    // 2. Map each peer's offer, and answer it.
+    // 2. Map each peer's offer, and answer it. The writer is held back until the peer confirms
+    // that it reads the ring (step 4).
+    let mut mapped: Vec<Option<OutLink>> = (0..world).map(|_| None).collect();
     for &peer in &peers {
         let frame = receive(peer, STEP_OFFER).await?;
         let decided: Result<(Ring, Process), String> = match postcard::from_bytes::<Offer>(&frame) {
@@ -494,7 +506,7 @@ pub(crate) async fn setup<T: Transport>(
                     peer,
                     reason: format!("starting a writer thread: {e}"),
                 })?;
-                lanes.out[peer.index()] = Some(link);
+                mapped[peer.index()] = Some(link);
                 Answer::Mapped { pid }
             }
             Err(reason) => {
@@ -506,7 +518,8 @@ pub(crate) async fn setup<T: Transport>(
         send(peer, STEP_ANSWER, body).await?;
     }
 
-    // 3. Read the answers; start a reader for each ring that was mapped.
+    // 3. Read the answers; start a reader for each ring that was mapped, and tell its writer
+    // whether it did.
     for (peer, seg, nonce) in offered {
         let frame = receive(peer, STEP_ANSWER).await;
         if let Some(seg) = &seg {
@@ -519,41 +532,73 @@ pub(crate) async fn setup<T: Transport>(
                 return Err(e);
             }
         };
-        match (answer, seg) {
-            (Ok(Answer::Mapped { pid }), Some(seg)) => {
-                let Some(process) = Process::watch(pid) else {
-                    refuse(
+        let reading: Result<(), String> = match (answer, seg) {
+            (Ok(Answer::Mapped { pid }), Some(seg)) => match watch_answer(config, pid) {
+                None => Err(format!("its process (pid {pid}) is not visible from here")),
+                Some(process) => {
+                    let ring = Ring::attach(seg, nonce)
+                        .map_err(|reason| ShmSetupError::Exchange { peer, reason })?;
+                    // The reader runs until its peer says goodbye or exits, or this rank stops.
+                    let (inbound, _reader) = start_reader(
+                        me,
                         peer,
-                        format!("its process (pid {pid}) is not visible from here"),
-                    )?;
-                    continue;
-                };
-                let ring = Ring::attach(seg, nonce)
-                    .map_err(|reason| ShmSetupError::Exchange { peer, reason })?;
-                // The reader runs until its peer says goodbye or exits, or this rank stops.
-                let (inbound, _reader) = start_reader(
-                    me,
-                    peer,
-                    ring,
-                    process,
-                    quic.mailbox().clone(),
-                    stop.clone(),
-                    max_frame,
-                )
-                .map_err(|e| ShmSetupError::Exchange {
-                    peer,
-                    reason: format!("starting a reader thread: {e}"),
-                })?;
-                lanes.inbound.push(inbound);
-            }
+                        ring,
+                        process,
+                        quic.mailbox().clone(),
+                        stop.clone(),
+                        max_frame,
+                    )
+                    .map_err(|e| ShmSetupError::Exchange {
+                        peer,
+                        reason: format!("starting a reader thread: {e}"),
+                    })?;
+                    lanes.inbound.push(inbound);
+                    Ok(())
+                }
+            },
             (Ok(Answer::Mapped { .. }), None) => {
                 return Err(ShmSetupError::Exchange {
                     peer,
                     reason: "it mapped a ring that was never offered".into(),
                 });
             }
-            (Ok(Answer::Refused { reason }), _) | (Err(reason), _) => {
-                refuse(peer, reason)?;
+            (Ok(Answer::Refused { reason }), _) | (Err(reason), _) => Err(reason),
+        };
+        let confirm = match &reading {
+            Ok(()) => Confirm::Reading,
+            Err(reason) => Confirm::NotReading {
+                reason: reason.clone(),
+            },
+        };
+        let body = postcard::to_allocvec(&confirm).expect("confirmations serialise");
+        send(peer, STEP_CONFIRM, body).await?;
+        if let Err(reason) = reading {
+            refuse(peer, reason)?;
+        }
+    }
+
+    // 4. Write into a peer's ring only once it said it reads it; otherwise send over QUIC.
+    for &peer in &peers {
+        let frame = receive(peer, STEP_CONFIRM).await?;
+        let link = mapped[peer.index()].take();
+        let confirm = postcard::from_bytes::<Confirm>(&frame)
+            .map_err(|e| format!("its confirmation is malformed: {e}"));
+        match (confirm, link) {
+            (Ok(Confirm::Reading), Some(link)) => lanes.out[peer.index()] = Some(link),
+            (Ok(Confirm::Reading), None) => {
+                return Err(ShmSetupError::Exchange {
+                    peer,
+                    reason: "it reads a ring this rank never mapped".into(),
+                });
+            }
+            (Ok(Confirm::NotReading { reason }), link) | (Err(reason), link) => {
+                if let Some(link) = link {
+                    link.abandon();
+                    refuse(
+                        peer,
+                        format!("it does not read the ring it offered: {reason}"),
+                    )?;
+                }
             }
         }
     }
@@ -572,6 +617,16 @@ impl Drop for Unlink {
             seg.unlink();
         }
     }
+}
+
+/// The process of a peer that mapped this rank's ring, to watch while reading from it. In this
+/// crate's tests, a tag ending in `hidden` makes every such process invisible, as a pid
+/// namespace between the ranks would.
+fn watch_answer(config: &ShmConfig, pid: u32) -> Option<Process> {
+    if cfg!(test) && config.tag.ends_with("hidden") {
+        return None;
+    }
+    Process::watch(pid)
 }
 
 /// Maps the ring a peer offered, if it really is on this host and the segment is what it said.

@@ -338,6 +338,60 @@ async fn without_a_usable_directory_auto_falls_back_and_shm_fails() {
     }
 }
 
+/// A rank that mapped its peer's ring must not write into it until the peer says it reads it:
+/// here neither rank can watch the process that mapped its ring (as across pid namespaces), so
+/// neither reads. Both keep QUIC to the other, say why, and every frame arrives. Before the
+/// confirmation step each rank wrote into the ring its peer never read, and the frames were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_its_offerer_does_not_read_is_never_written() {
+    let dir = temp_dir("hidden");
+    let mut shm = shm_config(&dir, TransportMode::Auto);
+    shm.tag = "testhidden".into();
+    let ranks: Vec<JobTransport> = job(2, 2, &shm)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(ranks[0].lanes(), [Lane::Local, Lane::Quic]);
+    assert_eq!(ranks[1].lanes(), [Lane::Quic, Lane::Local]);
+    for r in &ranks {
+        let why = r.fallback().expect("says why");
+        assert!(
+            why.contains("does not read the ring it offered") && why.contains("not visible"),
+            "{why}"
+        );
+    }
+    for (i, a) in ranks.iter().enumerate() {
+        let t = Tag {
+            seq: i as u64,
+            ..tag(0)
+        };
+        a.send(Rank(1 - i as u32), t, Bytes::from(vec![i as u8; 100_000]))
+            .await
+            .unwrap();
+    }
+    for (j, b) in ranks.iter().enumerate() {
+        let i = 1 - j as u32;
+        let t = Tag {
+            seq: u64::from(i),
+            ..tag(0)
+        };
+        let got = tokio::time::timeout(Duration::from_secs(20), take(b, i, t))
+            .await
+            .expect("the frame arrives");
+        assert!(got.len() == 100_000 && got.iter().all(|&x| u32::from(x) == i));
+    }
+    for r in &ranks {
+        r.shutdown().await;
+    }
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "no segment left"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A thread waiting for the next frame spins, then sleeps; it never yields. Where ranks share
 /// cores, each yield handed a computing rank's core to a reader thread and back (64 per frame,
 /// about 1 ms of a 5 ms step; BENCHMARKS.md, issue 30), and the rank stayed late for good.

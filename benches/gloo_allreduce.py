@@ -106,15 +106,25 @@ def main():
     ]
     for p in procs:
         p.start()
-    try:
-        rows = queue.get(timeout=3600)
-    except Exception:  # a rank died before reporting (NCCL's refusal, say): its error is above
-        rows = None
+    # Rank 0 reports its rows; a rank that dies first (NCCL's refusal, say: its error is above)
+    # ends the wait at once, the hour is the limit for a live but stuck job.
+    rows, deadline = None, time.monotonic() + 3600
+    while rows is None and time.monotonic() < deadline:
+        try:
+            rows = queue.get(timeout=1)
+        except Exception:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
     for p in procs:
+        if rows is None and p.is_alive():
+            p.terminate()
         p.join()
         if p.exitcode != 0:
             print(f"error: a {args.backend} rank exited with {p.exitcode}", file=sys.stderr)
             return 1
+    if rows is None:
+        print("error: rank 0 reported nothing within the hour", file=sys.stderr)
+        return 1
     n = args.nproc
     where = "CUDA tensors" if args.device == "cuda" else "host tensors"
     print(f"# {args.backend} all_reduce (sum), {n} ranks, f32 {where}, torch {torch.__version__}, 1 thread per rank")

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use bonfire_kernels::reference::pack_with_feedback_reference;
-use bonfire_topology::{BucketPlan, ReduceOp};
+use bonfire_topology::{Bucket, BucketPlan, ReduceOp};
 use burn_backend::distributed::{DistributedParams, TensorRef};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Shape, TensorData};
@@ -289,9 +289,8 @@ fn flush<B: Backend>(
         match device_pack::pack_for_lane::<B>(&grads, &offsets) {
             Some(Ok(packed)) => {
                 // The gradients stay on the device; the host buffer carries the flags.
-                let bucket = &plan.buckets()[b];
                 for &i in &pending {
-                    step.buffers[b][bucket.len + plan.slot(i)] = 1.0;
+                    raise_flag(plan, &mut step.buffers, i);
                 }
                 step.lane[b] = Some(packed);
                 step.packed += 1;
@@ -596,12 +595,8 @@ fn through_lane<B: Backend>(
     };
     #[cfg(feature = "cuda")]
     {
-        let shapes: Vec<Shape> = (0..bucket.params.len())
-            .map(|k| match &refs[bucket.params[k]] {
-                Some(r) => r.shape.clone(),
-                None => Shape::new([slot_len(bucket, k)]),
-            })
-            .collect();
+        let slots: Vec<usize> = (0..bucket.params.len()).collect();
+        let shapes = slot_shapes(bucket, &slots, refs);
         let first = bucket
             .params
             .iter()
@@ -790,13 +785,7 @@ fn write_back_on_device<B: Backend>(
     }
     // One output per slot (the unpack fills all of `values`); those without a gradient in this
     // step are dropped.
-    let shapes: Vec<Shape> = slots
-        .iter()
-        .map(|&k| match &refs[bucket.params[k]] {
-            Some(r) => r.shape.clone(),
-            None => Shape::new([slot_len(bucket, k)]),
-        })
-        .collect();
+    let shapes = slot_shapes(bucket, slots, refs);
     let tensors = match device_pack::upload_unpack::<B>(like, values, &shapes) {
         None => return false,
         Some(Ok(t)) => t,
@@ -816,16 +805,37 @@ fn write_back_on_device<B: Backend>(
     true
 }
 
+/// The shapes to unpack a bucket's `slots` into: each gradient's own, or a flat slot for a
+/// parameter without one in this step (its output is dropped).
+fn slot_shapes<B: Backend>(
+    bucket: &Bucket,
+    slots: &[usize],
+    refs: &[Option<GradRef<B>>],
+) -> Vec<Shape> {
+    slots
+        .iter()
+        .map(|&k| match &refs[bucket.params[k]] {
+            Some(r) => r.shape.clone(),
+            None => Shape::new([slot_len(bucket, k)]),
+        })
+        .collect()
+}
+
+/// Raises parameter `i`'s presence flag in its bucket's buffer (after the bucket's values).
+fn raise_flag(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize) {
+    let (b, _) = plan.place(i);
+    let len = plan.buckets()[b].len;
+    buffers[b][len + plan.slot(i)] = 1.0;
+}
+
 /// Adds parameter `i`'s gradient into its place in its bucket and raises its presence flag.
 /// Returns the bucket.
 fn add_to_bucket(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize, grad: &[f32]) -> usize {
     let (b, off) = plan.place(i);
-    let bucket = &plan.buckets()[b];
-    let buf = &mut buffers[b];
-    for (dst, g) in buf[off..off + grad.len()].iter_mut().zip(grad) {
+    for (dst, g) in buffers[b][off..off + grad.len()].iter_mut().zip(grad) {
         *dst += g;
     }
-    buf[bucket.len + plan.slot(i)] = 1.0;
+    raise_flag(plan, buffers, i);
     b
 }
 

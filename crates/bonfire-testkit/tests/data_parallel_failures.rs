@@ -149,6 +149,55 @@ fn ranks_with_other_bucket_settings_are_named_before_anything_is_averaged() {
     }
 }
 
+/// Burn's own accumulation idiom ported as PyTorch's `no_sync` reads: the first micro-batch's
+/// backward under `no_sync`, its gradients summed in a `GradientsAccumulator` with the last
+/// one's. Burn's autodiff drops the synchronisation marks in the first backward, so the second
+/// is not averaged: the ranks' steps differ. The next backward is refused on every rank, naming
+/// the fix, before a second step can be taken.
+#[test]
+fn no_sync_gradients_summed_outside_bonfire_are_refused_naming_the_fix() {
+    use burn::optim::GradientsAccumulator;
+    let out = two_ranks(Duration::from_secs(10), |r| {
+        let device = Device::default();
+        let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
+            a: LinearConfig::new(4, 2).init(d),
+            b: LinearConfig::new(4, 2).init(d),
+        });
+        let mut model = bonfire::replicate(model);
+        let mut optim = SgdConfig::new().init();
+        for _step in 0..2 {
+            let mut accumulator = GradientsAccumulator::new();
+            for micro in 0..2 {
+                let x = Tensor::<DpFlex, 2>::from_data(
+                    TensorData::new(vec![0.25 * (1 + r + micro) as f32; 8], [2, 4]),
+                    &device,
+                );
+                let loss = (model.a.forward(x.clone()) + model.b.forward(x)).sum();
+                let grads = if micro == 0 {
+                    let _local = bonfire::no_sync();
+                    loss.backward()
+                } else {
+                    loss.backward()
+                };
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            }
+            model = optim.step(0.1, model, accumulator.grads());
+        }
+    });
+    for (r, msg) in out.iter().enumerate() {
+        let msg = msg
+            .as_deref()
+            .unwrap_or_else(|| panic!("rank {r} trained on without an error"));
+        assert!(msg.contains(&format!("rank {r} of 2")), "{msg}");
+        assert!(msg.contains("over 4 parameters"), "{msg}");
+        assert!(msg.contains("no_sync"), "{msg}");
+        assert!(
+            msg.contains("bonfire::accumulate(model, loss)"),
+            "names the fix: {msg}"
+        );
+    }
+}
+
 /// Two heads; which ones a rank uses is up to the test.
 #[derive(Module, Debug)]
 struct TwoHeads<B: burn::tensor::backend::Backend> {

@@ -41,6 +41,23 @@ pub enum SyncError {
         /// The parameter's id.
         id: u64,
     },
+    /// A backward ran under `no_sync` and its gradients never reached `keep_gradients`.
+    #[error(
+        "a backward pass over {params} parameters ran under bonfire::no_sync() and its gradients \
+         were not handed to bonfire::keep_gradients before the next one: the backward after it \
+         was not averaged over the {world} ranks (Burn's autodiff drops every parameter's \
+         synchronisation mark in each backward), so the last optimizer step used this rank's \
+         gradients alone and the replicas now differ. To accumulate gradients, call \
+         `model = bonfire::accumulate(model, loss)` for every micro-batch but the last and step on \
+         the last backward's gradients alone (they are the average of all of them); do not sum \
+         no_sync gradients in a GradientsAccumulator"
+    )]
+    GradientsNotKept {
+        /// Marked parameters in that backward.
+        params: usize,
+        /// Ranks in the group.
+        world: usize,
+    },
     /// A parameter's gradient changed size between steps.
     #[error("{param} changed size from {from} to {to} elements")]
     SizeChanged {

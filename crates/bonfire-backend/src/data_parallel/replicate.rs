@@ -105,6 +105,9 @@ where
         _backend: std::marker::PhantomData,
     };
     module.visit(&mut harvest);
+    if let Some(rep) = harvest.rep {
+        rep.state().unkept = None;
+    }
 }
 
 /// Drops the gradients kept on this rank by [`accumulate`] or [`keep_gradients`] since the last
@@ -131,14 +134,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Harvest<B> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let rep = self
+            .rep
+            .get_or_insert_with(|| context::for_device(&param.val().device()))
+            .clone();
         let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
             return;
         };
-        let device = grad.device();
-        let rep = self
-            .rep
-            .get_or_insert_with(|| context::for_device(&device))
-            .clone();
         let values =
             sync::to_host::<B::InnerBackend>(&rep, grad.into_primitive().tensor(), "a gradient");
         let name = self.path.join(".");

@@ -33,6 +33,9 @@ pub(crate) struct SyncState {
     pub(crate) agreed: Option<u64>,
     /// Gradient sums of unsynchronised backward passes, per parameter (empty: none).
     pub(crate) accum: Option<Vec<Vec<f32>>>,
+    /// A backward ran under `no_sync` over this many marked parameters, and its gradients have
+    /// not been handed to `keep_gradients` yet (`None`: every such backward's were).
+    pub(crate) unkept: Option<usize>,
     /// bf16 error feedback: what rounding left out last time, per bucket.
     pub(crate) residual: Vec<Vec<f32>>,
     /// ZeRO stage 2: the rank each gradient goes to, registered by the sharded optimizer on its
@@ -197,6 +200,7 @@ impl SyncState {
     /// Forgets the accumulated gradients.
     pub(crate) fn discard_accumulated(&mut self) {
         self.accum = None;
+        self.unkept = None;
     }
 
     /// Adds `grad` to the accumulated gradient of parameter `id` (registering it if new).

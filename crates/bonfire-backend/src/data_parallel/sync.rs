@@ -39,7 +39,10 @@ thread_local! {
 /// While the guard lives, backward passes on this thread leave their gradients alone: no buckets,
 /// no communication, as inside PyTorch DDP's `no_sync()`. The gradients backward returns are
 /// this rank's only; hand them to [`crate::keep_gradients`] so that the next synchronised
-/// backward includes them ([`crate::accumulate`] does both).
+/// backward includes them ([`crate::accumulate`] does both, and marks the parameters again).
+/// Gradients of a `no_sync` backward that were not kept stop every rank at its next backward
+/// ([`SyncError::GradientsNotKept`](crate::SyncError::GradientsNotKept)): summed outside bonfire, they would make
+/// the replicas differ.
 pub fn no_sync() -> NoSyncGuard {
     NO_SYNC.with(|c| c.set(c.get() + 1));
     NoSyncGuard {
@@ -89,9 +92,22 @@ fn check_agreement(agreement: Agreement, rep: &Replica) {
 /// `register_sync_parameters`: backward is starting over these parameters.
 pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
     let mut st = rep.state();
+    if let Some(marked) = st.unkept.take() {
+        // The backward after an unkept `no_sync` one was not marked (Burn's autodiff drops the
+        // marks in every backward), so it averaged nothing: the last optimizer step took this
+        // rank's gradients alone. Refuse before the replicas drift further apart.
+        drop(st);
+        rep.fail(SyncError::GradientsNotKept {
+            params: marked,
+            world: rep.comm.size(),
+        });
+    }
     if quiet() || (!rep.synchronises() && st.accum.is_none()) {
         // `accumulate`'s own backward, or a pass-through: nothing to average, nothing
-        // accumulated.
+        // accumulated. A `no_sync` backward's gradients count only once kept.
+        if quiet() && rep.synchronises() {
+            st.unkept = Some(params.len());
+        }
         st.step = None;
         return;
     }

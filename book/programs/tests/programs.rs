@@ -1,0 +1,117 @@
+//! The book's training programs as users run them: several processes started with the variables
+//! a launcher (torchrun, Slurm, `bonfire launch`) gives each rank, on this host. Each job must
+//! finish on every rank and its loss must fall.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Runs `program` as a job of `ranks` processes (with `env` added) and returns each rank's output
+/// once all have exited; a rank still running after two minutes fails the test.
+fn job(program: &str, ranks: usize, env: &[(&str, &str)]) -> Vec<Output> {
+    let port = bonfire_launch::free_local_port()
+        .expect("a free port")
+        .to_string();
+    let children: Vec<_> = (0..ranks)
+        .map(|r| {
+            let mut cmd = Command::new(program);
+            if ranks > 1 {
+                cmd.env("RANK", r.to_string())
+                    .env("WORLD_SIZE", ranks.to_string())
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("LOCAL_WORLD_SIZE", ranks.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port)
+                    .env("BONFIRE_SECRET", "the book's programs");
+            }
+            cmd.envs(env.iter().copied())
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{program}: {e}"))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut children = children;
+    while !children
+        .iter_mut()
+        .all(|c| c.try_wait().expect("wait").is_some())
+    {
+        if Instant::now() > deadline {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            panic!("{program}: a rank of {ranks} was still running after two minutes");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("output"))
+        .collect();
+    for (r, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "{program} rank {r} of {ranks}: {}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    outputs
+}
+
+/// The losses rank 0 printed (`... loss X`), in order.
+fn losses(out: &Output) -> Vec<f32> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split("loss ").nth(1)?.trim().parse().ok())
+        .collect()
+}
+
+/// Rank 0 printed `lines` losses, and the last is below `fraction` of the first.
+fn assert_learns(out: &Output, lines: usize, fraction: f32, what: &str) {
+    let l = losses(out);
+    assert_eq!(
+        l.len(),
+        lines,
+        "{what}: {l:?}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(l.iter().all(|x| x.is_finite()), "{what}: {l:?}");
+    assert!(
+        l[lines - 1] < fraction * l[0],
+        "{what} did not learn: {l:?}"
+    );
+}
+
+#[test]
+fn the_swap_in_program_trains_alone_and_as_two_processes() {
+    let bin = env!("CARGO_BIN_EXE_swap-in");
+    let alone = job(bin, 1, &[]);
+    assert_learns(&alone[0], 5, 0.5, "one process");
+    let two = job(bin, 2, &[]);
+    assert_learns(&two[0], 5, 0.5, "two processes");
+    let report = String::from_utf8_lossy(&two[0].stdout);
+    assert!(
+        report.contains("done; last step: Some(StepStats { steps: 1"),
+        "{report}"
+    );
+    assert!(two[1].stdout.is_empty(), "only rank 0 prints");
+}
+
+#[test]
+fn the_tensor_parallel_program_trains_on_two_ranks() {
+    let out = job(
+        env!("CARGO_BIN_EXE_tensor-parallel"),
+        2,
+        &[("BONFIRE_TP", "2")],
+    );
+    assert_learns(&out[0], 6, 0.8, "tp 2");
+}
+
+#[test]
+fn the_hybrid_program_trains_on_two_replicas_of_two_ranks() {
+    let out = job(env!("CARGO_BIN_EXE_hybrid"), 4, &[("BONFIRE_TP", "2")]);
+    assert_learns(&out[0], 6, 0.8, "dp 2 x tp 2");
+}

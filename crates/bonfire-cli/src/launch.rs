@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use bonfire::launch::slurm::{self, SlurmPlace};
 use bonfire::launch::{LaunchConfig, launch};
 
 use crate::error::{ArgError, CliError};
@@ -16,7 +17,8 @@ use crate::error::{ArgError, CliError};
 /// `--max-restarts` allow; after that the others get time to report it, the job is stopped on
 /// every node and this command exits non-zero, naming the rank. On several nodes the launchers
 /// also talk to each other: node 0's listens on TCP at --master-addr (the ranks' rendezvous uses
-/// UDP at the same port).
+/// UDP at the same port). Under Slurm, start one launcher per node with `srun
+/// --ntasks-per-node=1`: the node count, this node's index and the rendezvous come from the step.
 #[derive(clap::Args)]
 #[command(
     after_help = "Examples:\n  bonfire launch --nproc-per-node 2 -- ./target/release/mnist-style\n  bonfire launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1:29500 --secret-file job.secret -- ./train"
@@ -25,14 +27,16 @@ pub(crate) struct Args {
     /// Ranks to start on this node.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     nproc_per_node: u32,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
-    nnodes: u32,
-    /// This node's index, 0 to nnodes-1; node 0 hosts rank 0 and the rendezvous.
-    #[arg(long, default_value_t = 0)]
-    node_rank: u32,
+    /// Nodes in the job [default: 1; under `srun`, the step's nodes].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    nnodes: Option<u32>,
+    /// This node's index, 0 to nnodes-1; node 0 hosts rank 0 and the rendezvous [default: 0;
+    /// under `srun`, this node's place in the step].
+    #[arg(long)]
+    node_rank: Option<u32>,
     /// Where rank 0 hosts the rendezvous, HOST:PORT [default on one node: a free port on
-    /// 127.0.0.1].
+    /// 127.0.0.1; under `srun`, the step's first node at MASTER_PORT, else 29500 plus the job
+    /// id modulo 2000].
     #[arg(long)]
     master_addr: Option<String>,
     /// A file holding the job secret, the same on every node [default on one node: a fresh
@@ -73,14 +77,55 @@ fn positive_seconds(s: &str) -> Result<Duration, ArgError> {
     }
 }
 
+/// The node count, this node's index and the rendezvous: from the flags, or under Slurm from
+/// the `srun` step that started one launcher per node. A launcher in a batch script of several
+/// nodes is refused: it would start one node's ranks and wait for the others.
+fn placement(args: &Args) -> Result<(usize, usize, Option<String>), CliError> {
+    let get = |k: &str| std::env::var(k).ok();
+    let place = slurm::place(&get).map_err(|e| CliError::Usage(format!("under Slurm: {e}")))?;
+    let given = (args.nnodes, args.node_rank, args.master_addr.clone());
+    match (place, given) {
+        (_, (Some(n), rank, master)) => Ok((n as usize, rank.unwrap_or(0) as usize, master)),
+        (SlurmPlace::Step(step), (None, rank, master)) => {
+            let nodes = step.hosts.len();
+            if step.tasks != nodes {
+                return Err(CliError::Usage(format!(
+                    "bonfire launch runs once per node, but this srun step has {} tasks on {nodes} \
+                     node(s): start it with `srun --ntasks={nodes} --ntasks-per-node=1 bonfire \
+                     launch ...` (or give --nnodes and --node-rank)",
+                    step.tasks
+                )));
+            }
+            let port = match std::env::var("MASTER_PORT") {
+                Ok(p) => Some(p.trim().parse::<u16>().map_err(|_| {
+                    CliError::Usage(format!("MASTER_PORT={p:?} is not a port number"))
+                })?),
+                Err(_) => None,
+            };
+            let node = rank.map_or(step.node, |r| r as usize);
+            Ok((nodes, node, master.or_else(|| Some(step.master(port)))))
+        }
+        (SlurmPlace::BatchScript { job, nodes, .. }, (None, _, _)) if nodes > 1 => {
+            Err(CliError::Usage(format!(
+                "bonfire launch is running in the batch script of Slurm job {job}, which runs on \
+                 the first of its {nodes} nodes only: start one launcher per node with `srun \
+                 --ntasks={nodes} --ntasks-per-node=1 bonfire launch ...` (or give --nnodes 1 to \
+                 run every rank here)"
+            )))
+        }
+        (_, (None, rank, master)) => Ok((1, rank.unwrap_or(0) as usize, master)),
+    }
+}
+
 pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    let (nnodes, node_rank, master) = placement(&args)?;
     let mut command = args.command.into_iter();
     let program = command.next().ok_or(CliError::NoProgram)?;
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
-        nnodes: args.nnodes as usize,
-        node_rank: args.node_rank as usize,
-        master: args.master_addr,
+        nnodes,
+        node_rank,
+        master,
         secret_file: args.secret_file,
         timeout: args.timeout,
         peer_timeout: args.peer_timeout,

@@ -35,7 +35,12 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = bonfire::init_logging() {
+    let logging = match cli.command {
+        // The launcher is no rank, even where Slurm's SLURM_PROCID says it is a task.
+        Command::Launch(_) => bonfire::launch::logging::init_logging_with_prefix(String::new()),
+        _ => bonfire::init_logging(),
+    };
+    if let Err(e) = logging {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }

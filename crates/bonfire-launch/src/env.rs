@@ -3,8 +3,10 @@
 //! Three sources, tried in order:
 //! 1. `bonfire launch` or torchrun-style variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //!    `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (and `GROUP_RANK` for the node);
-//! 2. Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, the first host of
-//!    `SLURM_JOB_NODELIST`, with `MASTER_PORT` or a port derived from `SLURM_JOB_ID`;
+//! 2. Slurm, in a task of an `srun` step: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`,
+//!    `SLURM_LOCALID`, the node's place in `SLURM_STEP_NODELIST`, the first host of that list
+//!    with `MASTER_PORT` or a port derived from `SLURM_JOB_ID` (see [`crate::slurm`]); a job's
+//!    batch script, which Slurm gives `SLURM_PROCID=0` without a step, is refused;
 //! 3. nothing: a single rank.
 //!
 //! bonfire's own variables refine any of them: `BONFIRE_SECRET` / `BONFIRE_SECRET_FILE`,
@@ -17,6 +19,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bonfire_topology::Rank;
+
+use crate::slurm::{self, SlurmError, SlurmPlace};
 
 /// Variable names, shared by the launcher (which sets them) and [`JobEnv`] (which reads them).
 pub mod vars {
@@ -124,6 +128,22 @@ pub enum EnvError {
         /// What is wrong.
         why: String,
     },
+    /// Slurm's variables cannot be read.
+    #[error(transparent)]
+    Slurm(#[from] SlurmError),
+    /// The process is a Slurm job's batch script, which looks like rank 0 without being one.
+    #[error(
+        "this process is the batch script of Slurm job {job} (SLURM_PROCID is set, SLURM_STEP_ID \
+         is not), not one of its {tasks} ranks: start the ranks with `srun ./train`, or one \
+         launcher per node with `srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 bonfire launch \
+         --nproc-per-node N -- ./train`"
+    )]
+    SlurmBatchScript {
+        /// The job.
+        job: u32,
+        /// Tasks in the job.
+        tasks: usize,
+    },
     /// A variable needed with the others is missing.
     #[error("{var} is not set, but {because} is: set it too (or run under `bonfire launch`)")]
     Missing {
@@ -171,26 +191,6 @@ fn addr(
     var: &'static str,
 ) -> Result<Option<SocketAddr>, EnvError> {
     parse(get, var, "expected IP:PORT")
-}
-
-/// The first host of a Slurm node list: `node[01-04,07],gpu5` gives `node01`.
-pub fn first_slurm_host(list: &str) -> Option<String> {
-    let list = list.trim();
-    let end = list.find([',', '[']).unwrap_or(list.len());
-    let prefix = &list[..end];
-    if list[end..].starts_with('[') {
-        let inner = &list[end + 1..];
-        let first = inner.split([',', ']']).next()?;
-        let first = first.split('-').next()?;
-        if first.is_empty() {
-            return None;
-        }
-        Some(format!("{prefix}{first}"))
-    } else if prefix.is_empty() {
-        None
-    } else {
-        Some(prefix.to_string())
-    }
 }
 
 impl JobEnv {
@@ -242,45 +242,30 @@ impl JobEnv {
                     node,
                     master,
                 )
-            } else if let Some(rank) = slurm_rank.map(Some) {
-                let world: usize =
-                    parse(get, "SLURM_NTASKS", "expected a number")?.ok_or(EnvError::Missing {
-                        var: "SLURM_NTASKS",
-                        because: "SLURM_PROCID",
-                    })?;
-                let local: usize = parse(get, "SLURM_LOCALID", "expected a number")?.unwrap_or(0);
-                let node: u32 = parse(get, "SLURM_NODEID", "expected a number")?.unwrap_or(0);
-                let local_world: usize = get("SLURM_NTASKS_PER_NODE")
-                    .and_then(|v| v.split(['(', ',']).next()?.trim().parse().ok())
-                    .unwrap_or(world);
-                let host = match get(MASTER_ADDR).filter(|h| !h.trim().is_empty()) {
-                    Some(h) => h.trim().to_string(),
-                    None => {
-                        let list = get("SLURM_JOB_NODELIST")
-                            .or_else(|| get("SLURM_NODELIST"))
-                            .ok_or(EnvError::Missing {
-                                var: "SLURM_JOB_NODELIST",
-                                because: "SLURM_PROCID",
-                            })?;
-                        first_slurm_host(&list).ok_or_else(|| EnvError::Invalid {
-                            var: "SLURM_JOB_NODELIST",
-                            value: list.clone(),
-                            why: "no host in the node list".into(),
-                        })?
-                    }
+            } else if let SlurmPlace::Step(step) = slurm::place(get)? {
+                let port: Option<u16> = parse(get, MASTER_PORT, "expected a port number")?;
+                let master = match get(MASTER_ADDR).filter(|h| !h.trim().is_empty()) {
+                    Some(h) => format!(
+                        "{}:{}",
+                        h.trim(),
+                        port.unwrap_or(29500 + (step.job % 2000) as u16)
+                    ),
+                    None => step.master(port),
                 };
-                let job: u32 = parse(get, "SLURM_JOB_ID", "expected a number")?.unwrap_or(0);
-                let port: u16 = parse(get, MASTER_PORT, "expected a port number")?
-                    .unwrap_or(29500 + (job % 2000) as u16);
                 (
                     EnvSource::Slurm,
-                    rank,
-                    world,
-                    local,
-                    local_world,
-                    node,
-                    format!("{host}:{port}"),
+                    Some(step.task as u32),
+                    step.tasks,
+                    step.local_task,
+                    step.local_tasks,
+                    step.node as u32,
+                    master,
                 )
+            } else if let (Some(_), SlurmPlace::BatchScript { job, tasks, .. }) =
+                (slurm_rank, slurm::place(get)?)
+                && tasks > 1
+            {
+                return Err(EnvError::SlurmBatchScript { job, tasks });
             } else {
                 (EnvSource::Single, Some(0), 1, 0, 1, 0, String::new())
             };
@@ -367,6 +352,7 @@ mod tests {
     #[test]
     fn slurm_names() {
         let e = env(&[
+            ("SLURM_STEP_ID", "0"),
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "8"),
             ("SLURM_LOCALID", "1"),
@@ -380,9 +366,22 @@ mod tests {
         assert_eq!((e.rank, e.world_size, e.local_rank), (Some(Rank(5)), 8, 1));
         assert_eq!((e.local_world_size, e.node_rank), (4, 2));
         assert_eq!(e.master, format!("gpu07:{}", 29500 + 123456 % 2000));
-        assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
-        assert_eq!(first_slurm_host("n[3]"), Some("n3".into()));
-        assert_eq!(first_slurm_host(""), None);
+        // The batch script of the same job is not rank 0.
+        let err = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08,11]"),
+            ("SLURM_JOB_ID", "123456"),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err,
+            EnvError::SlurmBatchScript {
+                job: 123456,
+                tasks: 8
+            }
+        );
+        assert!(err.to_string().contains("srun ./train"), "{err}");
     }
 
     #[test]

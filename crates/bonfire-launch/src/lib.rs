@@ -7,10 +7,11 @@ pub use control::{LeaderProbe, probe_leader};
 pub mod env;
 mod launcher;
 pub mod logging;
+pub mod slurm;
 
 pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
 pub use launcher::{
     AddrError, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port, launch,
     split_host_port,
 };
-pub use logging::{LogFilterError, init_logging};
+pub use logging::{LogFilterError, init_logging, init_logging_with_prefix};

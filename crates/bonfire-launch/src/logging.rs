@@ -76,13 +76,17 @@ pub fn rank_prefix() -> String {
 /// whether it did. A bad filter is an error; the program goes on without logs only if it
 /// chooses to.
 pub fn init_logging() -> Result<bool, LogFilterError> {
+    init_logging_with_prefix(rank_prefix())
+}
+
+/// [`init_logging`] with a prefix of the caller's for every line (`bonfire launch` has none: it
+/// is no rank, even as a task of an `srun` step, where `SLURM_PROCID` is set).
+pub fn init_logging_with_prefix(prefix: String) -> Result<bool, LogFilterError> {
     let filter = filter_from_env()?;
     let installed = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .event_format(RankFormat {
-            prefix: rank_prefix(),
-        })
+        .event_format(RankFormat { prefix })
         .try_init()
         .is_ok();
     Ok(installed)

@@ -122,7 +122,7 @@ pub mod kernels {
 pub mod launch {
     pub use bonfire_launch::{
         EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
-        SecretSource, env, free_local_port, launch, logging, probe_leader,
+        SecretSource, env, free_local_port, launch, logging, probe_leader, slurm,
     };
 }
 

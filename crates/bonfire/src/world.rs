@@ -11,7 +11,11 @@ use bonfire_transport::shm::{ShmConfig, ShmConfigError};
 use bonfire_transport::{JobTransport, JobTransportError, Lane, QuicConfig, Secret, SecretError};
 
 /// Why [`init`] failed. Its message says what to fix.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` form is that message too, so a `main` that returns `Result<(), Box<dyn Error>>`
+/// and uses `bonfire::init()?` prints `Error: bonfire::init: ...` rather than the variant's
+/// fields.
+#[derive(thiserror::Error)]
 pub enum InitError {
     /// The job environment is malformed.
     #[error("bonfire::init: {0}")]
@@ -65,6 +69,12 @@ pub enum InitError {
     /// `BONFIRE_DEVICE_PACK`) is malformed.
     #[error("bonfire::init: {0}")]
     Config(#[from] ConfigError),
+}
+
+impl std::fmt::Debug for InitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// This process's place in its job: its rank, the world communicator, and the links behind it.

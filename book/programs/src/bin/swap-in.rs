@@ -5,6 +5,7 @@ use burn::backend::flex::{Flex, FlexDevice};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 type B = Autodiff<DataParallel<Flex>>; // 1. was Autodiff<Flex>
@@ -12,6 +13,7 @@ type B = Autodiff<DataParallel<Flex>>; // 1. was Autodiff<Flex>
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let world = bonfire::init()?; // 2. join the job (a job of one without a launcher)
     let device = FlexDevice;
+    B::seed(&device, 42); // the same start in every run
 
     let model: Linear<B> = LinearConfig::new(4, 3).init(&device);
     let mut model = bonfire::replicate(model); // 3. rank 0's parameters on every rank

@@ -181,6 +181,7 @@ fn code() -> Code {
 /// Names from outside bonfire that the docs may use: Burn's, the standard library's and the
 /// peers' (in comparisons).
 const FOREIGN_TYPES: &[&str] = &[
+    "GradientsAccumulator",
     "Autodiff",
     "Wgpu",
     "WgpuDevice",
@@ -278,6 +279,9 @@ const USERS_PROGRAMS: &[&str] = &["train", "my-trainer", "my-training"];
 
 /// Flags of other tools the docs show (cargo, mdbook, torchrun, the peers' scripts, apt).
 const FOREIGN_FLAGS: &[&str] = &[
+    // srun's
+    "ntasks",
+    "cpus-per-task",
     "release",
     "features",
     "no-default-features",

@@ -202,8 +202,7 @@ pub enum JobError {
     },
     /// Ranks found different checkpoints to resume from.
     #[error(
-        "rank {rank} found {} in {}, this rank epoch {mine}: every rank must see the same \
-         checkpoint directory",
+        "rank {rank} found {} in {}, this rank epoch {mine}: the ranks' checkpoints disagree",
         found_what(.found),
         .dir.display()
     )]
@@ -217,6 +216,9 @@ pub enum JobError {
         /// The epoch this rank found.
         mine: usize,
     },
+    /// The newest checkpoint could not be sent to the ranks whose directory lacks it.
+    #[error(transparent)]
+    ShareCheckpoint(bonfire::checkpoint::CheckpointError),
     /// This program's own path is unknown, so it cannot start its ranks.
     #[error("cannot find this program: {0}")]
     CurrentExe(#[source] std::io::Error),

@@ -223,8 +223,9 @@ impl<'a, J: Job> RankContext<'a, J> {
     }
 
     /// On a resumed or restarted run, the checkpoint to continue from, read on every rank:
-    /// the newest that every rank can read (every rank must see the checkpoint directory).
-    /// `None` on a fresh run, and on a restarted one that had written no checkpoint yet.
+    /// the newest that some rank can read, sent to the ranks whose directory lacks it (nodes
+    /// that do not share the checkpoint directory). `None` on a fresh run, and on a restarted one
+    /// that had written no checkpoint yet.
     ///
     /// A newest checkpoint that fails its check is passed over for the newest one that passes;
     /// rank 0 says which and why. Under a restart (`BONFIRE_RESTART_ROUND` above 0, set by the
@@ -254,32 +255,24 @@ impl<'a, J: Job> RankContext<'a, J> {
             .map_err(JobError::collective(
                 "agreeing on the checkpoint to resume from",
             ))?;
-        let (lowest, target) = all
-            .iter()
-            .copied()
-            .enumerate()
-            .min_by_key(|&(_, e)| e)
-            .expect("a job has a rank");
+        let target = all.iter().copied().max().expect("a job has a rank");
         if target < 0 {
             if !self.settings.resume {
-                if mine >= 0 || all.iter().any(|&e| e >= 0) {
-                    let text = format!(
-                        "restart {restart}: rank {lowest} finds no usable checkpoint in {}; the run starts afresh",
-                        dir.display()
-                    );
-                    self.say(Say::Notice, &text);
-                }
                 self.say_restart(restart, 0, None);
                 return Ok(None);
             }
-            let loaded = loaded?;
-            return Err(JobError::CheckpointMismatch {
-                rank: lowest,
-                found: None,
-                dir,
-                mine: loaded.state.epochs_done,
-            });
+            return Err(loaded.err().unwrap_or(JobError::NoCheckpoint { dir }));
         }
+        // Ranks whose directory lacks the newest (a node without the others' storage, a damaged
+        // copy) receive it from the lowest rank that holds it.
+        let holder = loaded.as_ref().ok().filter(|_| mine == target);
+        let shared = bonfire::checkpoint::share_newest(
+            self.world.comm(),
+            &dir,
+            &all,
+            holder.map(|l| l.dir.as_path()),
+        )
+        .map_err(JobError::ShareCheckpoint)?;
         let target = target as usize;
         let loaded = if mine == target as i64 {
             loaded?
@@ -292,7 +285,7 @@ impl<'a, J: Job> RankContext<'a, J> {
         };
         if loaded.state.epochs_done != target {
             return Err(JobError::CheckpointMismatch {
-                rank: lowest,
+                rank: all.iter().position(|&e| e == target as i64).unwrap_or(0),
                 found: Some(target),
                 dir,
                 mine: loaded.state.epochs_done,
@@ -305,10 +298,11 @@ impl<'a, J: Job> RankContext<'a, J> {
             );
             self.say(Say::Notice, &text);
         }
-        if (mine as usize) > target || all.iter().any(|&e| e != target as i64) {
+        if let Some(shared) = shared {
             let text = format!(
-                "rank {lowest} can read no checkpoint newer than {}; every rank resumes from it",
-                loaded.dir.display()
+                "rank(s) {:?} had no usable epoch-{target} in their checkpoint directory; rank {} \
+                 sent it ({} bytes, checked against its SHA-256 sums)",
+                shared.to, shared.from, shared.bytes
             );
             self.say(Say::Notice, &text);
         }

@@ -37,7 +37,7 @@ pub struct RunOptions {
     /// (default: keep all; at least 1).
     pub keep_checkpoints: Option<usize>,
     /// Times the parent starts the ranks again after one fails (default: 0); each time they
-    /// resume from the newest checkpoint every rank can read.
+    /// resume from the newest checkpoint any rank can read (sent to the ranks that lack it).
     pub max_restarts: u32,
     /// Draw the loss plot on a logarithmic scale.
     pub log_loss: bool,

@@ -13,6 +13,7 @@
 //!   strategy or burn-train's DDP, for checking them against single-rank training.
 //! - [`tp`]: models with tensor-parallel plans (an MLP, Burn's transformer encoder, a GPT-style
 //!   block) and loops, for checking tensor-parallel training against the unsharded model.
+//! - [`netns`]: network namespaces that play separate hosts.
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
@@ -20,6 +21,7 @@ pub mod calls;
 mod chaos;
 pub mod counting;
 pub mod learn;
+pub mod netns;
 pub mod nets;
 pub mod oracle;
 mod ranks;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bonfire_launch::{LaunchConfig, free_local_port, launch};
+use bonfire_testkit::netns::Namespaces;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -444,67 +445,9 @@ fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
     }
 }
 
-/// Two network namespaces, each joined to this one by a veth pair.
-struct Namespaces {
-    names: [String; 2],
-}
-
-impl Namespaces {
-    /// `None` where the machine does not allow it (not root, no `ip`, no netns support).
-    fn create() -> Option<Namespaces> {
-        let tag = std::process::id() % 100_000;
-        let names = [format!("bf{tag}a"), format!("bf{tag}b")];
-        let ip = |args: &[&str]| {
-            Command::new("ip")
-                .args(args)
-                .output()
-                .is_ok_and(|o| o.status.success())
-        };
-        if !ip(&["netns", "add", &names[0]]) {
-            return None;
-        }
-        let ns = Namespaces { names };
-        for (i, name) in ns.names.iter().enumerate() {
-            let (inner, outer) = (format!("{name}i"), format!("{name}o"));
-            let net = 71 + i;
-            let ok = (i == 0 || ip(&["netns", "add", name]))
-                && ip(&[
-                    "link", "add", &outer, "type", "veth", "peer", "name", &inner,
-                ])
-                && ip(&["link", "set", &inner, "netns", name])
-                && ip(&["addr", "add", &format!("10.{net}.0.1/24"), "dev", &outer])
-                && ip(&["link", "set", &outer, "up"])
-                && ip(&[
-                    "-n",
-                    name,
-                    "addr",
-                    "add",
-                    &format!("10.{net}.0.2/24"),
-                    "dev",
-                    &inner,
-                ])
-                && ip(&["-n", name, "link", "set", &inner, "up"])
-                && ip(&["-n", name, "link", "set", "lo", "up"]);
-            if !ok {
-                return None;
-            }
-        }
-        Some(ns)
-    }
-}
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        for name in &self.names {
-            // Deleting a namespace deletes its veth end, and with it the peer outside.
-            let _ = Command::new("ip").args(["netns", "del", name]).output();
-        }
-    }
-}
-
 #[test]
 fn across_two_network_namespaces_through_a_lossy_relay() {
-    let Some(ns) = Namespaces::create() else {
+    let Some(ns) = Namespaces::star() else {
         eprintln!("skipped: this machine does not allow network namespaces (needs root and `ip`)");
         return;
     };

@@ -6,7 +6,8 @@
 //! a temporary directory and renamed into place, and `ROOT/latest` names the newest one, so a
 //! rank killed while writing leaves the previous checkpoint as the newest. On the way back every
 //! rank checks the sums of the checkpoints it sees, and the ranks agree on the newest one that
-//! every rank can read: the one [`resume_or_start`] returns.
+//! some rank can read: the one [`resume_or_start`] returns, after sending it to the ranks that
+//! lack it (nodes that do not share the checkpoint directory).
 //!
 //! Under `bonfire launch --max-restarts N`, a failure starts every rank again; a program that
 //! calls [`resume_or_start`] first continues from the newest checkpoint instead of from scratch.
@@ -46,6 +47,31 @@ pub enum CheckpointError {
     /// The ranks could not agree (a collective failed; the message names the ranks).
     #[error("agreeing on the checkpoint to resume from: {0}")]
     Agree(#[from] CollectiveError),
+    /// Sending the newest checkpoint to the ranks that lack it failed (a collective failed; the
+    /// message names the ranks).
+    #[error("sending checkpoint epoch-{epoch} from rank {from} to ranks {to:?}: {source}")]
+    Share {
+        /// Its epoch.
+        epoch: usize,
+        /// The rank that sent it.
+        from: usize,
+        /// The ranks that lacked it.
+        to: Vec<usize>,
+        /// The collective's error.
+        source: Box<CollectiveError>,
+    },
+    /// The checkpoint a rank received is not what its sender holds.
+    #[error("checkpoint epoch-{epoch} as received from rank {from} into {dir}: {why}")]
+    Received {
+        /// Its epoch.
+        epoch: usize,
+        /// The rank that sent it.
+        from: usize,
+        /// Where it was written.
+        dir: PathBuf,
+        /// What is wrong (a file name outside the checkpoint, a checksum that fails).
+        why: String,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -147,6 +173,166 @@ where
     Ok(Some(dir))
 }
 
+/// How a checkpoint reached the ranks that lacked it ([`share_newest`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shared {
+    /// Its epoch.
+    pub epoch: usize,
+    /// The rank that sent it: the lowest that holds it.
+    pub from: usize,
+    /// The ranks that lacked it (none newer, or a damaged copy) and received it.
+    pub to: Vec<usize>,
+    /// Its files' bytes.
+    pub bytes: u64,
+}
+
+/// Collective on `comm`, for ranks that do not share one checkpoint directory (nodes without
+/// shared storage). `claims[r]` is rank `r`'s newest usable checkpoint epoch (`-1`: none), the
+/// same slice on every rank (an all-gather of each rank's claim); `mine` is this rank's copy of
+/// the newest one, if it holds it. When some rank's claim is below the newest, the lowest rank
+/// that holds the newest sends its files to every rank, and each rank that lacked it writes them
+/// as `root/epoch-N` (a damaged copy there is moved aside to `root/epoch-N.damaged-rank-R`),
+/// checks them against the `SHA256SUMS` that came with them, and points `root/latest` at it.
+/// Ranks of one node that share `root` may both receive it: the first to move it into place
+/// wins, and the other checks that copy.
+///
+/// Returns `None` when every rank claimed the same epoch (nothing moved) or none holds one.
+pub fn share_newest(
+    comm: &Communicator,
+    root: &Path,
+    claims: &[i64],
+    mine: Option<&Path>,
+) -> Result<Option<Shared>, CheckpointError> {
+    let target = claims.iter().copied().max().unwrap_or(-1);
+    if target < 0 || claims.iter().all(|&c| c == target) {
+        return Ok(None);
+    }
+    let epoch = target as usize;
+    let from = claims.iter().position(|&c| c == target).unwrap_or(0);
+    let to: Vec<usize> = (0..claims.len()).filter(|&r| claims[r] < target).collect();
+    let me = comm.rank();
+    let failed = |source| CheckpointError::Share {
+        epoch,
+        from,
+        to: to.clone(),
+        source: Box::new(source),
+    };
+    // The sender's files, flat and sorted by name.
+    let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+    if me == from {
+        let dir = mine.ok_or_else(|| CheckpointError::Io {
+            path: root.join(format!("epoch-{epoch}")),
+            source: std::io::Error::other("this rank claimed the checkpoint but has no copy"),
+        })?;
+        let mut entries: Vec<PathBuf> = fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.is_file())
+            .collect();
+        entries.sort();
+        for path in entries {
+            let bytes = fs::read(&path).map_err(io(&path))?;
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            files.push((name.into_owned(), bytes));
+        }
+    }
+    // Sizes first (so that every rank posts buffers of the same length), then names, then the
+    // contents.
+    let totals: Vec<i64> = vec![
+        files.len() as i64,
+        files.iter().map(|(n, _)| n.len() as i64).sum(),
+        files.iter().map(|(_, b)| b.len() as i64).sum(),
+    ];
+    let totals = comm.broadcast(totals, from).wait().map_err(failed)?;
+    let (count, name_bytes, data_bytes) = (
+        totals[0].max(0) as usize,
+        totals[1].max(0) as usize,
+        totals[2].max(0) as usize,
+    );
+    let sizes: Vec<i64> = if me == from {
+        files
+            .iter()
+            .flat_map(|(n, b)| [n.len() as i64, b.len() as i64])
+            .collect()
+    } else {
+        vec![0; 2 * count]
+    };
+    let sizes = comm.broadcast(sizes, from).wait().map_err(failed)?;
+    let names: Vec<u8> = if me == from {
+        files.iter().flat_map(|(n, _)| n.bytes()).collect()
+    } else {
+        vec![0; name_bytes]
+    };
+    let names = comm.broadcast(names, from).wait().map_err(failed)?;
+    let data: Vec<u8> = if me == from {
+        files.iter().flat_map(|(_, b)| b.iter().copied()).collect()
+    } else {
+        vec![0; data_bytes]
+    };
+    let data = comm.broadcast(data, from).wait().map_err(failed)?;
+    let shared = Shared {
+        epoch,
+        from,
+        to: to.clone(),
+        bytes: data_bytes as u64,
+    };
+    if claims[me] >= target {
+        return Ok(Some(shared));
+    }
+
+    let name = format!("epoch-{epoch}");
+    let dir = root.join(&name);
+    let bad = |why: String| CheckpointError::Received {
+        epoch,
+        from,
+        dir: dir.clone(),
+        why,
+    };
+    fs::create_dir_all(root).map_err(io(root))?;
+    let tmp = root.join(format!(".{name}.from-rank-{from}.rank-{me}"));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let (mut at_name, mut at_data) = (0usize, 0usize);
+    for pair in sizes.chunks_exact(2) {
+        let (n, b) = (pair[0].max(0) as usize, pair[1].max(0) as usize);
+        let file = names
+            .get(at_name..at_name + n)
+            .and_then(|s| std::str::from_utf8(s).ok())
+            .ok_or_else(|| bad("a file name is cut short or not UTF-8".into()))?;
+        if file.is_empty() || file.starts_with('.') || file.contains(['/', '\\']) {
+            return Err(bad(format!(
+                "a file name is not one of a checkpoint: {file:?}"
+            )));
+        }
+        let bytes = data
+            .get(at_data..at_data + b)
+            .ok_or_else(|| bad(format!("{file} is cut short")))?;
+        write_synced(&tmp.join(file), bytes)?;
+        at_name += n;
+        at_data += b;
+    }
+    if let Err(why) = check(&tmp) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(bad(why));
+    }
+    if dir.exists() && check(&dir).is_err() {
+        // A damaged copy of this epoch: kept aside, not deleted.
+        let aside = root.join(format!("{name}.damaged-rank-{me}"));
+        let _ = fs::remove_dir_all(&aside);
+        let _ = fs::rename(&dir, &aside);
+    }
+    if fs::rename(&tmp, &dir).is_err() {
+        // Another rank sharing this directory moved its copy into place first.
+        let _ = fs::remove_dir_all(&tmp);
+        check(&dir).map_err(bad)?;
+    }
+    let latest_tmp = root.join(format!(".latest.rank-{me}.tmp"));
+    write_synced(&latest_tmp, name.as_bytes())?;
+    fs::rename(&latest_tmp, root.join(LATEST)).map_err(io(root))?;
+    Ok(Some(shared))
+}
+
 /// Checks every file `SHA256SUMS` in `dir` lists (at least one); the error says what is wrong.
 fn check(dir: &Path) -> Result<(), String> {
     let sums = fs::read_to_string(dir.join(SUMS)).map_err(|e| format!("{SUMS}: {e}"))?;
@@ -219,9 +405,10 @@ fn newest_usable(root: &Path, at_most: usize) -> (Option<(usize, PathBuf)>, Vec<
 }
 
 /// On every rank of `comm` (the job's: `world.comm()`), before training: the newest checkpoint
-/// under `root` that every rank can read
-/// (its checksums pass on every rank), or `None` when some rank has none, and the run starts
-/// from scratch. Every rank gets the same answer.
+/// under `root` that any rank can read (its checksums pass), or `None` when no rank has one and
+/// the run starts from scratch. Every rank gets the same answer. Ranks that lack it (a node
+/// without the others' storage, a damaged copy) receive it from the lowest rank that holds it
+/// first ([`share_newest`]), checked against its `SHA256SUMS`.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -251,10 +438,11 @@ pub fn resume_or_start(
     let (mine, skipped) = newest_usable(root, usize::MAX);
     let claim = mine.as_ref().map_or(-1, |(n, _)| *n as i64);
     let all = comm.all_gather(vec![claim]).wait()?;
-    let agreed = all.iter().copied().min().unwrap_or(-1);
+    let agreed = all.iter().copied().max().unwrap_or(-1);
     if agreed < 0 {
         return Ok(None);
     }
+    share_newest(comm, root, &all, mine.as_ref().map(|(_, d)| d.as_path()))?;
     let (found, more) = if agreed == claim {
         (mine, Vec::new())
     } else {
@@ -272,7 +460,7 @@ pub fn resume_or_start(
         _ => Err(CheckpointError::Io {
             path: root.join(format!("epoch-{agreed}")),
             source: std::io::Error::other(
-                "the checkpoint every rank agreed on no longer passes its check on this rank",
+                "the checkpoint the ranks agreed on no longer passes its check on this rank",
             ),
         }),
     }
@@ -344,34 +532,108 @@ mod tests {
         }
     }
 
-    #[test]
-    fn ranks_agree_on_the_newest_checkpoint_every_rank_can_read() {
-        let base = std::env::temp_dir().join(format!("bonfire-agree-{}", std::process::id()));
+    /// Rank 0 saves epochs 1 to 3 into its own directory; `copies(r)` is rank `r`'s directory
+    /// (ranks may share one), `damage(r)` whether its epoch 3 is damaged. Returns each rank's
+    /// resumed epoch, with the directories' root.
+    fn resume_apart(
+        name: &str,
+        world: usize,
+        dir_of: fn(usize) -> usize,
+        prepare: fn(usize, &Path),
+    ) -> (Vec<Option<usize>>, PathBuf) {
+        let base = std::env::temp_dir().join(format!("bonfire-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&base);
-        // Rank 1 sees its own copy of the directory, where epoch 3 is damaged.
-        let handles: Vec<_> = worlds(2)
+        let handles: Vec<_> = worlds(world)
             .into_iter()
             .enumerate()
-            .map(|(r, world)| {
-                let root = base.join(format!("rank-{r}"));
+            .map(|(r, comm)| {
+                let root = base.join(format!("node-{}", dir_of(r)));
                 std::thread::spawn(move || {
-                    let single = worlds(1).pop().unwrap();
-                    for epoch in 1..=3 {
-                        save_checkpoint(&single, &root, epoch, |d| {
-                            fs::write(d.join("w"), [epoch as u8])
-                        })
-                        .unwrap();
-                    }
-                    if r == 1 {
-                        fs::write(root.join("epoch-3/w"), [0u8]).unwrap();
-                    }
-                    resume_or_start(&world, &root).unwrap().map(|x| x.epoch)
+                    prepare(r, &root);
+                    resume_or_start(&comm, &root).unwrap().map(|x| x.epoch)
                 })
             })
             .collect();
-        for h in handles {
-            assert_eq!(h.join().unwrap(), Some(2));
+        let epochs = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (epochs, base)
+    }
+
+    fn three_epochs(root: &Path) {
+        let single = worlds(1).pop().unwrap();
+        for epoch in 1..=3 {
+            save_checkpoint(&single, root, epoch, |d| {
+                fs::write(d.join("w"), vec![epoch as u8; 1000])?;
+                fs::write(d.join("notes.txt"), format!("epoch {epoch}"))
+            })
+            .unwrap();
         }
+    }
+
+    #[test]
+    fn a_rank_with_a_damaged_newest_checkpoint_receives_it_and_keeps_its_copy_aside() {
+        let (epochs, base) = resume_apart(
+            "damaged",
+            2,
+            |r| r,
+            |r, root| {
+                three_epochs(root);
+                if r == 1 {
+                    fs::write(root.join("epoch-3/w"), [0u8]).unwrap();
+                }
+            },
+        );
+        assert_eq!(epochs, [Some(3), Some(3)]);
+        let node1 = base.join("node-1");
+        assert_eq!(fs::read(node1.join("epoch-3/w")).unwrap(), vec![3u8; 1000]);
+        assert_eq!(
+            fs::read(node1.join("epoch-3.damaged-rank-1/w")).unwrap(),
+            [0u8]
+        );
+        assert_eq!(fs::read_to_string(node1.join(LATEST)).unwrap(), "epoch-3");
+        let _ = fs::remove_dir_all(&base);
+    }
+
+    /// Two nodes without shared storage: rank 0 alone wrote checkpoints; ranks 1 and 2 share the
+    /// other node's empty directory. Both receive the newest (one of them moves it into place),
+    /// checked, and every rank resumes from it.
+    #[test]
+    fn ranks_without_the_checkpoint_receive_the_newest_from_a_rank_that_has_it() {
+        let (epochs, base) = resume_apart(
+            "apart",
+            3,
+            |r| r.min(1),
+            |r, root| {
+                if r == 0 {
+                    three_epochs(root);
+                } else {
+                    fs::create_dir_all(root).unwrap();
+                }
+            },
+        );
+        assert_eq!(epochs, [Some(3), Some(3), Some(3)]);
+        let (node0, node1) = (base.join("node-0"), base.join("node-1"));
+        for file in ["w", "notes.txt", SUMS] {
+            assert_eq!(
+                fs::read(node0.join("epoch-3").join(file)).unwrap(),
+                fs::read(node1.join("epoch-3").join(file)).unwrap(),
+                "{file}"
+            );
+        }
+        // Only the newest travels, and nothing is left half-written.
+        let left: Vec<String> = fs::read_dir(&node1)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let mut left = left;
+        left.sort();
+        assert_eq!(left, ["epoch-3", LATEST]);
+        let _ = fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn no_checkpoint_anywhere_starts_afresh_on_every_rank() {
+        let (epochs, base) = resume_apart("none", 2, |r| r, |_, _| {});
+        assert_eq!(epochs, [None, None]);
         let _ = fs::remove_dir_all(&base);
     }
 }

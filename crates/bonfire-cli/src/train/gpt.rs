@@ -106,7 +106,7 @@ pub(crate) struct GptArgs {
     #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2))]
     zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
-    /// from the newest checkpoint every rank can read [default: 0]
+    /// from the newest checkpoint any rank can read (sent to ranks that lack it) [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
     max_restarts: Option<u32>,
     /// auto, flex, ndarray, libtorch, wgpu or cuda; auto takes CUDA (in a build with it) or wgpu when

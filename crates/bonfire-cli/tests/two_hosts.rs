@@ -1,0 +1,195 @@
+//! Two hosts without a shared directory, played by two network namespaces joined by a veth pair
+//! (10.73.0.1 and 10.73.0.2), each node's launcher in its own working directory with its own
+//! `ckpt` checkpoint directory. Only rank 0 writes checkpoints, so only host a has them. A rank
+//! of host b killed after the first checkpoint: the job restarts, host b's rank receives
+//! `epoch-1` from rank 0 (checked against its SHA-256 sums) instead of the job starting afresh,
+//! no epoch is trained twice, and the run ends on the weights of an uninterrupted run. Then
+//! `--resume` for a fourth epoch: host b's stale directory receives `epoch-3` the same way.
+//!
+//! Skipped where the machine does not allow network namespaces (root and `ip` needed).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use bonfire_testkit::netns::Namespaces;
+use common::{rank_pid, scratch, state, text};
+
+const BONFIRE: &str = env!("CARGO_BIN_EXE_bonfire");
+
+/// `bonfire launch` for node `node` of 2 in namespace `node`, in `cwd`, training the vision job
+/// on the embedded slice with `extra` arguments.
+fn node(ns: &Namespaces, node: usize, cwd: &Path, port: u16, extra: &[&str]) -> Child {
+    let master = format!("{}:{port}", ns.addrs[0]);
+    ns.command(node, BONFIRE)
+        .current_dir(cwd)
+        .args(["launch", "--nnodes", "2", "--nproc-per-node", "1"])
+        .args(["--node-rank", &node.to_string(), "--master-addr", &master])
+        .arg("--secret-file")
+        .arg(cwd.join("../job.secret"))
+        .args(["--max-restarts", "1", "--join-timeout", "60", "--"])
+        .arg(BONFIRE)
+        .args([
+            "train",
+            "vision",
+            "--dataset",
+            "embedded",
+            "--test-limit",
+            "100",
+        ])
+        .args(["--checkpoint-dir", "ckpt"])
+        .args(extra)
+        .env("BONFIRE_DATA_DIR", cwd.join("data"))
+        .env("BONFIRE_TIMEOUT", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait(child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!(
+                "a node did not finish within {limit:?}: {}",
+                text(&child.wait_with_output().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Every file of checkpoint `epoch` is the same on both hosts.
+fn same_checkpoint(a: &Path, b: &Path, epoch: usize) {
+    for file in ["model.bin", "optimizer.bin", "state.json", "SHA256SUMS"] {
+        let (x, y) = (
+            a.join(format!("epoch-{epoch}/{file}")),
+            b.join(format!("epoch-{epoch}/{file}")),
+        );
+        assert_eq!(
+            std::fs::read(&x).unwrap_or_else(|e| panic!("{x:?}: {e}")),
+            std::fs::read(&y).unwrap_or_else(|e| panic!("{y:?}: {e}")),
+            "{file}"
+        );
+    }
+}
+
+#[test]
+fn a_host_without_the_checkpoint_receives_it_on_restart_and_on_resume() {
+    let Some(ns) = Namespaces::pair() else {
+        eprintln!("skipped: this machine does not allow network namespaces (needs root and `ip`)");
+        return;
+    };
+    let dir = scratch("two-hosts");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    for d in [&a, &b] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(dir.join("job.secret"), "two hosts, one secret, 0123456789").unwrap();
+    // The same run uninterrupted on one host: the weights every epoch must end on.
+    let reference = dir.join("reference");
+    let out = common::bonfire(&dir, &["train", "vision", "--dataset", "embedded"])
+        .args(["--test-limit", "100", "--epochs", "3", "--checkpoint-dir"])
+        .arg(&reference)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+
+    let port = bonfire_launch_port();
+    let host_a = node(&ns, 0, &a, port, &["--epochs", "3"]);
+    let host_b = node(&ns, 1, &b, port, &["--epochs", "3"]);
+    // Once host a holds epoch-1, kill host b's rank (its launcher lives on and restarts it).
+    let start = Instant::now();
+    while !a.join("ckpt/latest").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no checkpoint after 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let rank = rank_pid(host_b.id(), 1).expect("host b's rank is running");
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &rank.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (log_a, log_b) = (
+        wait(host_a, Duration::from_secs(180)),
+        wait(host_b, Duration::from_secs(60)),
+    );
+    let (log_a, log_b) = (text(&log_a), text(&log_b));
+    assert!(
+        log_a.contains("restarting the job on every node (restart 1 of 1"),
+        "{log_a}\n{log_b}"
+    );
+    assert!(
+        log_a.contains(
+            "rank(s) [1] had no usable epoch-1 in their checkpoint directory; rank 0 sent it"
+        ),
+        "{log_a}"
+    );
+    assert!(
+        log_a.contains("restart 1: resuming from ckpt/epoch-1"),
+        "{log_a}"
+    );
+    assert_eq!(
+        log_a.matches("epoch 1/3:").count(),
+        1,
+        "epoch 1 trained once: {log_a}"
+    );
+    assert!(!log_a.contains("starts afresh"), "{log_a}");
+    same_checkpoint(&a.join("ckpt"), &b.join("ckpt"), 1);
+    let (want, got) = (state(&reference, 3), state(&a.join("ckpt"), 3));
+    for e in 0..3 {
+        assert_eq!(
+            want["history"][e]["param_digest"],
+            got["history"][e]["param_digest"],
+            "epoch {}",
+            e + 1
+        );
+    }
+
+    // --resume for a fourth epoch: host b holds only epoch-1, and receives epoch-3.
+    let port = bonfire_launch_port();
+    let host_a = node(&ns, 0, &a, port, &["--resume", "--epochs", "4"]);
+    let host_b = node(&ns, 1, &b, port, &["--resume", "--epochs", "4"]);
+    let (log_a, log_b) = (
+        wait(host_a, Duration::from_secs(120)),
+        wait(host_b, Duration::from_secs(60)),
+    );
+    assert!(
+        log_a.status.success() && log_b.status.success(),
+        "{}\n{}",
+        text(&log_a),
+        text(&log_b)
+    );
+    let log_a = text(&log_a);
+    assert!(
+        log_a.contains(
+            "rank(s) [1] had no usable epoch-3 in their checkpoint directory; rank 0 sent it"
+        ),
+        "{log_a}"
+    );
+    assert!(log_a.contains("resuming from ckpt/epoch-3"), "{log_a}");
+    assert_eq!(log_a.matches("epoch 4/4:").count(), 1, "{log_a}");
+    assert!(!log_a.contains("epoch 3/4:"), "{log_a}");
+    same_checkpoint(&a.join("ckpt"), &b.join("ckpt"), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A port for node 0's launcher (TCP) and rendezvous (UDP) inside the namespace: any, as the
+/// namespace's ports are its own.
+fn bonfire_launch_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(29_611);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}

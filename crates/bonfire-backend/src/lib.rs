@@ -31,8 +31,9 @@ pub use data_parallel::{
     BindGuard, BucketTimes, BufferSync, ConfigError, DataParallel, DataParallelConfig,
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalParts, NoSyncGuard,
     Overlap, Sharded, StepStats, SyncError, ZeroStage, abort, accumulate, bind_thread,
-    communicator, discard_kept_gradients, gradient_bytes, install, keep_gradients, last_step_stats,
-    no_sync, register_local_parts, replicate, sharded, sync_buffers, total_stats,
+    communicator, discard_kept_gradients, forgot_init_message, gradient_bytes, install,
+    keep_gradients, last_step_stats, no_sync, register_local_parts, replicate, sharded,
+    sync_buffers, total_stats,
 };
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 

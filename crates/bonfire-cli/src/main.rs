@@ -3,6 +3,8 @@
 mod bench;
 mod doctor;
 mod error;
+#[cfg(test)]
+mod errors_quoted;
 mod launch;
 mod size;
 mod train;

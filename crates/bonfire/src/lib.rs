@@ -121,7 +121,7 @@ pub mod kernels {
 /// How jobs start: the job environment and the launcher behind `bonfire launch`.
 pub mod launch {
     pub use bonfire_launch::{
-        EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
+        AddrError, EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
         SecretSource, env, free_local_port, launch, logging, probe_leader, slurm,
     };
 }

@@ -289,14 +289,18 @@ fn forgot_init(var: impl Fn(&str) -> Option<String>) -> Option<String> {
             "SLURM_PROCID/SLURM_NTASKS",
         ),
     };
-    (world > 1).then(|| {
-        format!(
-            "bonfire: this process is rank {rank} of {world} (from {from}) but bonfire::init() \
-             was not called, so DataParallel has no job to average gradients over and each rank \
-             would train alone; call bonfire::init() before building the model (or unset \
-             {from} to train as one process)"
-        )
-    })
+    (world > 1).then(|| forgot_init_message(rank, world, from))
+}
+
+/// What a rank of `world` that never called `bonfire::init()` is told (`from` names the
+/// variables that said it is rank `rank`).
+pub fn forgot_init_message(rank: usize, world: usize, from: &str) -> String {
+    format!(
+        "bonfire: this process is rank {rank} of {world} (from {from}) but bonfire::init() \
+         was not called, so DataParallel has no job to average gradients over and each rank \
+         would train alone; call bonfire::init() before building the model (or unset \
+         {from} to train as one process)"
+    )
 }
 
 #[cfg(test)]

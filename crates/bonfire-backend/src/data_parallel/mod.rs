@@ -33,7 +33,8 @@ pub use backend::DataParallel;
 pub use buffers::{BufferSync, sync_buffers};
 pub use config::{ConfigError, DataParallelConfig, FailurePolicy, GradDType, Overlap};
 pub use context::{
-    BindGuard, abort, bind_thread, communicator, install, last_step_stats, total_stats,
+    BindGuard, abort, bind_thread, communicator, forgot_init_message, install, last_step_stats,
+    total_stats,
 };
 pub use error::SyncError;
 #[cfg(feature = "cuda")]

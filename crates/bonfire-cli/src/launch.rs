@@ -80,9 +80,11 @@ fn positive_seconds(s: &str) -> Result<Duration, ArgError> {
 /// The node count, this node's index and the rendezvous: from the flags, or under Slurm from
 /// the `srun` step that started one launcher per node. A launcher in a batch script of several
 /// nodes is refused: it would start one node's ranks and wait for the others.
-fn placement(args: &Args) -> Result<(usize, usize, Option<String>), CliError> {
-    let get = |k: &str| std::env::var(k).ok();
-    let place = slurm::place(&get).map_err(|e| CliError::Usage(format!("under Slurm: {e}")))?;
+fn placement(
+    args: &Args,
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<(usize, usize, Option<String>), CliError> {
+    let place = slurm::place(get).map_err(|e| CliError::Usage(format!("under Slurm: {e}")))?;
     let given = (args.nnodes, args.node_rank, args.master_addr.clone());
     match (place, given) {
         (_, (Some(n), rank, master)) => Ok((n as usize, rank.unwrap_or(0) as usize, master)),
@@ -96,11 +98,11 @@ fn placement(args: &Args) -> Result<(usize, usize, Option<String>), CliError> {
                     step.tasks
                 )));
             }
-            let port = match std::env::var("MASTER_PORT") {
-                Ok(p) => Some(p.trim().parse::<u16>().map_err(|_| {
+            let port = match get("MASTER_PORT") {
+                Some(p) => Some(p.trim().parse::<u16>().map_err(|_| {
                     CliError::Usage(format!("MASTER_PORT={p:?} is not a port number"))
                 })?),
-                Err(_) => None,
+                None => None,
             };
             let node = rank.map_or(step.node, |r| r as usize);
             Ok((nodes, node, master.or_else(|| Some(step.master(port)))))
@@ -118,7 +120,7 @@ fn placement(args: &Args) -> Result<(usize, usize, Option<String>), CliError> {
 }
 
 pub(crate) fn run(args: Args) -> Result<(), CliError> {
-    let (nnodes, node_rank, master) = placement(&args)?;
+    let (nnodes, node_rank, master) = placement(&args, &|k| std::env::var(k).ok())?;
     let mut command = args.command.into_iter();
     let program = command.next().ok_or(CliError::NoProgram)?;
     let config = LaunchConfig {
@@ -145,4 +147,80 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         eprintln!("bonfire launch: the job finished {summary}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    fn args() -> Args {
+        Args {
+            nproc_per_node: 2,
+            nnodes: None,
+            node_rank: None,
+            master_addr: None,
+            secret_file: None,
+            timeout: None,
+            peer_timeout: None,
+            transport: None,
+            max_restarts: 0,
+            join_timeout: Duration::from_secs(300),
+            command: vec!["./train".into()],
+        }
+    }
+
+    /// Slurm's variables of a two-node job of 4 tasks (as 22.05 sets them), in the batch script
+    /// (`step: None`) or in a task of a step of `tasks` tasks on node `node`.
+    fn slurm(step: Option<(usize, usize)>) -> impl Fn(&str) -> Option<String> {
+        move |k: &str| {
+            let v = match (k, step) {
+                ("SLURM_JOB_ID", _) => "10".to_string(),
+                ("SLURM_JOB_NUM_NODES", _) => "2".into(),
+                ("SLURM_NTASKS", _) => "4".into(),
+                ("SLURM_PROCID", _) => "0".into(),
+                ("SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST", _) => "n[1-2]".into(),
+                ("SLURM_STEP_ID", Some(_)) => "0".into(),
+                ("SLURM_STEP_NUM_TASKS", Some((tasks, _))) => tasks.to_string(),
+                ("SLURMD_NODENAME", Some((_, node))) => format!("n{}", node + 1),
+                ("SLURM_NODEID", Some((_, node))) => node.to_string(),
+                _ => return None,
+            };
+            Some(v)
+        }
+    }
+
+    /// The messages `bonfire launch` refuses a Slurm batch script and a step of more tasks
+    /// than nodes with.
+    pub(crate) fn slurm_refusals() -> Vec<CliError> {
+        [slurm(None), slurm(Some((4, 0)))]
+            .iter()
+            .map(|get| placement(&args(), get).expect_err("refused"))
+            .collect()
+    }
+
+    #[test]
+    fn under_srun_one_launcher_per_node_takes_its_place_from_the_step() {
+        let (nodes, node, master) = placement(&args(), &slurm(Some((2, 1)))).unwrap();
+        assert_eq!((nodes, node, master.as_deref()), (2, 1, Some("n1:29510")));
+        // Flags win; outside Slurm, one node.
+        let mut given = args();
+        given.nnodes = Some(3);
+        given.node_rank = Some(2);
+        assert_eq!(placement(&given, &slurm(None)).unwrap().0, 3);
+        assert_eq!(placement(&args(), &|_| None).unwrap(), (1, 0, None));
+        let refusals: Vec<String> = slurm_refusals().iter().map(|e| e.to_string()).collect();
+        assert!(
+            refusals[0].contains("batch script of Slurm job 10"),
+            "{refusals:?}"
+        );
+        assert!(
+            refusals[1].contains("has 4 tasks on 2 node(s)"),
+            "{refusals:?}"
+        );
+        assert!(
+            slurm_refusals()
+                .iter()
+                .all(|e| matches!(e, CliError::Usage(_)))
+        );
+    }
 }

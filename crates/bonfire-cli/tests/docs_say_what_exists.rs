@@ -279,6 +279,8 @@ const USERS_PROGRAMS: &[&str] = &["train", "my-trainer", "my-training"];
 
 /// Flags of other tools the docs show (cargo, mdbook, torchrun, the peers' scripts, apt).
 const FOREIGN_FLAGS: &[&str] = &[
+    // bonfire train's hidden flag for the ranks it starts, named in its error
+    "resolved",
     // srun's
     "ntasks",
     "cpus-per-task",
@@ -517,7 +519,14 @@ fn commands(
         }
         let flags = &cli.flags[&path.join(" ")];
         for &t in &tokens[next..] {
-            if t == "--" || t.starts_with('|') || t == "&&" || t == ";" || t.starts_with('#') {
+            // A new code span starts another command (`srun ... bonfire launch` in a message).
+            if t == "--"
+                || t.starts_with('|')
+                || t == "&&"
+                || t == ";"
+                || t.starts_with('#')
+                || t.starts_with('`')
+            {
                 break;
             }
             if let Some(f) = t.strip_prefix("--") {

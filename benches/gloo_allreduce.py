@@ -8,6 +8,11 @@ algbw = size / time and busbw = algbw x 2(n-1)/n (nccl-tests definitions).
     python3 benches/gloo_allreduce.py [--nproc 2] [--sizes 1K,16K,256K,4M,64M,256M] [--iters N]
         [--device cpu|cuda] [--backend gloo|nccl]
 
+Across hosts, one process per rank on each host, all naming rank 0's host (the table is printed
+by rank 0):
+
+    python3 benches/gloo_allreduce.py --master HOST:PORT --rank R --world N [--sizes ...]
+
 With `--device cuda` the buffers are CUDA tensors on device LOCAL rank % device count (gloo
 stages them through the host); `--backend nccl` tries NCCL, which refuses two ranks on one GPU.
 
@@ -39,7 +44,9 @@ def format_size(n):
     return f"{n} B"
 
 
-def rank_main(rank, world, port, sizes, iters_override, queue, device="cpu", backend="gloo"):
+def rank_main(
+    rank, world, port, sizes, iters_override, queue, device="cpu", backend="gloo", host="127.0.0.1"
+):
     import torch
     import torch.distributed as dist
 
@@ -47,7 +54,7 @@ def rank_main(rank, world, port, sizes, iters_override, queue, device="cpu", bac
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world
     )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
@@ -83,6 +90,9 @@ def main():
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--master", help="HOST:PORT of rank 0: run one rank of a multi-host job")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     try:
         import torch
@@ -92,6 +102,22 @@ def main():
     import torch.multiprocessing as mp
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    if args.master:
+        host, port = args.master.rsplit(":", 1)
+
+        class Rows:
+            rows = None
+
+            def put(self, rows):
+                self.rows = rows
+
+        mine = Rows()
+        rank_main(
+            args.rank, args.world, int(port), sizes, args.iters, mine, args.device, args.backend, host
+        )
+        if args.rank == 0:
+            report(args, mine.rows, args.world, torch)
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -125,7 +151,11 @@ def main():
     if rows is None:
         print("error: rank 0 reported nothing within the hour", file=sys.stderr)
         return 1
-    n = args.nproc
+    report(args, rows, args.nproc, torch)
+    return 0
+
+
+def report(args, rows, n, torch):
     where = "CUDA tensors" if args.device == "cuda" else "host tensors"
     print(f"# {args.backend} all_reduce (sum), {n} ranks, f32 {where}, torch {torch.__version__}, 1 thread per rank")
     print(f"# {'size':>10} {'count':>11} {'iters':>6} {'time(us)':>11} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11}")
@@ -134,7 +164,6 @@ def main():
         busbw = algbw * 2 * (n - 1) / n
         print(f"  {format_size(size):>10} {count:>11} {iters:>6} {secs * 1e6:>11.1f} {algbw:>11.4f} {busbw:>11.4f}")
     print("# time: the slowest rank's mean; busbw = algbw x 2(n-1)/n (nccl-tests).")
-    return 0
 
 
 if __name__ == "__main__":

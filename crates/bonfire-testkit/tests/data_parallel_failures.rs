@@ -159,10 +159,7 @@ fn no_sync_gradients_summed_outside_bonfire_are_refused_naming_the_fix() {
     use burn::optim::GradientsAccumulator;
     let out = two_ranks(Duration::from_secs(10), |r| {
         let device = Device::default();
-        let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
-            a: LinearConfig::new(4, 2).init(d),
-            b: LinearConfig::new(4, 2).init(d),
-        });
+        let model = two_heads(&device);
         let mut model = bonfire::replicate(model);
         let mut optim = SgdConfig::new().init();
         for _step in 0..2 {
@@ -205,14 +202,19 @@ struct TwoHeads<B: burn::tensor::backend::Backend> {
     b: Linear<B>,
 }
 
+/// The same [`TwoHeads`] on every rank (4 inputs, 2 outputs each).
+fn two_heads(device: &Device) -> TwoHeads<DpFlex> {
+    seeded(5, device, |d| TwoHeads {
+        a: LinearConfig::new(4, 2).init(d),
+        b: LinearConfig::new(4, 2).init(d),
+    })
+}
+
 #[test]
 fn a_parameter_used_on_one_rank_only_is_named() {
     let out = two_ranks(Duration::from_secs(10), |r| {
         let device = Device::default();
-        let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
-            a: LinearConfig::new(4, 2).init(d),
-            b: LinearConfig::new(4, 2).init(d),
-        });
+        let model = two_heads(&device);
         let model = bonfire::replicate(model);
         let x = Tensor::<DpFlex, 2>::from_data(TensorData::new(vec![0.5f32; 8], [2, 4]), &device);
         let mut y = model.a.forward(x.clone()).sum();
@@ -233,10 +235,7 @@ fn a_parameter_used_on_one_rank_only_is_named() {
 /// only when `b_on_rank_0_only`.
 fn two_sharded_steps(r: usize, stage: bonfire::ZeroStage, b_on_rank_0_only: bool) {
     let device = Device::default();
-    let model: TwoHeads<DpFlex> = seeded(5, &device, |d| TwoHeads {
-        a: LinearConfig::new(4, 2).init(d),
-        b: LinearConfig::new(4, 2).init(d),
-    });
+    let model = two_heads(&device);
     let mut model = bonfire::replicate(model);
     let mut optim = bonfire::sharded(burn::optim::AdamConfig::new().init()).stage(stage);
     for step in 0..2 {

@@ -92,7 +92,9 @@ fn a_host_without_the_checkpoint_receives_it_on_restart_and_on_resume() {
     for d in [&a, &b] {
         std::fs::create_dir_all(d).unwrap();
     }
-    std::fs::write(dir.join("job.secret"), "two hosts, one secret, 0123456789").unwrap();
+    let secret = dir.join("job.secret");
+    std::fs::write(&secret, "two hosts, one secret, 0123456789").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     // The same run uninterrupted on one host: the weights every epoch must end on.
     let reference = dir.join("reference");
     let out = common::bonfire(&dir, &["train", "vision", "--dataset", "embedded"])
@@ -141,10 +143,15 @@ fn a_host_without_the_checkpoint_receives_it_on_restart_and_on_resume() {
         log_a.contains("restart 1: resuming from ckpt/epoch-1"),
         "{log_a}"
     );
-    assert_eq!(
-        log_a.matches("epoch 1/3:").count(),
-        1,
-        "epoch 1 trained once: {log_a}"
+    // Epoch 1 was trained before the failure (its summary line may not have been printed when
+    // the rank died: the kill follows the checkpoint at once) and not after the restart.
+    let (before, after) = log_a
+        .split_once("restart 1: resuming from ckpt/epoch-1")
+        .expect("the restart resumed");
+    assert!(before.contains("epoch 1/3 ["), "{log_a}");
+    assert!(
+        !after.contains("epoch 1/3"),
+        "epoch 1 trained again: {log_a}"
     );
     assert!(!log_a.contains("starts afresh"), "{log_a}");
     same_checkpoint(&a.join("ckpt"), &b.join("ckpt"), 1);
@@ -180,8 +187,8 @@ fn a_host_without_the_checkpoint_receives_it_on_restart_and_on_resume() {
         "{log_a}"
     );
     assert!(log_a.contains("resuming from ckpt/epoch-3"), "{log_a}");
-    assert_eq!(log_a.matches("epoch 4/4:").count(), 1, "{log_a}");
-    assert!(!log_a.contains("epoch 3/4:"), "{log_a}");
+    assert!(log_a.contains("epoch 4/4:"), "{log_a}");
+    assert!(!log_a.contains("epoch 3/4"), "{log_a}");
     same_checkpoint(&a.join("ckpt"), &b.join("ckpt"), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -98,14 +98,14 @@ fn placement(
                     step.tasks
                 )));
             }
-            let port = match get("MASTER_PORT") {
-                Some(p) => Some(p.trim().parse::<u16>().map_err(|_| {
-                    CliError::Usage(format!("MASTER_PORT={p:?} is not a port number"))
-                })?),
-                None => None,
+            let master = match master {
+                Some(m) => m,
+                None => step
+                    .rendezvous(get)
+                    .map_err(|e| CliError::Usage(format!("under Slurm: {e}")))?,
             };
             let node = rank.map_or(step.node, |r| r as usize);
-            Ok((nodes, node, master.or_else(|| Some(step.master(port)))))
+            Ok((nodes, node, Some(master)))
         }
         (SlurmPlace::BatchScript { job, nodes, .. }, (None, _, _)) if nodes > 1 => {
             Err(CliError::Usage(format!(

@@ -205,70 +205,62 @@ impl JobEnv {
         let rank: Option<u32> = parse(get, RANK, "expected a rank, 0 or more")?;
         let world: Option<usize> = parse(get, WORLD_SIZE, "expected a number of ranks")?;
         let slurm_rank: Option<u32> = parse(get, "SLURM_PROCID", "expected a number")?;
-        let (source, rank, world_size, local_rank, local_world_size, node_rank, master) =
-            if rank.is_some() || world.is_some() {
-                let world = world.ok_or(EnvError::Missing {
-                    var: WORLD_SIZE,
-                    because: RANK,
-                })?;
-                let local: usize = parse(get, LOCAL_RANK, "expected a number")?.unwrap_or(0);
-                let local_world: usize =
-                    parse(get, LOCAL_WORLD_SIZE, "expected a number")?.unwrap_or(world);
-                let node: u32 = parse(get, GROUP_RANK, "expected a number")?.unwrap_or(0);
-                let host = get(MASTER_ADDR).filter(|h| !h.trim().is_empty());
-                let port: Option<u16> = parse(get, MASTER_PORT, "expected a port number")?;
-                let master = match (host, port) {
-                    (Some(h), Some(p)) => format!("{}:{p}", h.trim()),
-                    (None, _) if world == 1 => String::new(),
-                    (None, _) => {
-                        return Err(EnvError::Missing {
-                            var: MASTER_ADDR,
-                            because: WORLD_SIZE,
-                        });
-                    }
-                    (Some(_), None) => {
-                        return Err(EnvError::Missing {
-                            var: MASTER_PORT,
-                            because: MASTER_ADDR,
-                        });
-                    }
-                };
-                (
-                    EnvSource::Launcher,
-                    rank,
-                    world,
-                    local,
-                    local_world,
-                    node,
-                    master,
-                )
-            } else if let SlurmPlace::Step(step) = slurm::place(get)? {
-                let port: Option<u16> = parse(get, MASTER_PORT, "expected a port number")?;
-                let master = match get(MASTER_ADDR).filter(|h| !h.trim().is_empty()) {
-                    Some(h) => format!(
-                        "{}:{}",
-                        h.trim(),
-                        port.unwrap_or(29500 + (step.job % 2000) as u16)
-                    ),
-                    None => step.master(port),
-                };
-                (
+        let (source, rank, world_size, local_rank, local_world_size, node_rank, master) = if rank
+            .is_some()
+            || world.is_some()
+        {
+            let world = world.ok_or(EnvError::Missing {
+                var: WORLD_SIZE,
+                because: RANK,
+            })?;
+            let local: usize = parse(get, LOCAL_RANK, "expected a number")?.unwrap_or(0);
+            let local_world: usize =
+                parse(get, LOCAL_WORLD_SIZE, "expected a number")?.unwrap_or(world);
+            let node: u32 = parse(get, GROUP_RANK, "expected a number")?.unwrap_or(0);
+            let host = get(MASTER_ADDR).filter(|h| !h.trim().is_empty());
+            let port: Option<u16> = parse(get, MASTER_PORT, "expected a port number")?;
+            let master = match (host, port) {
+                (Some(h), Some(p)) => format!("{}:{p}", h.trim()),
+                (None, _) if world == 1 => String::new(),
+                (None, _) => {
+                    return Err(EnvError::Missing {
+                        var: MASTER_ADDR,
+                        because: WORLD_SIZE,
+                    });
+                }
+                (Some(_), None) => {
+                    return Err(EnvError::Missing {
+                        var: MASTER_PORT,
+                        because: MASTER_ADDR,
+                    });
+                }
+            };
+            (
+                EnvSource::Launcher,
+                rank,
+                world,
+                local,
+                local_world,
+                node,
+                master,
+            )
+        } else {
+            match slurm::place(get)? {
+                SlurmPlace::Step(step) => (
                     EnvSource::Slurm,
                     Some(step.task as u32),
                     step.tasks,
                     step.local_task,
                     step.local_tasks,
                     step.node as u32,
-                    master,
-                )
-            } else if let (Some(_), SlurmPlace::BatchScript { job, tasks, .. }) =
-                (slurm_rank, slurm::place(get)?)
-                && tasks > 1
-            {
-                return Err(EnvError::SlurmBatchScript { job, tasks });
-            } else {
-                (EnvSource::Single, Some(0), 1, 0, 1, 0, String::new())
-            };
+                    step.rendezvous(get)?,
+                ),
+                SlurmPlace::BatchScript { job, tasks, .. } if slurm_rank.is_some() && tasks > 1 => {
+                    return Err(EnvError::SlurmBatchScript { job, tasks });
+                }
+                _ => (EnvSource::Single, Some(0), 1, 0, 1, 0, String::new()),
+            }
+        };
         if world_size == 0 || rank.is_some_and(|r| r as usize >= world_size) {
             return Err(EnvError::Invalid {
                 var: if source == EnvSource::Slurm {

@@ -46,11 +46,23 @@ pub struct SlurmStep {
 }
 
 impl SlurmStep {
-    /// The rendezvous: the step's first host, at `MASTER_PORT` if given, else at 29500 plus the
-    /// job id modulo 2000 (two jobs sharing a node do not collide).
-    pub fn master(&self, port: Option<u16>) -> String {
-        let port = port.unwrap_or(29500 + (self.job % 2000) as u16);
-        format!("{}:{port}", self.hosts[0])
+    /// The rendezvous, `HOST:PORT`: `MASTER_ADDR` if set, else the step's first host; at
+    /// `MASTER_PORT` if set, else at 29500 plus the job id modulo 2000 (two jobs sharing a node
+    /// do not collide). Ranks started by `srun` and launchers started by `srun` agree on it.
+    pub fn rendezvous(&self, get: &dyn Fn(&str) -> Option<String>) -> Result<String, SlurmError> {
+        let host = get("MASTER_ADDR")
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| self.hosts[0].clone());
+        let port = match get("MASTER_PORT").filter(|p| !p.trim().is_empty()) {
+            Some(p) => p.trim().parse::<u16>().map_err(|_| SlurmError {
+                var: "MASTER_PORT",
+                value: p,
+                why: "expected a port number",
+            })?,
+            None => 29500 + (self.job % 2000) as u16,
+        };
+        Ok(format!("{host}:{port}"))
     }
 }
 
@@ -276,8 +288,15 @@ mod tests {
         };
         assert_eq!((s.task, s.tasks, s.local_task, s.local_tasks), (3, 4, 1, 2));
         assert_eq!((s.node, s.hosts.len()), (1, 2));
-        assert_eq!(s.master(None), "n1:29502");
-        assert_eq!(s.master(Some(7000)), "n1:7000");
+        assert_eq!(s.rendezvous(&|_| None).unwrap(), "n1:29502");
+        let given = |k: &str| match k {
+            "MASTER_ADDR" => Some("10.0.0.1".to_string()),
+            "MASTER_PORT" => Some("7000".to_string()),
+            _ => None,
+        };
+        assert_eq!(s.rendezvous(&given).unwrap(), "10.0.0.1:7000");
+        let bad = |k: &str| (k == "MASTER_PORT").then(|| "http".to_string());
+        assert_eq!(s.rendezvous(&bad).unwrap_err().var, "MASTER_PORT");
         // A step of one task per node within the same allocation.
         let mut launchers = step.clone();
         launchers.extend([

@@ -41,8 +41,8 @@ thread_local! {
 /// this rank's only; hand them to [`crate::keep_gradients`] so that the next synchronised
 /// backward includes them ([`crate::accumulate`] does both, and marks the parameters again).
 /// Gradients of a `no_sync` backward that were not kept stop every rank at its next backward
-/// ([`SyncError::GradientsNotKept`](crate::SyncError::GradientsNotKept)): summed outside bonfire, they would make
-/// the replicas differ.
+/// ([`SyncError::GradientsNotKept`](crate::SyncError::GradientsNotKept)): summed outside
+/// bonfire, they would make the replicas differ.
 pub fn no_sync() -> NoSyncGuard {
     NO_SYNC.with(|c| c.set(c.get() + 1));
     NoSyncGuard {

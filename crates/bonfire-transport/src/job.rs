@@ -201,7 +201,7 @@ impl Transport for JobTransport {
 
     fn send(&self, to: Rank, tag: Tag, payload: Bytes) -> SendFuture<'_> {
         match self.out.get(to.index()).and_then(Option::as_ref) {
-            Some(link) => Box::pin(std::future::ready(link.send(tag, payload))),
+            Some(link) => Box::pin(link.queue(tag, payload)),
             None => self.quic.send(to, tag, payload),
         }
     }

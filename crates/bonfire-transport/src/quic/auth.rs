@@ -36,6 +36,8 @@ pub(crate) const PROOF_LEN: usize = 32;
 pub(crate) const ROLE_CLIENT: &[u8] = b"bonfire client proof";
 /// The role an accepting side proves in.
 pub(crate) const ROLE_SERVER: &[u8] = b"bonfire server proof";
+/// The role a refusal is sealed in (over the session and the refusal's words).
+pub(crate) const ROLE_REFUSAL: &[u8] = b"bonfire refusal seal";
 
 /// PBKDF2 rounds from a job secret to the key proofs are made with. Every rank process and
 /// launcher derives the key once when it starts, so this is start-up time (about 0.3 s on one

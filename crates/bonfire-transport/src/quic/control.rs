@@ -10,11 +10,13 @@ use std::time::Duration;
 use quinn::{Connection, RecvStream, SendStream, VarInt};
 use serde::{Deserialize, Serialize};
 
-use super::auth::PROOF_LEN;
+use super::auth::{PROOF_LEN, ROLE_REFUSAL, Secret};
+use super::endpoint::exporter;
 
 /// The control protocol's version; a mismatch is refused with both versions named. 2: proofs
-/// are keyed by a slow derivation of the secret ([`super::auth::KDF_ROUNDS`]).
-pub(crate) const PROTOCOL: u32 = 2;
+/// are keyed by a slow derivation of the secret ([`super::auth::KDF_ROUNDS`]). 3: refusals are
+/// sealed ([`seal`]).
+pub(crate) const PROTOCOL: u32 = 3;
 
 /// The largest control message accepted (a roster of thousands of ranks fits).
 pub(crate) const MAX_CONTROL: usize = 16 << 20;
@@ -54,8 +56,13 @@ pub(crate) enum Control {
     /// Rendezvous to worker: the rendezvous' proof and the worker's rank; the roster follows
     /// when everyone has joined.
     Welcome { proof: [u8; PROOF_LEN], rank: u32 },
-    /// Either side: refused, and why.
-    Reject { reason: String },
+    /// Either side: refused, and why, sealed by the refusing side ([`seal`]): only a process
+    /// holding the job secret can seal a refusal, so one that does not check is a stranger's
+    /// word (or another job's), and a worker does not give up on it.
+    Reject {
+        reason: String,
+        seal: [u8; PROOF_LEN],
+    },
     /// Rendezvous to worker: every rank's address, node and pinned certificate.
     Roster { peers: Vec<PeerEntry> },
     /// Worker to worker, on a direct link: who I am and my proof.
@@ -177,13 +184,35 @@ pub(crate) async fn read_at_most(
     decode(&body)
 }
 
-/// Refuses the peer at the other end of `conn`: sends `Reject` with the reason in words, gives
-/// it a moment to be read, and closes the connection. Returns the reason, for the caller's
-/// error.
-pub(crate) async fn refuse<R: Display>(conn: &Connection, mut send: SendStream, reason: R) -> R {
-    let msg = encode(&Control::Reject {
-        reason: reason.to_string(),
-    });
+/// The seal of a refusal: the job secret's proof over the session (`exporter`) and the
+/// refusal's words, so that neither can be replaced or replayed in another session.
+pub(crate) fn seal(secret: &Secret, exporter: &[u8], reason: &str) -> [u8; PROOF_LEN] {
+    secret.proof(ROLE_REFUSAL, &[exporter, reason.as_bytes()].concat())
+}
+
+/// Whether a refusal was sealed by a process holding `secret`, in this session.
+pub(crate) fn sealed(secret: &Secret, exporter: &[u8], reason: &str, seal: &[u8]) -> bool {
+    secret.verify(ROLE_REFUSAL, &[exporter, reason.as_bytes()].concat(), seal)
+}
+
+/// A refusal, sealed with `secret` for the session of `conn` (unsealed, all zeros, in the
+/// unlikely case that the session has no keying material: the peer then treats it as a
+/// stranger's).
+pub(crate) fn reject(conn: &Connection, secret: &Secret, reason: String) -> Control {
+    let seal = exporter(conn).map_or([0; PROOF_LEN], |ex| seal(secret, &ex, &reason));
+    Control::Reject { reason, seal }
+}
+
+/// Refuses the peer at the other end of `conn`: sends `Reject` with the reason in words, sealed
+/// with `secret`, gives it a moment to be read, and closes the connection. Returns the reason,
+/// for the caller's error.
+pub(crate) async fn refuse<R: Display>(
+    conn: &Connection,
+    secret: &Secret,
+    mut send: SendStream,
+    reason: R,
+) -> R {
+    let msg = encode(&reject(conn, secret, reason.to_string()));
     let _ = send.write_all(&msg).await;
     let _ = send.finish();
     let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
@@ -194,6 +223,20 @@ pub(crate) async fn refuse<R: Display>(conn: &Connection, mut send: SendStream, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A seal checks only with the secret, the session and the words it was made for.
+    #[test]
+    fn a_seal_binds_secret_session_and_words() {
+        let s = Secret::new(b"the job secret, 0123456789").unwrap();
+        let other = Secret::new(b"another secret, 0123456789").unwrap();
+        let (ex, ex2) = ([1u8; 32], [2u8; 32]);
+        let sealed_here = seal(&s, &ex, "world size mismatch");
+        assert!(sealed(&s, &ex, "world size mismatch", &sealed_here));
+        assert!(!sealed(&s, &ex2, "world size mismatch", &sealed_here));
+        assert!(!sealed(&s, &ex, "world size mismatch!", &sealed_here));
+        assert!(!sealed(&other, &ex, "world size mismatch", &sealed_here));
+        assert!(!sealed(&s, &ex, "world size mismatch", &[0; PROOF_LEN]));
+    }
 
     #[test]
     fn round_trips_and_refuses_garbage() {

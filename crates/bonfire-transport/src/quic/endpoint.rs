@@ -73,7 +73,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// What a connection may have in flight unread before its peer has proved the job secret: a
 /// stranger that fills streams the application never reads holds at most this much of a rank's
 /// memory per connection (the accept loop takes at most [`super::links::MAX_UNPROVEN`] at once).
-pub(crate) const PRE_PROOF_WINDOW: u32 = 256 << 10;
+pub(crate) const PRE_PROOF_WINDOW: u32 = 64 << 10;
 /// A connection's receive window once its peer has proved the job secret ([`proven`]).
 pub(crate) const RECEIVE_WINDOW: u32 = 128 << 20;
 

@@ -80,6 +80,9 @@ enum IncomingError {
     /// The TLS handshake failed.
     #[error("handshake failed: {0}")]
     Handshake(ConnectionError),
+    /// The handshake, the control stream or the hello did not come within the pre-proof limit.
+    #[error("no {what} within {limit:?}")]
+    NoHello { what: &'static str, limit: Duration },
     /// The peer opened no control stream.
     #[error("no control stream: {0}")]
     NoControlStream(ConnectionError),
@@ -197,7 +200,8 @@ async fn dial_peer(
             Ok(conn)
         }
         Control::PeerWelcome { .. } => Err(PeerDialError::BadProof),
-        Control::Reject { reason } => Err(PeerDialError::Refused {
+        // The peer showed the certificate pinned at the rendezvous: this is its word.
+        Control::Reject { reason, .. } => Err(PeerDialError::Refused {
             reason: crate::printable(&reason),
         }),
         other => Err(other.unexpected().into()),
@@ -208,6 +212,12 @@ async fn dial_peer(
 /// handshake is refused (a real rank's dial retries until its deadline), so a flood of strangers
 /// holds at most this many times [`super::endpoint::PRE_PROOF_WINDOW`] of a rank's memory.
 pub(crate) const MAX_UNPROVEN: usize = 256;
+
+/// How long an accepted connection has to complete its TLS handshake and send its hello (the
+/// proof of the secret): a real rank sends it at once, so this only bounds how long a silent or
+/// trickling stranger holds one of the [`MAX_UNPROVEN`] places. A real rank cut short dials
+/// again.
+pub(crate) const PRE_PROOF_LIMIT: Duration = Duration::from_secs(4);
 
 /// Says that a connection was refused: the first few, then every hundredth, with the count (a
 /// flood of strangers does not flood the log).
@@ -241,7 +251,9 @@ pub(crate) async fn accept_loop(ep: Endpoint, shared: Arc<Shared>) {
         unproven.fetch_add(1, Ordering::Relaxed);
         let (shared, unproven, count) = (shared.clone(), unproven.clone(), count.clone());
         tokio::spawn(async move {
-            let limit = Duration::from_secs(10);
+            // The hello's own limit is PRE_PROOF_LIMIT; a proven peer may then wait for the
+            // roster, at most as long as the job may take to form.
+            let limit = shared.connect_timeout.max(PRE_PROOF_LIMIT);
             let handled = tokio::time::timeout(limit, handle_incoming(incoming, &shared)).await;
             unproven.fetch_sub(1, Ordering::Relaxed);
             match handled {
@@ -250,7 +262,7 @@ pub(crate) async fn accept_loop(ep: Endpoint, shared: Arc<Shared>) {
                 Err(_) => refused(
                     shared.me,
                     &count,
-                    format_args!("{from}: it sent no hello within {limit:?}"),
+                    format_args!("{from}: it did not complete its handshake within {limit:?}"),
                 ),
             }
         });
@@ -265,15 +277,34 @@ async fn handle_incoming(
     shared: &Arc<Shared>,
 ) -> Result<(), IncomingError> {
     let from = incoming.remote_address();
-    let conn = incoming.await.map_err(IncomingError::Handshake)?;
-    let (send, mut recv) = conn
-        .accept_bi()
+    let pre_proof = tokio::time::Instant::now() + PRE_PROOF_LIMIT;
+    let in_time = |what| {
+        move |_: tokio::time::error::Elapsed| IncomingError::NoHello {
+            what,
+            limit: PRE_PROOF_LIMIT,
+        }
+    };
+    let conn = tokio::time::timeout_at(pre_proof, incoming)
         .await
+        .map_err(in_time("handshake"))?
+        .map_err(IncomingError::Handshake)?;
+    let (send, mut recv) = tokio::time::timeout_at(pre_proof, conn.accept_bi())
+        .await
+        .map_err(in_time("control stream"))?
         .map_err(IncomingError::NoControlStream)?;
     // A first message is a hello, a few hundred bytes: nothing longer is read or decoded.
-    let msg = match control::read_at_most(&mut recv, control::MAX_HELLO).await {
-        Ok(m) => m,
-        Err(e) => return Err(IncomingError::Unreadable(refuse(&conn, send, e).await)),
+    let read = control::read_at_most(&mut recv, control::MAX_HELLO);
+    let msg = match tokio::time::timeout_at(pre_proof, read).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => {
+            return Err(IncomingError::Unreadable(
+                refuse(&conn, &shared.secret, send, e).await,
+            ));
+        }
+        Err(elapsed) => {
+            conn.close(VarInt::from_u32(CLOSE_REFUSED), b"no hello in time");
+            return Err(in_time("hello")(elapsed));
+        }
     };
     let ex = exporter(&conn)?;
     let me = shared.me;
@@ -288,7 +319,9 @@ async fn handle_incoming(
             proof,
         } => {
             if me.index() != 0 {
-                return Err(refuse(&conn, send, Refusal::NotHost { me }).await.into());
+                return Err(refuse(&conn, &shared.secret, send, Refusal::NotHost { me })
+                    .await
+                    .into());
             }
             let hello = WorkerHello {
                 claim: Claim {
@@ -315,7 +348,9 @@ async fn handle_incoming(
             };
             accept_peer_hello(shared, conn, send, &ex, rank, &claim).await
         }
-        other => Err(refuse(&conn, send, other.unexpected()).await.into()),
+        other => Err(refuse(&conn, &shared.secret, send, other.unexpected())
+            .await
+            .into()),
     }
 }
 
@@ -331,18 +366,22 @@ async fn accept_peer_hello(
 ) -> Result<(), IncomingError> {
     let admitted = admit_peer(shared.job, shared.me, rank, claim, &shared.secret, ex);
     if let Err(reason) = admitted {
-        return Err(refuse(&conn, send, reason).await.into());
+        return Err(refuse(&conn, &shared.secret, send, reason).await.into());
     }
     // The roster comes from rank 0 at about the time the peer got its own.
     let mut roster = shared.roster.subscribe();
     let waited = roster.wait_for(Option::is_some).await.map(|r| r.clone());
     let Ok(Some(roster)) = waited else {
-        return Err(refuse(&conn, send, Refusal::ShuttingDown).await.into());
-    };
-    if peer_cert(&conn).as_deref() != Some(&roster[rank as usize].cert[..]) {
-        return Err(refuse(&conn, send, Refusal::NotPinned { rank })
+        return Err(refuse(&conn, &shared.secret, send, Refusal::ShuttingDown)
             .await
             .into());
+    };
+    if peer_cert(&conn).as_deref() != Some(&roster[rank as usize].cert[..]) {
+        return Err(
+            refuse(&conn, &shared.secret, send, Refusal::NotPinned { rank })
+                .await
+                .into(),
+        );
     }
     proven(&conn);
     control::write(

@@ -95,13 +95,8 @@ pub(crate) async fn host_rendezvous(
         }
         .to_string();
         for j in &mut joined {
-            let _ = control::write(
-                &mut j.send,
-                &Control::Reject {
-                    reason: reason.clone(),
-                },
-            )
-            .await;
+            let reject = control::reject(&j.conn, &shared.secret, reason.clone());
+            let _ = control::write(&mut j.send, &reject).await;
             let _ = j.send.finish();
             let _ = tokio::time::timeout(Duration::from_secs(1), j.send.stopped()).await;
         }
@@ -149,13 +144,62 @@ pub(crate) struct Joining {
     by: String,
 }
 
-/// Workers: join through rank 0 and learn (or confirm) this process's rank.
+/// How long a worker waits before dialling the rendezvous again after an answer that did not
+/// prove the job secret.
+const REDIAL_PAUSE: Duration = Duration::from_millis(500);
+
+/// What one attempt to join ended with, when it did not join.
+enum Attempt {
+    /// Rank 0 (it proved the secret, or sealed its refusal) or this rank's own side ended the
+    /// join: no point dialling again.
+    Final(QuicError),
+    /// Whatever answered at the master address proved nothing (a refusal without a valid seal, a
+    /// welcome with a wrong proof, a connection closed before any answer): a stranger, another
+    /// job, or rank 0 cutting a slow hello short. The worker dials again until its deadline and
+    /// then fails with this.
+    Unproven(QuicError),
+}
+
+/// Workers: join through rank 0 and learn (or confirm) this process's rank. An answer that does
+/// not prove the job secret ends nothing: the worker dials again until `deadline` (so a
+/// stranger answering at the master address cannot stop a job forming), and fails with the last
+/// such answer only then.
 pub(crate) async fn join(
     ep: &Endpoint,
     config: &QuicConfig,
     master: SocketAddr,
     deadline: Instant,
 ) -> Result<Joining, QuicError> {
+    let mut said = false;
+    loop {
+        match attempt(ep, config, master, deadline).await {
+            Ok(joining) => return Ok(joining),
+            Err(Attempt::Final(e)) => return Err(e),
+            Err(Attempt::Unproven(e)) => {
+                if Instant::now() + REDIAL_PAUSE >= deadline {
+                    return Err(e);
+                }
+                if !said {
+                    said = true;
+                    tracing::warn!(
+                        "{}: {e}; that answer did not prove this job's secret, so this rank \
+                         dials again until its connect timeout",
+                        Who(config.rank)
+                    );
+                }
+                tokio::time::sleep(REDIAL_PAUSE).await;
+            }
+        }
+    }
+}
+
+/// One attempt of [`join`]: dial rank 0, send the hello, read the answer.
+async fn attempt(
+    ep: &Endpoint,
+    config: &QuicConfig,
+    master: SocketAddr,
+    deadline: Instant,
+) -> Result<Joining, Attempt> {
     let me = Who(config.rank);
     let started = Instant::now();
     let by = format!("the rendezvous at {} (rank 0)", config.master);
@@ -165,12 +209,13 @@ pub(crate) async fn join(
             master: config.master.clone(),
             waited: started.elapsed(),
             detail: e.to_string(),
-        })?;
-    let ex = exporter(&conn).map_err(|e| to_host(me, e))?;
+        })
+        .map_err(Attempt::Final)?;
+    let ex = exporter(&conn).map_err(|e| Attempt::Final(to_host(me, e)))?;
     let (mut send, mut recv) = conn
         .open_bi()
         .await
-        .map_err(|e| to_host(me, JoinError::OpenControl(e)))?;
+        .map_err(|e| Attempt::Unproven(to_host(me, JoinError::OpenControl(e))))?;
     let port = ep.local_addr().map(|a| a.port()).unwrap_or(0);
     let hello = Control::Hello {
         protocol: PROTOCOL,
@@ -186,25 +231,25 @@ pub(crate) async fn join(
     };
     control::write(&mut send, &hello)
         .await
-        .map_err(|e| to_host(me, JoinError::SendHello(e)))?;
+        .map_err(|e| Attempt::Unproven(to_host(me, JoinError::SendHello(e))))?;
     let _ = send.finish();
     let reply = tokio::time::timeout_at(deadline.into(), control::read(&mut recv))
         .await
-        .map_err(|_| to_host(me, JoinError::Silent))?
-        .map_err(|e| to_host(me, JoinError::Closed(e)))?;
+        .map_err(|_| Attempt::Final(to_host(me, JoinError::Silent)))?
+        .map_err(|e| Attempt::Unproven(to_host(me, JoinError::Closed(e))))?;
     match reply {
         Control::Welcome { proof, rank } => {
             if !config.secret.verify(ROLE_SERVER, &ex, &proof) {
                 conn.close(VarInt::from_u32(CLOSE_REFUSED), b"wrong job secret");
-                return Err(QuicError::Unauthenticated {
+                return Err(Attempt::Unproven(QuicError::Unauthenticated {
                     me,
                     peer: by,
                     reason: "it does not hold this job's secret (is another job using this port?)"
                         .into(),
-                });
+                }));
             }
             let Some(rank) = assigned_rank(config.rank, rank, config.world_size) else {
-                return Err(to_host(me, JoinError::InvalidRank { rank }));
+                return Err(Attempt::Final(to_host(me, JoinError::InvalidRank { rank })));
             };
             // Rank 0 proved the secret: this connection stays as the data link to it.
             super::endpoint::proven(&conn);
@@ -215,13 +260,22 @@ pub(crate) async fn join(
                 by,
             })
         }
-        // Unauthenticated (rank 0 has proved nothing yet): shown escaped.
-        Control::Reject { reason } => Err(QuicError::Refused {
-            me,
-            by,
-            reason: crate::printable(&reason),
-        }),
-        other => Err(to_host(me, other.unexpected())),
+        Control::Reject { reason, seal } => {
+            if control::sealed(&config.secret, &ex, &reason, &seal) {
+                return Err(Attempt::Final(QuicError::Refused { me, by, reason }));
+            }
+            // Unauthenticated: shown escaped, and not taken as final.
+            Err(Attempt::Unproven(QuicError::Refused {
+                me,
+                by,
+                reason: format!(
+                    "{} (the refusal was not sealed with this job's secret: the rendezvous \
+                     holds another secret, or another process answers at this address)",
+                    crate::printable(&reason)
+                ),
+            }))
+        }
+        other => Err(Attempt::Unproven(to_host(me, other.unexpected()))),
     }
 }
 
@@ -248,7 +302,14 @@ pub(crate) async fn finish_join(
         .map_err(|e| to_host(me, JoinError::Closed(e)))?;
     let peers = match reply {
         Control::Roster { peers } => peers,
-        Control::Reject { reason } => return Err(QuicError::Refused { me, by, reason }),
+        // Rank 0 proved the secret on this connection already.
+        Control::Reject { reason, .. } => {
+            return Err(QuicError::Refused {
+                me,
+                by,
+                reason: crate::printable(&reason),
+            });
+        }
         other => return Err(to_host(me, other.unexpected())),
     };
     check_roster(&peers, shared.world).map_err(|e| to_host(me, e))?;
@@ -282,14 +343,16 @@ pub(crate) async fn accept_hello(
     // TLS asks every client for a certificate, so this is a formality; it comes first so that
     // a refusal never holds a reservation.
     let Some(cert) = peer_cert(&conn) else {
-        return Err(refuse(&conn, send, Refusal::NoCertificate).await.into());
+        return Err(refuse(&conn, &shared.secret, send, Refusal::NoCertificate)
+            .await
+            .into());
     };
     // The rank is reserved (or the lowest free one assigned) before the welcome is sent, so a
     // duplicate cannot slip in meanwhile.
     let admitted = lock(&shared.admission).admit(rank, &claim, &shared.secret, ex);
     let rank = match admitted {
         Ok(r) => r,
-        Err(reason) => return Err(refuse(&conn, send, reason).await.into()),
+        Err(reason) => return Err(refuse(&conn, &shared.secret, send, reason).await.into()),
     };
     // The worker proved the secret: this connection is its data link to rank 0.
     super::endpoint::proven(&conn);

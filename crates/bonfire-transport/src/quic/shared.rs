@@ -28,6 +28,8 @@ pub(crate) struct Shared {
     pub(crate) max_frame: u64,
     pub(crate) streams: usize,
     pub(crate) peer_timeout: Duration,
+    /// How long the job may take to form.
+    pub(crate) connect_timeout: Duration,
     pub(crate) closing: AtomicBool,
     /// Rank 0: the workers that have joined, with what they announced.
     pub(crate) joined: Mutex<Vec<Option<Joined>>>,
@@ -76,6 +78,7 @@ impl Shared {
             max_frame: config.max_frame,
             streams: config.streams,
             peer_timeout: config.peer_timeout,
+            connect_timeout: config.connect_timeout,
             closing: AtomicBool::new(false),
             joined: Mutex::new((0..world).map(|_| None).collect()),
             admission: Mutex::new(Admission::new(job)),

@@ -2,6 +2,7 @@
 //! strangers are refused, and a hostile frame is an error that names its sender.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bonfire_topology::{NodeId, Rank};
@@ -329,7 +330,7 @@ async fn a_stranger_cannot_make_a_rank_read_more_than_a_hello() {
         .await
         .unwrap();
     match reply {
-        Ok(Control::Reject { reason }) => assert!(
+        Ok(Control::Reject { reason, .. }) => assert!(
             reason.contains(&format!(
                 "control message of {announced} bytes exceeds the limit of 4096 bytes"
             )),
@@ -338,6 +339,120 @@ async fn a_stranger_cannot_make_a_rank_read_more_than_a_hello() {
         other => panic!("an oversized first message was not refused: {other:?}"),
     }
     worker_reaches_host(&m, s, host, Bytes::from(vec![7u8; 4 << 20])).await;
+}
+
+/// Whatever answers at the master address first, without the job secret, cannot end a worker's
+/// join: a refusal it cannot seal and a welcome whose proof is wrong are passed over, the worker
+/// dials again, and it joins the real rank 0 that comes up at the address afterwards. (Before,
+/// the first unauthenticated refusal ended the worker's join for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_answering_at_the_master_address_cannot_stop_a_join() {
+    let m = master();
+    let s = secret("job");
+    let addr: SocketAddr = m.parse().unwrap();
+    let impostor = endpoint(
+        addr,
+        &Identity::generate().unwrap(),
+        Duration::from_secs(5),
+        1,
+    )
+    .unwrap();
+    let worker = tokio::spawn(QuicTransport::connect(config(1, 2, &m, s.clone())));
+    // A forged refusal (its seal is another secret's), then a welcome with a forged proof.
+    let other = secret("other");
+    for answer in 0..2 {
+        let incoming = tokio::time::timeout(Duration::from_secs(10), impostor.accept())
+            .await
+            .unwrap_or_else(|_| panic!("the worker did not dial again after answer {answer}"))
+            .unwrap();
+        let conn = incoming.await.unwrap();
+        let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+        let hello = control::read(&mut recv).await.unwrap();
+        assert!(matches!(hello, Control::Hello { .. }), "{hello:?}");
+        let reply = if answer == 0 {
+            control::reject(&conn, &other, "wrong job secret: go away".into())
+        } else {
+            Control::Welcome {
+                proof: other.proof(super::auth::ROLE_SERVER, &exporter(&conn).unwrap()),
+                rank: 1,
+            }
+        };
+        control::write(&mut send, &reply).await.unwrap();
+        let _ = send.finish();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+    }
+    impostor.close(0u32.into(), b"gone");
+    impostor.wait_idle().await;
+    drop(impostor);
+    // Its socket closes once the endpoint's driver has noticed.
+    let freed = Instant::now() + Duration::from_secs(5);
+    while std::net::UdpSocket::bind(addr).is_err() {
+        assert!(Instant::now() < freed, "the impostor's port stayed taken");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !worker.is_finished(),
+        "the worker gave up on a stranger's word"
+    );
+    // The real rank 0 takes the address; the worker, still dialling, joins it.
+    let host = QuicTransport::connect(config(0, 2, &m, s)).await.unwrap();
+    let worker = worker.await.unwrap().unwrap();
+    let tag = Tag {
+        context: 1,
+        seq: 2,
+        step: 3,
+    };
+    worker
+        .send(Rank(0), tag, Bytes::from_static(b"hi"))
+        .await
+        .unwrap();
+    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
+    worker.shutdown().await;
+    host.shutdown().await;
+}
+
+/// A refusal rank 0 seals (it holds the job secret: here, a worker of another world size) ends
+/// the join at once, without dialling again until the connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_refusal_ends_the_join_at_once() {
+    let m = master();
+    let s = secret("job");
+    let host = tokio::spawn(QuicTransport::connect(config(0, 2, &m, s.clone())));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let err = QuicTransport::connect(config(1, 3, &m, s))
+        .await
+        .err()
+        .expect("a worker of another world size must be refused");
+    assert!(err.to_string().contains("world size mismatch"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "a sealed refusal took {:?} (the connect timeout is 20 s)",
+        started.elapsed()
+    );
+    host.abort();
+}
+
+/// A connection that completes its handshake and then says nothing is closed by the rank once
+/// the pre-proof limit passes (it held one of the rank's places for 10 s before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_at_the_pre_proof_limit() {
+    let m = master();
+    let s = secret("job");
+    let (host, addr, stranger) = host_and_stranger(&m, &s).await;
+    let conn = stranger.connect(addr, "bonfire").unwrap().await.unwrap();
+    let started = Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(9), conn.closed()).await;
+    let held = started.elapsed();
+    assert!(
+        closed.is_ok(),
+        "a silent stranger was still connected after {held:?}"
+    );
+    assert!(
+        held >= super::links::PRE_PROOF_LIMIT - Duration::from_millis(500),
+        "closed after {held:?}, before the limit"
+    );
+    worker_reaches_host(&m, s, host, Bytes::from_static(b"hi")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -480,4 +595,173 @@ async fn a_clean_shutdown_is_reported_only_after_its_frames_are_filed() {
         assert_eq!(inbox.take(Rank(0), step), Some(payload(step)));
     }
     receiver.shutdown().await;
+}
+
+/// What a flood of strangers may add to a rank's resident memory at most: [`MAX_UNPROVEN`]
+/// connections at once, each holding at most its pre-proof window and a hello, and quinn's own
+/// state per connection (measured: see BENCHMARKS.md, "A flood of strangers").
+///
+/// [`MAX_UNPROVEN`]: super::links::MAX_UNPROVEN
+const FLOOD_BOUND: u64 = 96 << 20;
+
+/// A resident-memory figure of process `pid` (`VmRSS`, `VmHWM` for its peak), in bytes.
+fn memory_of(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// Strangers at `addr` until `until`: at most 2 x MAX_UNPROVEN connections at once, each with
+/// the largest first message a rank reads (a hello's 4 KiB, its last byte withheld so the rank
+/// keeps waiting) and two streams stuffed until the window closes. Returns how many connections
+/// completed their handshake and how many were refused.
+async fn flood(stranger: quinn::Endpoint, addr: SocketAddr, until: Instant) -> (usize, usize) {
+    let stuff = |conn: quinn::Connection| async move {
+        let (mut send, _recv) = conn.open_bi().await?;
+        let len = control::MAX_HELLO as u32;
+        send.write_all(&len.to_le_bytes()).await?;
+        send.write_all(&vec![0xa5; control::MAX_HELLO - 1]).await?;
+        let chunk = Bytes::from(vec![0x5a; 64 << 10]);
+        for _ in 0..2 {
+            let mut uni = conn.open_uni().await?;
+            let chunk = chunk.clone();
+            tokio::spawn(async move { while uni.write_all(&chunk).await.is_ok() {} });
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(8), conn.closed()).await;
+        Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+    };
+    let places = Arc::new(tokio::sync::Semaphore::new(2 * super::links::MAX_UNPROVEN));
+    let (mut held, mut refused) = (0, 0);
+    let mut tasks = tokio::task::JoinSet::new();
+    while Instant::now() < until {
+        let place = places.clone().acquire_owned().await.unwrap();
+        let Ok(connecting) = stranger.connect(addr, "bonfire") else {
+            continue;
+        };
+        tasks.spawn(async move {
+            let _place = place;
+            match tokio::time::timeout(Duration::from_secs(3), connecting).await {
+                Ok(Ok(conn)) => {
+                    let _ = stuff(conn).await;
+                    true
+                }
+                _ => false,
+            }
+        });
+        while let Some(done) = tasks.try_join_next() {
+            if done.unwrap() {
+                held += 1
+            } else {
+                refused += 1
+            }
+        }
+    }
+    tasks.abort_all();
+    (held, refused)
+}
+
+/// The rank-0 process of [`a_flood_of_strangers_stays_within_its_memory_bound`], which starts
+/// it (this test binary run again for this test alone); on its own it does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the rank process of the flood test, which starts it"]
+async fn flood_rank_0_process() {
+    let Ok(m) = std::env::var("BONFIRE_FLOOD_MASTER") else {
+        return;
+    };
+    let mut c = config(0, 2, &m, secret("flood"));
+    c.connect_timeout = Duration::from_secs(60);
+    let host = QuicTransport::connect(c).await.unwrap();
+    let tag = |step| Tag {
+        context: 7,
+        seq: 1,
+        step,
+    };
+    let got = take(&host, 1, tag(0)).await;
+    host.send(Rank(1), tag(1), got).await.unwrap();
+    host.shutdown().await;
+}
+
+/// A flood of strangers (connections with the largest first message a rank reads and stuffed
+/// streams, twice as many at once as the rank handles) adds at most [`FLOOD_BOUND`] to the
+/// rank's resident memory at its peak, and the real rank 1, joining in the middle of it, forms
+/// the job and moves a frame larger than the pre-proof window both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_strangers_stays_within_its_memory_bound() {
+    let m = master();
+    let addr: SocketAddr = m.parse().unwrap();
+    let mut rank0 = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["quic::tests::flood_rank_0_process", "--exact", "--ignored"])
+        .env("BONFIRE_FLOOD_MASTER", &m)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Rank 0 is up once its port is taken.
+    let up = Instant::now() + Duration::from_secs(30);
+    while std::net::UdpSocket::bind(addr).is_ok() {
+        assert!(Instant::now() < up, "rank 0 did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = memory_of(rank0.id(), "VmRSS");
+    let stranger = endpoint(
+        "127.0.0.1:0".parse().unwrap(),
+        &Identity::generate().unwrap(),
+        Duration::from_secs(10),
+        1,
+    )
+    .unwrap();
+    let started = Instant::now();
+    let flooding = tokio::spawn(flood(stranger, addr, started + Duration::from_secs(6)));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut c = config(1, 2, &m, secret("flood"));
+    c.connect_timeout = Duration::from_secs(60);
+    let worker = QuicTransport::connect(c).await.unwrap();
+    let joined = started.elapsed();
+    let (held, refused) = flooding.await.unwrap();
+    let peak = memory_of(rank0.id(), "VmHWM");
+    let tag = |step| Tag {
+        context: 7,
+        seq: 1,
+        step,
+    };
+    let payload = Bytes::from(vec![3u8; 4 << 20]);
+    worker.send(Rank(0), tag(0), payload.clone()).await.unwrap();
+    assert_eq!(take(&worker, 0, tag(1)).await, payload);
+    worker.shutdown().await;
+    let exited = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = rank0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < exited, "rank 0 did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "rank 0 failed: {status}");
+    let added = peak.saturating_sub(before);
+    println!(
+        "flood: {held} strangers' connections held, {refused} refused; rank 1 joined after \
+         {joined:?}; rank 0 resident {} MiB before, peak {} MiB (+{} MiB, bound {} MiB)",
+        before >> 20,
+        peak >> 20,
+        added >> 20,
+        FLOOD_BOUND >> 20
+    );
+    assert!(
+        held >= super::links::MAX_UNPROVEN,
+        "the flood was too small: {held} held"
+    );
+    assert!(
+        added <= FLOOD_BOUND,
+        "a flood added {} MiB to rank 0's resident memory (bound {} MiB)",
+        added >> 20,
+        FLOOD_BOUND >> 20
+    );
 }

@@ -54,6 +54,12 @@ fn why(stop: &RingStop, peer: &Process) -> String {
 /// nothing is queued: a small message then costs no hand-over to the writer thread.
 const INLINE_MAX: usize = 64 << 10;
 
+/// Bytes of frames queued for the writer thread past which a sender waits ([`OutLink::queue`])
+/// until the writer has caught up: a peer that reads slowly holds the sender back instead of
+/// letting the queue grow without bound. Each sender queues its frame before it waits (frames
+/// keep their order), so the queue holds at most this much plus one frame per waiting sender.
+pub(crate) const MAX_QUEUED_BYTES: usize = 64 << 20;
+
 /// What the sending task and the writer thread share.
 struct Producer {
     ring: Ring,
@@ -63,6 +69,10 @@ struct Producer {
     writing: Mutex<()>,
     /// Frames queued for the writer thread and not yet written.
     queued: AtomicUsize,
+    /// Their bytes.
+    queued_bytes: AtomicUsize,
+    /// Signalled whenever the writer thread finished a queued frame or the lane ended.
+    progress: tokio::sync::Notify,
     /// Set once the lane said goodbye (or failed): nothing more may be written.
     done: AtomicBool,
     mailbox: Arc<Mailbox>,
@@ -83,6 +93,7 @@ impl Producer {
             let _ = self.lost.set(reason.clone());
             self.mailbox.peer_lost(self.peer, reason);
         }
+        self.progress.notify_waiters();
     }
 }
 
@@ -116,6 +127,8 @@ impl OutLink {
             stop,
             writing: Mutex::new(()),
             queued: AtomicUsize::new(0),
+            queued_bytes: AtomicUsize::new(0),
+            progress: tokio::sync::Notify::new(),
             done: AtomicBool::new(false),
             mailbox,
             lost: lost.clone(),
@@ -214,6 +227,9 @@ impl OutLink {
         };
         let queue = crate::lock(&self.queue);
         self.producer.queued.fetch_add(1, Ordering::AcqRel);
+        self.producer
+            .queued_bytes
+            .fetch_add(payload.len(), Ordering::AcqRel);
         match queue.as_ref().map(|q| q.send((tag, payload))) {
             Some(Ok(())) => Ok(()),
             _ => Err(lost(
@@ -223,6 +239,49 @@ impl OutLink {
                     .unwrap_or_else(|| "this rank is shutting down".into()),
             )),
         }
+    }
+
+    /// Queues a frame as [`OutLink::send`] does, then waits while more than
+    /// [`MAX_QUEUED_BYTES`] are queued: until the writer thread has caught up, or the lane ends
+    /// (the writer gives each frame the stall limit to find room, then ends the lane and this
+    /// wait with it). The wait itself gives up after twice the stall limit without progress.
+    pub(crate) async fn queue(&self, tag: Tag, payload: Bytes) -> Result<(), TransportError> {
+        self.send(tag, payload)?;
+        let p = &self.producer;
+        let quiet = 2 * p.stall;
+        loop {
+            let progress = p.progress.notified();
+            let mut progress = std::pin::pin!(progress);
+            progress.as_mut().enable();
+            if let Some(reason) = self.lost.get() {
+                return Err(TransportError::PeerLost {
+                    peer: self.peer,
+                    reason: reason.clone(),
+                });
+            }
+            if p.queued_bytes.load(Ordering::Acquire) <= MAX_QUEUED_BYTES
+                || p.done.load(Ordering::Acquire)
+            {
+                return Ok(());
+            }
+            if tokio::time::timeout(quiet, progress).await.is_err() {
+                return Err(TransportError::PeerLost {
+                    peer: self.peer,
+                    reason: format!(
+                        "the shared-memory lane's writer made no progress for {quiet:?} with {} \
+                         bytes queued",
+                        p.queued_bytes.load(Ordering::Acquire)
+                    )
+                    .into(),
+                });
+            }
+        }
+    }
+
+    /// Bytes queued for the writer thread and not yet written.
+    #[cfg(test)]
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.producer.queued_bytes.load(Ordering::Acquire)
     }
 
     /// Ends a lane that never carried a frame (its reader never started): the writer thread
@@ -279,11 +338,14 @@ fn write_loop(p: &Producer, rx: &Receiver<(Tag, Bytes)>) {
             }
         };
         p.queued.fetch_sub(1, Ordering::AcqRel);
+        p.queued_bytes.fetch_sub(payload.len(), Ordering::AcqRel);
+        p.progress.notify_waiters();
         if let Err(s) = written {
             p.fail(&s);
             return;
         }
     }
+    p.progress.notify_waiters();
     let _writing = crate::lock(&p.writing);
     if p.done.swap(true, Ordering::AcqRel) {
         return;

@@ -11,7 +11,7 @@ use bonfire_topology::Rank;
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 
-use super::link::{OutLink, start_reader};
+use super::link::{MAX_QUEUED_BYTES, OutLink, start_reader};
 use super::ring::{Dest, Ring, RingStop, YIELDED};
 use super::segment::Segment;
 use super::sys::Process;
@@ -569,6 +569,72 @@ fn a_queued_frame_nobody_reads_ends_the_lane_after_the_stall_limit() {
     assert!(reason.contains("stayed full"), "{reason}");
     assert!(link.send(tag(1), Bytes::from_static(b"x")).is_err());
     assert!(link.finish(Duration::from_secs(10)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A peer that reads nothing for a while holds its sender back once [`MAX_QUEUED_BYTES`] are
+/// queued: the queue stops growing just past it (it grew with every send before, however long
+/// the peer took), and every frame arrives, in order, once the peer reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_reads_nothing_holds_the_sender_back_at_the_queue_bound() {
+    let dir = temp_dir("backlog");
+    let (producer, consumer) = ring_pair(&dir, 1 << 20);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let link = Arc::new(link_to_1(producer, &mailbox, &stop));
+    let frame = Bytes::from(
+        (0..1u32 << 20)
+            .map(|i| (i % 253) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    let frames = MAX_QUEUED_BYTES / frame.len() + 16;
+    let sender = {
+        let (link, frame) = (link.clone(), frame.clone());
+        tokio::spawn(async move {
+            for i in 0..frames {
+                link.queue(tag(i as u32), frame.clone()).await.unwrap();
+            }
+        })
+    };
+    // Nobody reads yet: the sender stops one frame past the bound.
+    let mut held = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = link.queued_bytes();
+        if now == held && now > MAX_QUEUED_BYTES {
+            break;
+        }
+        held = now;
+    }
+    assert!(
+        !sender.is_finished(),
+        "every frame was queued for a peer that reads nothing"
+    );
+    assert!(
+        held > MAX_QUEUED_BYTES && held <= MAX_QUEUED_BYTES + frame.len(),
+        "{held} bytes queued (bound {MAX_QUEUED_BYTES})"
+    );
+    // The peer reads: the sender goes on, and everything arrives.
+    let (_inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
+    tokio::time::timeout(Duration::from_secs(60), sender)
+        .await
+        .expect("the sender was not released once the peer read")
+        .unwrap();
+    let finishing = link.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || finishing.finish(Duration::from_secs(30)))
+            .await
+            .unwrap()
+    );
+    reader.join().unwrap();
+    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    for i in 0..frames {
+        assert_eq!(
+            inbox.take(Rank(0), i as u32).as_ref(),
+            Some(&frame),
+            "frame {i}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -797,6 +797,8 @@ variants!(
         ShardsError::Io { .. },
         ShardsError::Format { .. },
         ShardsError::OtherGroup { .. },
+        ShardsError::NoSave { .. },
+        ShardsError::Inconsistent { .. },
         ShardsError::Mismatch { .. },
     ]
 );
@@ -818,6 +820,19 @@ fn shards_examples() -> Vec<ShardsError> {
             file_ranks: 2,
             rank: 1,
             ranks: 4,
+        },
+        ShardsError::NoSave {
+            dir: "ckpt".into(),
+            problem: "no complete save: it holds 3 of the 4 files of a group of 4 (every rank's \
+                      file is needed)"
+                .into(),
+        },
+        ShardsError::Inconsistent {
+            dir: "ckpt".into(),
+            param: "blocks.0.attn.qkv.weight".into(),
+            problem: "rank 1's file has blocks.0.attn.qkv.bias [96] Replicate here, rank 0's \
+                      [96, 32] Shard { dim: 0, blocks: 3 }"
+                .into(),
         },
         ShardsError::Mismatch {
             path: path(),

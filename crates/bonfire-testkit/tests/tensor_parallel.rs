@@ -368,3 +368,78 @@ fn a_seed_set_before_joining_the_group_decides_the_weights() {
         "seeding before and after joining differ"
     );
 }
+
+/// A save by a group of 2 loads at 4, a save at 4 back at 2, and either on one device into the
+/// unsplit model on the plain backend (`load_whole`): every parameter equal, bit for bit, to the
+/// model that was saved (trained 2 Adam steps, so not its initial values), though each load
+/// starts from a model of another seed. A save missing a rank's file is refused, saying what the
+/// directory holds.
+#[test]
+fn a_save_loads_at_another_tensor_parallel_size_and_on_one_device() {
+    use bonfire::backend::tensor_parallel::{load_shards, load_whole, save_shards};
+    let dir = std::env::temp_dir().join(format!("bonfire-reshard-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (at2, at4) = (dir.join("tp2"), dir.join("tp4"));
+    /// `tp` ranks: each makes the model from `seed`, splits it, loads `from` (trains 2 steps
+    /// instead when there is none), saves to `to`, and returns the whole parameters.
+    fn ranks(tp: usize, seed: u64, from: Option<PathBuf>, to: PathBuf) -> Vec<Params> {
+        run_ranks(
+            Communicator::in_process(tp, comm_config()),
+            Duration::from_secs(120),
+            move |comm| {
+                let device = Device::default();
+                let model = seeded::<TpFlex, _>(seed, &device, TpGpt::new);
+                let _group = bind_thread(comm.clone()).expect("bind the group");
+                let model = tensor_parallel(model, &TpGpt::<TpFlex>::plan(), &comm).expect("plan");
+                let model = match &from {
+                    Some(dir) => load_shards(model, dir).expect("the save loads"),
+                    None => adam_steps(model, 2, &device).0,
+                };
+                save_shards(&model, &to).expect("save");
+                parameters(&model)
+            },
+        )
+    }
+    use std::path::PathBuf;
+    let want = ranks(2, 1, None, at2.clone()).remove(0);
+    for (rank, got) in ranks(4, 2, Some(at2.clone()), at4.clone())
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            *got == want,
+            "rank {rank} of 4 loaded other values from the save at 2"
+        );
+    }
+    for (rank, got) in ranks(2, 3, Some(at4.clone()), dir.join("again"))
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            *got == want,
+            "rank {rank} of 2 loaded other values from the save at 4"
+        );
+    }
+    let device = Device::default();
+    for save in [&at2, &at4] {
+        let plain = seeded::<burn::backend::Flex, _>(4, &device, TpGpt::new);
+        assert!(parameters(&plain) != want);
+        let plain = load_whole(plain, save).expect("the save loads on one device");
+        assert!(
+            parameters(&plain) == want,
+            "{}: the whole model differs",
+            save.display()
+        );
+    }
+    std::fs::remove_file(at4.join("tp-rank3-of-4.bin")).unwrap();
+    let plain = seeded::<burn::backend::Flex, _>(4, &device, TpGpt::new);
+    let Err(err) = load_whole(plain, &at4) else {
+        panic!("an incomplete save loaded");
+    };
+    assert!(
+        err.to_string()
+            .contains("no complete save: it holds 3 of the 4 files of a group of 4"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use bonfire::backend::tensor_parallel::load_whole;
 use bonfire::backend::{DataParallelConfig, FailurePolicy, bind_thread};
 use bonfire::collectives::{CommConfig, Communicator};
 use bonfire_launch::{LaunchConfig, launch};
@@ -67,6 +68,13 @@ where
         .expect("rank 0's plain record loads on one device");
     let d = max_abs_diff(&parameters(&whole), &want);
     assert!(d <= 1e-5, "{name}: the plain record differs by {d:e}");
+    // The replicas' shards, loaded whole on one device, are that same record.
+    let unsplit =
+        load_whole(make(&device), &dir.join("shards-dp0")).expect("the shards load on one device");
+    assert!(
+        parameters(&unsplit) == parameters(&whole),
+        "{name}: the shards loaded whole differ from the gathered record"
+    );
     for replica in 0..ranks / 2 {
         assert!(
             dir.join(format!("shards-dp{replica}/tp-rank1-of-2.bin"))

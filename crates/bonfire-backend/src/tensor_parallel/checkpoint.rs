@@ -1,7 +1,8 @@
 //! Saving and loading a tensor-parallel model: every rank its own part ([`save_shards`],
-//! [`load_shards`]), or the whole model as a plain single-device record ([`gathered`], then any
-//! Burn recorder; load a plain record with `load_record` and split it again with
-//! [`crate::tensor_parallel()`]).
+//! [`load_shards`], which also loads a save made by a group of another size, and
+//! [`load_whole`], which loads one into the unsplit model on any backend), or the whole model as
+//! a plain single-device record ([`gathered`], then any Burn recorder; load a plain record with
+//! `load_record` and split it again with [`crate::tensor_parallel()`]).
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::backend::TensorParallelBackend;
-use super::placement::{Placement, local_shape};
+use super::placement::{Placement, local_shape, owned_ranges};
 use super::redistribute::{Why, group, local_of, whole};
 use super::tensor::TpTensor;
 
@@ -50,6 +51,24 @@ pub enum CheckpointError {
         rank: usize,
         /// This group's size.
         ranks: usize,
+    },
+    /// The directory holds no complete save to load from (or several of different sizes).
+    #[error("{dir}: {problem}")]
+    NoSave {
+        /// The directory.
+        dir: PathBuf,
+        /// What it holds instead.
+        problem: String,
+    },
+    /// The files of one save do not agree on a parameter (they are not one save).
+    #[error("{dir}: parameter {param}: {problem}")]
+    Inconsistent {
+        /// The directory.
+        dir: PathBuf,
+        /// The parameter.
+        param: String,
+        /// How the files differ.
+        problem: String,
     },
     /// The model does not have the checkpoint's parameters.
     #[error("{path}: parameter {param}: {problem}")]
@@ -210,9 +229,12 @@ where
     Ok(path)
 }
 
-/// Replaces every parameter of `model` with this rank's part from `dir` (written by
-/// [`save_shards`] from a model of the same structure, by the same rank of a group of the same
-/// size). No communication. The parameters keep the placements they were saved with.
+/// Replaces every parameter of `model` with this rank's part from `dir`, written by
+/// [`save_shards`] from a model of the same structure. A save by a group of this size is read
+/// from this rank's own file; a save by a group of another size (all its files in `dir`) is
+/// read whole, each split parameter put together and cut again for this group (it must divide
+/// by this group's size), so a model saved at tensor-parallel size 2 loads at 4, or at 1. No
+/// communication. The parameters keep the placements they were saved with.
 pub fn load_shards<B, M>(model: M, dir: &Path) -> Result<M, CheckpointError>
 where
     B: TensorParallelBackend,
@@ -220,20 +242,352 @@ where
 {
     let (rank, ranks) = rank_and_ranks();
     let path = shard_file(dir, rank, ranks);
-    let bytes = std::fs::read(&path).map_err(|source| CheckpointError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    let file = decode(&path, &bytes)?;
+    let entries = if path.exists() {
+        own_entries(&path, rank, ranks)?
+    } else {
+        let set = read_set(dir)?;
+        let mut entries = Vec::with_capacity(set[0].entries.len());
+        for i in 0..set[0].entries.len() {
+            let (path, shape, placement, whole) = whole_entry(dir, &set, i)?;
+            let data = match placement {
+                PlacementRecord::Replicate => whole,
+                PlacementRecord::Shard { dim, blocks } => cut(&whole, dim, blocks, ranks, rank)
+                    .map_err(|problem| CheckpointError::Mismatch {
+                        path: dir.to_path_buf(),
+                        param: path.clone(),
+                        problem,
+                    })?,
+            };
+            entries.push(Entry {
+                path,
+                shape,
+                placement,
+                data,
+            });
+        }
+        entries
+    };
+    restore(model, entries, &path, ranks)
+}
+
+/// The entries of this rank's own file, checked to be this rank's of a group of this size.
+fn own_entries(path: &Path, rank: usize, ranks: usize) -> Result<Vec<Entry>, CheckpointError> {
+    let file = read_file(path)?;
     if (file.rank, file.ranks) != (rank, ranks) {
         return Err(CheckpointError::OtherGroup {
-            path,
+            path: path.to_path_buf(),
             file_rank: file.rank,
             file_ranks: file.ranks,
             rank,
             ranks,
         });
     }
+    Ok(file.entries)
+}
+
+/// One shard file, its checksum checked.
+fn read_file(path: &Path) -> Result<ShardFile, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    decode(path, &bytes)
+}
+
+/// The group size and rank of a shard file's name, `tp-rank<r>-of-<n>.bin`.
+fn parse_name(name: &str) -> Option<(usize, usize)> {
+    let (r, n) = name
+        .strip_prefix("tp-rank")?
+        .strip_suffix(".bin")?
+        .split_once("-of-")?;
+    let number = |s: &str| {
+        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse().ok())
+            .flatten()
+    };
+    let (r, n): (usize, usize) = (number(r)?, number(n)?);
+    (r < n).then_some((r, n))
+}
+
+/// Every file of the one complete save in `dir` (`tp-rank<r>-of-<n>.bin` for each `r < n`), in
+/// rank order, each checked against its sum and its name.
+fn read_set(dir: &Path) -> Result<Vec<ShardFile>, CheckpointError> {
+    let no_save = |problem: String| CheckpointError::NoSave {
+        dir: dir.to_path_buf(),
+        problem,
+    };
+    let listing = std::fs::read_dir(dir).map_err(|source| CheckpointError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut sets: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for entry in listing.flatten() {
+        if let Some((r, n)) = entry.file_name().to_str().and_then(parse_name) {
+            sets.entry(n).or_default().push(r);
+        }
+    }
+    let describe = |sets: &std::collections::BTreeMap<usize, Vec<usize>>| {
+        sets.iter()
+            .map(|(n, rs)| format!("{} of the {n} files of a group of {n}", rs.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let complete: Vec<usize> = sets
+        .iter()
+        .filter(|(n, rs)| rs.len() == **n)
+        .map(|(n, _)| *n)
+        .collect();
+    let n = match complete.as_slice() {
+        [n] => *n,
+        [] if sets.is_empty() => {
+            return Err(no_save(
+                "no shard files (tp-rank<r>-of-<n>.bin) in it".into(),
+            ));
+        }
+        [] => {
+            return Err(no_save(format!(
+                "no complete save: it holds {} (every rank's file is needed)",
+                describe(&sets)
+            )));
+        }
+        _ => {
+            return Err(no_save(format!(
+                "saves of groups of {complete:?} ranks side by side: keep one save per directory"
+            )));
+        }
+    };
+    let mut files = Vec::with_capacity(n);
+    for r in 0..n {
+        let path = shard_file(dir, r, n);
+        let file = read_file(&path)?;
+        if (file.rank, file.ranks) != (r, n) {
+            return Err(CheckpointError::OtherGroup {
+                path,
+                file_rank: file.rank,
+                file_ranks: file.ranks,
+                rank: r,
+                ranks: n,
+            });
+        }
+        files.push(file);
+    }
+    Ok(files)
+}
+
+/// Entry `i` of a save, its parts put together: the parameter's name, shape, placement and
+/// whole value.
+fn whole_entry(
+    dir: &Path,
+    set: &[ShardFile],
+    i: usize,
+) -> Result<(String, Vec<usize>, PlacementRecord, TensorData), CheckpointError> {
+    let first = &set[0].entries[i];
+    let inconsistent = |problem: String| CheckpointError::Inconsistent {
+        dir: dir.to_path_buf(),
+        param: first.path.clone(),
+        problem,
+    };
+    let mut parts = Vec::with_capacity(set.len());
+    for (r, file) in set.iter().enumerate() {
+        let Some(e) = file.entries.get(i) else {
+            return Err(inconsistent(format!(
+                "rank {r}'s file has fewer parameters"
+            )));
+        };
+        if e.path != first.path || e.shape != first.shape || e.placement != first.placement {
+            return Err(inconsistent(format!(
+                "rank {r}'s file has {} {:?} {:?} here, rank 0's {:?} {:?}",
+                e.path, e.shape, e.placement, first.shape, first.placement
+            )));
+        }
+        if e.data.dtype != first.data.dtype {
+            return Err(inconsistent(format!(
+                "rank {r}'s part is {:?}, rank 0's {:?}",
+                e.data.dtype, first.data.dtype
+            )));
+        }
+        parts.push(&e.data);
+    }
+    let whole = match first.placement {
+        PlacementRecord::Replicate => first.data.clone(),
+        PlacementRecord::Shard { dim, blocks } => {
+            join(&parts, &first.shape, dim, blocks).map_err(inconsistent)?
+        }
+    };
+    Ok((
+        first.path.clone(),
+        first.shape.clone(),
+        first.placement,
+        whole,
+    ))
+}
+
+/// The bytes before, of, and after one index of dimension `dim` of a row-major `shape`: the
+/// number of outer rows, the dimension's size, and the bytes of one inner slice.
+fn layout(shape: &[usize], dim: usize, elem: usize) -> (usize, usize, usize) {
+    let outer = shape[..dim].iter().product();
+    let inner = shape[dim + 1..].iter().product::<usize>() * elem;
+    (outer, shape[dim], inner)
+}
+
+/// The whole value of a parameter of `shape`, split along `dim` in `blocks` blocks over
+/// `parts.len()` ranks, from each rank's part (in rank order).
+fn join(
+    parts: &[&TensorData],
+    shape: &[usize],
+    dim: usize,
+    blocks: usize,
+) -> Result<TensorData, String> {
+    let n = parts.len();
+    let dtype = parts[0].dtype;
+    let elem = dtype.size();
+    if dim >= shape.len() || blocks == 0 || !shape[dim].is_multiple_of(blocks * n) {
+        return Err(format!(
+            "dimension {dim} of {shape:?} does not split in {blocks} blocks over {n} ranks"
+        ));
+    }
+    let (outer, size, inner) = layout(shape, dim, elem);
+    let local = size / n;
+    let mut whole = vec![0u8; outer * size * inner];
+    for (r, part) in parts.iter().enumerate() {
+        let bytes = part.as_bytes();
+        if bytes.len() != outer * local * inner {
+            return Err(format!(
+                "rank {r}'s part has {} bytes, {} expected",
+                bytes.len(),
+                outer * local * inner
+            ));
+        }
+        let mut from = 0;
+        for o in 0..outer {
+            for range in owned_ranges(size, blocks, n, r) {
+                let at = (o * size + range.start) * inner;
+                let len = range.len() * inner;
+                whole[at..at + len].copy_from_slice(&bytes[from..from + len]);
+                from += len;
+            }
+        }
+    }
+    Ok(TensorData::from_bytes_vec(whole, shape.to_vec(), dtype))
+}
+
+/// Rank `r`'s part of `whole`, split along `dim` in `blocks` blocks over `n` ranks.
+fn cut(
+    whole: &TensorData,
+    dim: usize,
+    blocks: usize,
+    n: usize,
+    r: usize,
+) -> Result<TensorData, String> {
+    let shape = whole.shape.to_vec();
+    if dim >= shape.len() || blocks == 0 || !shape[dim].is_multiple_of(blocks * n) {
+        return Err(format!(
+            "dimension {dim} of {shape:?} does not split in {blocks} blocks over {n} ranks"
+        ));
+    }
+    let (outer, size, inner) = layout(&shape, dim, whole.dtype.size());
+    let bytes = whole.as_bytes();
+    let mut part = Vec::with_capacity(outer * (size / n) * inner);
+    for o in 0..outer {
+        for range in owned_ranges(size, blocks, n, r) {
+            let at = (o * size + range.start) * inner;
+            part.extend_from_slice(&bytes[at..at + range.len() * inner]);
+        }
+    }
+    let mut local = shape;
+    local[dim] /= n;
+    Ok(TensorData::from_bytes_vec(part, local, whole.dtype))
+}
+
+/// Replaces every parameter of `model`, an unsplit model on any backend, with its whole value
+/// from the save in `dir` (every rank's file of one [`save_shards`], by a group of any size):
+/// a tensor-parallel save loads on one device, and any Burn recorder then turns it into a plain
+/// record. No communication.
+pub fn load_whole<B, M>(model: M, dir: &Path) -> Result<M, CheckpointError>
+where
+    B: burn::tensor::backend::Backend,
+    M: Module<B>,
+{
+    let set = read_set(dir)?;
+    let mut values = Vec::with_capacity(set[0].entries.len());
+    for i in 0..set[0].entries.len() {
+        let (path, shape, _, whole) = whole_entry(dir, &set, i)?;
+        values.push((path, shape, whole));
+    }
+    struct Fill {
+        path: Vec<String>,
+        dir: PathBuf,
+        values: std::vec::IntoIter<(String, Vec<usize>, TensorData)>,
+        error: Option<CheckpointError>,
+    }
+    impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for Fill {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let name = self.path.join(".");
+            let problem = match self.values.next() {
+                None => Some("the checkpoint has no more parameters".to_string()),
+                Some((path, _, _)) if path != name => {
+                    Some(format!("the checkpoint has {path} here"))
+                }
+                Some((_, shape, _)) if shape != tensor.shape().to_vec() => Some(format!(
+                    "shape {shape:?} in the checkpoint, {:?} in the model",
+                    tensor.shape().to_vec()
+                )),
+                Some((_, _, whole)) => {
+                    let require_grad = tensor.is_require_grad();
+                    let t = Tensor::<B, D>::from_data(whole, &tensor.device());
+                    let t = if require_grad { t.require_grad() } else { t };
+                    return Param::from_mapped_value(id, t, mapper);
+                }
+            };
+            if let Some(problem) = problem {
+                self.error.get_or_insert(CheckpointError::Mismatch {
+                    path: self.dir.clone(),
+                    param: name,
+                    problem,
+                });
+            }
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    let mut fill = Fill {
+        path: Vec::new(),
+        dir: dir.to_path_buf(),
+        values: values.into_iter(),
+        error: None,
+    };
+    let model = model.map(&mut fill);
+    if let Some(e) = fill.error {
+        return Err(e);
+    }
+    if let Some((extra, _, _)) = fill.values.next() {
+        return Err(CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            param: extra,
+            problem: "the model has no such parameter".into(),
+        });
+    }
+    Ok(model)
+}
+
+/// `model` with each parameter replaced by its entry (this rank's part, in the module's order);
+/// `path` names the checkpoint in errors.
+fn restore<B, M>(
+    model: M,
+    entries: Vec<Entry>,
+    path: &Path,
+    ranks: usize,
+) -> Result<M, CheckpointError>
+where
+    B: TensorParallelBackend,
+    M: Module<B>,
+{
     struct Restore {
         path: Vec<String>,
         file: PathBuf,
@@ -301,8 +655,8 @@ where
     }
     let mut restore = Restore {
         path: Vec::new(),
-        file: path.clone(),
-        entries: file.entries.into_iter(),
+        file: path.to_path_buf(),
+        entries: entries.into_iter(),
         ranks,
         error: None,
     };
@@ -312,7 +666,7 @@ where
     }
     if let Some(extra) = restore.entries.next() {
         return Err(CheckpointError::Mismatch {
-            path,
+            path: path.to_path_buf(),
             param: extra.path,
             problem: "the model has no such parameter".into(),
         });
@@ -341,4 +695,65 @@ where
         }
     }
     model.map(&mut Gather)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::DType;
+
+    fn data(shape: &[usize]) -> TensorData {
+        let n: usize = shape.iter().product();
+        TensorData::new(
+            (0..n).map(|i| i as f32).collect::<Vec<f32>>(),
+            shape.to_vec(),
+        )
+    }
+
+    /// Cutting a value for any group size and putting the parts together gives it back, for
+    /// every dimension and block count; a part is what `owned_ranges` says the rank holds.
+    #[test]
+    fn parts_put_together_give_the_whole_back() {
+        let whole = data(&[6, 12, 4]);
+        for dim in 0..3 {
+            for blocks in [1, 2, 3] {
+                for n in [1, 2, 4] {
+                    let size = whole.shape[dim];
+                    if !size.is_multiple_of(blocks * n) {
+                        assert!(cut(&whole, dim, blocks, n, 0).is_err());
+                        continue;
+                    }
+                    let parts: Vec<TensorData> = (0..n)
+                        .map(|r| cut(&whole, dim, blocks, n, r).unwrap())
+                        .collect();
+                    let refs: Vec<&TensorData> = parts.iter().collect();
+                    let back = join(&refs, &whole.shape.to_vec(), dim, blocks).unwrap();
+                    assert_eq!(
+                        back.as_bytes(),
+                        whole.as_bytes(),
+                        "dim {dim} blocks {blocks} n {n}"
+                    );
+                    assert_eq!(back.dtype, DType::F32);
+                }
+            }
+        }
+        // Rank 1 of 2, blocks 3 along dimension 0 of [6, 1]: rows 1, 3 and 5.
+        let part = cut(&data(&[6, 1]), 0, 3, 2, 1).unwrap();
+        assert_eq!(part.as_slice::<f32>().unwrap(), &[1.0, 3.0, 5.0]);
+    }
+
+    #[test]
+    fn only_shard_file_names_parse() {
+        assert_eq!(parse_name("tp-rank3-of-4.bin"), Some((3, 4)));
+        for bad in [
+            "tp-rank4-of-4.bin",
+            "tp-rank-1-of-4.bin",
+            "tp-rank+1-of-4.bin",
+            "tp-rank1-of-4.bin.tmp",
+            "tp-rank1-of-.bin",
+            "rank1-of-4.bin",
+        ] {
+            assert_eq!(parse_name(bad), None, "{bad}");
+        }
+    }
 }

@@ -24,7 +24,7 @@ mod rules;
 mod tensor;
 
 pub use backend::{TensorParallel, TensorParallelBackend};
-pub use checkpoint::{CheckpointError, gathered, load_shards, save_shards, shard_file};
+pub use checkpoint::{CheckpointError, gathered, load_shards, load_whole, save_shards, shard_file};
 pub use context::{TpBindGuard, TpStats, bind_thread, group, install, stats};
 pub use distribute::{distribute, from_terms, local_part, placement};
 pub use placement::Placement;

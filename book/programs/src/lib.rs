@@ -1,14 +1,24 @@
 //! The programs of bonfire's book. The chapters include these files (mdBook's `{{#include}}`),
 //! and this crate's tests build and run them: the accumulation loop of "Coming from PyTorch DDP"
-//! against one rank with the union batch, and the swap-in, tensor-parallel and hybrid programs
-//! (`src/bin`) as jobs of several processes.
+//! against one rank with the union batch, and the swap-in, tensor-parallel, hybrid and pipeline
+//! programs (`src/bin`) as jobs of several processes.
 
 pub mod text;
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module, ModuleMapper};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+/// `module` with every parameter initialised now. Burn initialises a parameter lazily, when it is
+/// first used, from whatever the random generator holds then; a program that seeds the
+/// generator and builds a part of a model materialises it at once, so that the part's values are
+/// the seed's wherever and whenever it is built.
+pub fn materialised<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Now;
+    impl<B: Backend> ModuleMapper<B> for Now {}
+    module.map(&mut Now)
+}
 
 // ANCHOR: accumulate
 /// One optimizer step over `micro_batches`: PyTorch's

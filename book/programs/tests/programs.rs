@@ -115,3 +115,33 @@ fn the_hybrid_program_trains_on_two_replicas_of_two_ranks() {
     let out = job(env!("CARGO_BIN_EXE_hybrid"), 4, &[("BONFIRE_TP", "2")]);
     assert_learns(&out[0], 6, 0.8, "dp 2 x tp 2");
 }
+
+/// Burn's `TransformerEncoder` split into pipeline stages: as one process (one stage), two and
+/// four, under 1F1B and GPipe, the last stage prints the losses one process prints (the same
+/// arithmetic, micro-batch by micro-batch, with activations and gradients moved between
+/// processes), and they fall.
+#[test]
+fn the_pipeline_program_trains_over_two_and_four_stages_as_on_one() {
+    let bin = env!("CARGO_BIN_EXE_pipeline");
+    let alone = job(bin, 1, &[]);
+    assert_learns(&alone[0], 6, 0.8, "one stage");
+    let want = losses(&alone[0]);
+    for (ranks, schedule) in [(2, "1f1b"), (4, "1f1b"), (2, "gpipe")] {
+        let out = job(bin, ranks, &[("BOOK_SCHEDULE", schedule)]);
+        let got = losses(&out[ranks - 1]);
+        let what = format!("{ranks} stages, {schedule}");
+        assert_eq!(got.len(), want.len(), "{what}: {got:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-4 * w.abs(),
+                "{what}: {got:?} against {want:?}"
+            );
+        }
+        for early in &out[..ranks - 1] {
+            assert!(
+                early.stdout.is_empty(),
+                "{what}: only the last stage prints"
+            );
+        }
+    }
+}

@@ -23,6 +23,7 @@
 mod data_parallel;
 #[doc(hidden)]
 pub mod passthrough;
+pub mod pipeline;
 pub mod tensor_parallel;
 
 #[cfg(feature = "cuda")]

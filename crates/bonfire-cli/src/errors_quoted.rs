@@ -26,6 +26,7 @@ use bonfire::checkpoint::CheckpointError;
 use bonfire::collectives::{Algorithm, CollectiveError, Fingerprint, OpKind};
 use bonfire::launch::slurm::SlurmError;
 use bonfire::launch::{AddrError, EnvError, LaunchError};
+use bonfire::pipeline::PipelineError;
 use bonfire::topology::{DType, GroupId, Rank, ReduceOp};
 use bonfire::transport::JobTransportError;
 use bonfire::transport::quic::SetupError;
@@ -843,6 +844,44 @@ fn shards_examples() -> Vec<ShardsError> {
 }
 
 variants!(
+    pipeline_variant,
+    pipeline_all,
+    PipelineError,
+    [
+        PipelineError::NoMicroBatches,
+        PipelineError::SecondStage,
+        PipelineError::Transfer { .. },
+        PipelineError::Stage { .. },
+    ]
+);
+
+fn pipeline_examples() -> Vec<PipelineError> {
+    vec![
+        PipelineError::NoMicroBatches,
+        PipelineError::SecondStage,
+        PipelineError::Transfer {
+            stage: 1,
+            stages: 2,
+            what: "receiving the activation",
+            micro: 3,
+            source: Box::new(CollectiveError::Timeout {
+                me: Rank(1),
+                collective: fp(OpKind::PointToPoint, 64, Some(0)),
+                waited: Duration::from_secs(60),
+                missing: vec![Rank(0)],
+                waiting_for: None,
+            }),
+        },
+        PipelineError::Stage {
+            stage: 1,
+            stages: 2,
+            micro: 0,
+            problem: "the last stage returned an activation, not a loss".into(),
+        },
+    ]
+}
+
+variants!(
     job_variant,
     job_all,
     JobError,
@@ -1458,6 +1497,12 @@ fn every_type() -> Vec<Checked> {
             shards_all(),
             shards_variant,
             shards_examples(),
+        ),
+        checked(
+            "PipelineError",
+            pipeline_all(),
+            pipeline_variant,
+            pipeline_examples(),
         ),
         checked("JobError", job_all(), job_variant, job_examples()),
         checked("CliError", cli_all(), cli_variant, cli_examples()),

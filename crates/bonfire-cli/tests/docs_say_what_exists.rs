@@ -112,8 +112,12 @@ fn code() -> Code {
         script_flags: BTreeSet::new(),
         binaries: ["bonfire".to_string()].into(),
     };
-    for krate in std::fs::read_dir(root().join("crates")).unwrap() {
-        if let Ok(bins) = std::fs::read_dir(krate.unwrap().path().join("src/bin")) {
+    let crates = std::fs::read_dir(root().join("crates"))
+        .unwrap()
+        .map(|k| k.unwrap().path())
+        .chain([root().join("book/programs")]);
+    for krate in crates {
+        if let Ok(bins) = std::fs::read_dir(krate.join("src/bin")) {
             for b in bins {
                 let p = b.unwrap().path();
                 code.binaries
@@ -227,6 +231,7 @@ const FOREIGN_TYPES: &[&str] = &[
     "TransformerEncoder",
     "TransformerEncoderConfig",
     "TransformerEncoderInput",
+    "TransformerEncoderLayer",
     "MultiHeadAttention",
     "RotaryEncoding",
     "CrossEntropyLoss",
@@ -579,7 +584,7 @@ fn the_check_finds_what_does_not_exist() {
     let cli = cli();
     let code = code();
     let doc = "Run `bonfire train vision --ranks 2 --turbo` or `bonfire serve`, set \
-               `BONFIRE_WARP_DRIVE=1`, and use `bonfire::teleport()` with `Autodiff<Pipeline<Wgpu>>`.\n\
+               `BONFIRE_WARP_DRIVE=1`, and use `bonfire::teleport()` with `Autodiff<Warp<Wgpu>>`.\n\
                \n```sh\nbonfire launch --nproc-per-node 2 -- ./trainer --turbo\nbonfire bench warp\n```\n\
                Flags alone: `--ranks` exists, `--frobnicate` does not.\n\
                Then `target/release/examples/mnist`.\n";
@@ -589,7 +594,7 @@ fn the_check_finds_what_does_not_exist() {
         "doc.md:1: `bonfire serve` is not a command",
         "doc.md:1: BONFIRE_WARP_DRIVE is read nowhere in the code",
         "doc.md:1: bonfire::teleport is not defined",
-        "doc.md:1: type Pipeline is not defined",
+        "doc.md:1: type Warp is not defined",
         "doc.md:5: `bonfire bench warp` is not a command",
         "doc.md:7: --frobnicate is a flag of no bonfire command",
         "doc.md:8: target/.../examples/mnist is built by nothing here",

@@ -24,6 +24,7 @@ pub mod learn;
 pub mod netns;
 pub mod nets;
 pub mod oracle;
+pub mod pp;
 mod ranks;
 pub mod tp;
 

@@ -73,6 +73,12 @@ pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
 };
 
+/// Pipeline parallelism: a model's blocks split into stages over a group, micro-batches flowing
+/// through them under GPipe or 1F1B ([`pipeline::Pipeline`]).
+pub mod pipeline {
+    pub use bonfire_backend::pipeline::*;
+}
+
 /// burn-train: the data-parallel learning strategy for one process per rank
 /// ([`train::DataParallelStrategy`], installed with [`train::DataParallelTraining`]).
 pub mod train {

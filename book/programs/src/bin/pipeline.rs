@@ -1,0 +1,144 @@
+//! Burn's own `TransformerEncoder`, its layers split into pipeline stages over the job's ranks
+//! (one stage per rank), trained as a character model on the book's text: the embedding on the
+//! first stage, the head on the last, micro-batches flowing through under 1F1B (or GPipe with
+//! `BOOK_SCHEDULE=gpipe`; `BOOK_MICRO_BATCHES` sets their number, 8 by default, and
+//! `BOOK_REPORT=1` makes every stage say at the end how long it idled, against the bubble's
+//! formula, and what it held).
+use bonfire::DataParallel;
+use bonfire::pipeline::{Pipeline, Schedule, StageOutput, partition};
+use bonfire_book::materialised;
+use bonfire_book::text::{VOCAB, batch};
+use burn::backend::Autodiff;
+use burn::backend::flex::{Flex, FlexDevice};
+use burn::module::Module;
+use burn::nn::attention::generate_autoregressive_mask;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::optim::{AdamConfig, Optimizer};
+use burn::tensor::backend::Backend;
+
+type B = Autodiff<DataParallel<Flex>>;
+
+const LAYERS: usize = 4;
+const WIDTH: usize = 64;
+const CONTEXT: usize = 32;
+const BATCH: usize = 16;
+
+// ANCHOR: stage
+/// One stage: some of the encoder's layers, with the embedding on the first stage and the
+/// head on the last.
+#[derive(Module, Debug)]
+struct Stage<B: Backend> {
+    embed: Option<Embedding<B>>,
+    layers: Vec<TransformerEncoderLayer<B>>,
+    head: Option<Linear<B>>,
+}
+
+/// Layer `i` of the encoder, the same on whichever stage builds it (its own seed).
+fn layer(i: usize, device: &FlexDevice) -> TransformerEncoderLayer<B> {
+    B::seed(device, 1000 + i as u64);
+    let mut encoder = TransformerEncoderConfig::new(WIDTH, 4 * WIDTH, 4, 1)
+        .with_dropout(0.0)
+        .init(device);
+    materialised(encoder.layers.remove(0))
+}
+// ANCHOR_END: stage
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let world = bonfire::init()?;
+    let device = FlexDevice;
+    let schedule: Schedule = std::env::var("BOOK_SCHEDULE")
+        .unwrap_or_else(|_| "1f1b".into())
+        .parse()?;
+    let micro_batches: usize = std::env::var("BOOK_MICRO_BATCHES")
+        .unwrap_or_else(|_| "8".into())
+        .parse()?;
+    if micro_batches == 0 || !BATCH.is_multiple_of(micro_batches) {
+        return Err(
+            format!("BOOK_MICRO_BATCHES={micro_batches}: expected a divisor of {BATCH}").into(),
+        );
+    }
+    // ANCHOR: split
+    // One stage per rank; the encoder's layers split evenly (by parameter count, as they are
+    // all alike); each rank builds only its own.
+    let pipe = Pipeline::new(world.comm().clone(), schedule, micro_batches)?;
+    let range = partition(&[1; LAYERS], pipe.stages())[pipe.stage()].clone();
+    let mut model = Stage {
+        embed: pipe.is_first().then(|| {
+            B::seed(&device, 1);
+            materialised(EmbeddingConfig::new(VOCAB, WIDTH).init(&device))
+        }),
+        layers: range.map(|i| layer(i, &device)).collect(),
+        head: pipe.is_last().then(|| {
+            B::seed(&device, 2);
+            materialised(LinearConfig::new(WIDTH, VOCAB).init(&device))
+        }),
+    };
+    // ANCHOR_END: split
+    let mut optim = AdamConfig::new().init();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let rows = BATCH / micro_batches;
+    let mask = generate_autoregressive_mask::<B>(rows, CONTEXT, &device);
+    // After 5 steps of warm-up: the time waited, the pipeline's time, the whole step's (the
+    // optimizer's too), the most held.
+    let (mut idle, mut wall, mut total, mut held, mut bytes) = (0.0, 0.0, 0.0, 0, 0);
+    for step in 0..30 {
+        // Every stage builds the step's batch: the first reads its tokens, the last its targets.
+        let (tokens, targets) = batch::<B>(step, 0, BATCH, CONTEXT, &device);
+        let started = std::time::Instant::now();
+        // ANCHOR: step
+        let (grads, report) = pipe.step(&model, &device, |stage: &Stage<B>, i, input| {
+            let part = i * rows..(i + 1) * rows;
+            let mut x = match (input, &stage.embed) {
+                (Some(x), _) => x,
+                (None, Some(embed)) => embed.forward(tokens.clone().slice(part.clone())),
+                (None, None) => unreachable!("the first stage has the embedding"),
+            };
+            for layer in &stage.layers {
+                x = layer.forward(x, None, Some(mask.clone()));
+            }
+            match &stage.head {
+                None => StageOutput::Activation(x),
+                Some(head) => {
+                    let logits = head.forward(x).reshape([rows * CONTEXT, VOCAB]);
+                    let targets = targets.clone().slice(part).reshape([rows * CONTEXT]);
+                    StageOutput::Loss(loss_fn.forward(logits, targets))
+                }
+            }
+        })?;
+        model = optim.step(3e-3, model, grads);
+        // ANCHOR_END: step
+        if step >= 5 {
+            total += started.elapsed().as_secs_f64();
+            idle += report.idle.as_secs_f64();
+            wall += report.wall.as_secs_f64();
+            held = held.max(report.max_in_flight);
+            bytes = bytes.max(report.max_activation_bytes);
+        }
+        if let Some(loss) = report.loss
+            && step % 5 == 0
+        {
+            println!(
+                "step {step} (stage {} of {}: idle {:.0}% of the step, {} micro-batches held at most): loss {loss:.5}",
+                pipe.stage(),
+                pipe.stages(),
+                100.0 * report.idle_fraction(),
+                report.max_in_flight
+            );
+        }
+    }
+    if std::env::var_os("BOOK_REPORT").is_some() {
+        println!(
+            "stage {} of {}, {schedule}, {micro_batches} micro-batches: idle {:.1}% of steps 5-29 \
+             (bubble (p-1)/(m+p-1) = {:.1}%), step {:.1} ms with the optimizer's, held {held} micro-batches, {bytes} \
+             activation bytes at most",
+            pipe.stage(),
+            pipe.stages(),
+            100.0 * idle / wall,
+            100.0 * bonfire::pipeline::bubble(pipe.stages(), micro_batches),
+            1000.0 * total / 25.0,
+        );
+    }
+    Ok(())
+}

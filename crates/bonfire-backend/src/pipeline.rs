@@ -1,0 +1,713 @@
+//! Pipeline parallelism: a model's sequence of blocks split into contiguous stages, one stage per
+//! member of a pipeline group, each batch cut into micro-batches that flow through the stages.
+//!
+//! Each rank builds only its stage's blocks ([`partition`] says which) and calls
+//! [`Pipeline::step`] with its forward. A stage receives its input activation from the stage
+//! before it (the first stage reads its own micro-batch), sends its output to the stage after it,
+//! and in backward receives the gradient of that output, runs Burn's autodiff on its own graph
+//! (the received gradient fed in as `sum(output * gradient)`, whose gradient is exactly the
+//! vector-Jacobian product the whole model's backward would compute there), and sends the
+//! gradient of its input back. The last stage returns the loss; the step's gradients are those of
+//! the mean of the micro-batches' losses, as one device's on the whole batch when the
+//! micro-batches are equal parts of it.
+//!
+//! Two schedules: [`Schedule::GPipe`] (every forward, then every backward: each stage holds the
+//! graphs of all `m` micro-batches) and [`Schedule::OneFOneB`] (after a warm-up of `p - 1 - s`
+//! forwards, stage `s` alternates one forward and one backward: at most `p - s` graphs held).
+//! Both idle for the same bubble, `(p - 1) / (m + p - 1)` of a step at `p` stages and `m`
+//! micro-batches ([`bubble`]). Activations travel as f32 over the group's point-to-point sends,
+//! each preceded by its shape; a send is not waited for until the step ends, so the transfer
+//! overlaps the stage's next compute.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use bonfire_collectives::{CollectiveError, Communicator, Work};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+
+/// The order of a stage's forwards and backwards within a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// Every micro-batch's forward, then every backward (GPipe).
+    GPipe,
+    /// One forward, one backward in the steady state, after `p - 1 - stage` forwards of warm-up
+    /// (PipeDream-flush's 1F1B): at most `p - stage` micro-batches in flight on a stage.
+    OneFOneB,
+}
+
+impl Schedule {
+    /// The schedule's name: `gpipe` or `1f1b`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Schedule::GPipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+        }
+    }
+}
+
+impl std::fmt::Display for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Schedule, String> {
+        match s {
+            "gpipe" => Ok(Schedule::GPipe),
+            "1f1b" => Ok(Schedule::OneFOneB),
+            other => Err(format!("{other:?}: expected gpipe or 1f1b")),
+        }
+    }
+}
+
+/// What a stage's forward of one micro-batch gives.
+pub enum StageOutput<B: AutodiffBackend, const D: usize> {
+    /// The activation that goes to the next stage (every stage but the last).
+    Activation(Tensor<B, D>),
+    /// The micro-batch's loss, of one element (the last stage).
+    Loss(Tensor<B, 1>),
+}
+
+/// Why a pipeline step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// A pipeline needs at least one micro-batch.
+    #[error("a pipeline step needs at least 1 micro-batch, not 0")]
+    NoMicroBatches,
+    /// A second stage in a process that already runs one.
+    #[error(
+        "this process already runs a pipeline stage: run one stage per process (Burn 0.21 keeps \
+         the bookkeeping of its autodiff graphs process-wide, and graphs walked backward on \
+         several threads at once were seen to lose gradients)"
+    )]
+    SecondStage,
+    /// Moving an activation or a gradient between neighbouring stages failed.
+    #[error("pipeline stage {stage} of {stages}: {what} of micro-batch {micro}: {source}")]
+    Transfer {
+        /// This stage.
+        stage: usize,
+        /// The pipeline's stages.
+        stages: usize,
+        /// What moved, in words (`receiving the activation`, ...).
+        what: &'static str,
+        /// The micro-batch.
+        micro: usize,
+        /// The collective's error, naming the peer.
+        #[source]
+        source: Box<CollectiveError>,
+    },
+    /// The stage's forward returned what its place in the pipeline does not give, or a shape the
+    /// transfer cannot carry.
+    #[error("pipeline stage {stage} of {stages}: micro-batch {micro}: {problem}")]
+    Stage {
+        /// This stage.
+        stage: usize,
+        /// The pipeline's stages.
+        stages: usize,
+        /// The micro-batch.
+        micro: usize,
+        /// What was wrong.
+        problem: String,
+    },
+}
+
+/// What one [`Pipeline::step`] measured on this stage.
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    /// The mean of the micro-batches' losses (the last stage only).
+    pub loss: Option<f32>,
+    /// The step, from its first to its last instant on this stage.
+    pub wall: Duration,
+    /// The time this stage waited for a neighbour (an activation, a gradient, or its own sends
+    /// to be taken at the end): the bubble, and any transfer not hidden behind compute.
+    pub idle: Duration,
+    /// The most micro-batches whose graphs this stage held at once.
+    pub max_in_flight: usize,
+    /// The most activation bytes (outputs sent and inputs received, kept for backward) this stage
+    /// held at once.
+    pub max_activation_bytes: usize,
+}
+
+impl StepReport {
+    /// The part of the step this stage waited: compare with [`bubble`].
+    pub fn idle_fraction(&self) -> f64 {
+        if self.wall.is_zero() {
+            0.0
+        } else {
+            self.idle.as_secs_f64() / self.wall.as_secs_f64()
+        }
+    }
+}
+
+/// The part of a step a stage idles in a pipeline of `stages` stages over `micro_batches`
+/// micro-batches of equal cost, under GPipe or 1F1B: `(p - 1) / (m + p - 1)`.
+pub fn bubble(stages: usize, micro_batches: usize) -> f64 {
+    let (p, m) = (stages as f64, micro_batches as f64);
+    (p - 1.0) / (m + p - 1.0)
+}
+
+/// Contiguous ranges of `costs.len()` blocks over `stages` stages, the largest stage's cost as
+/// small as can be (a block's cost: its parameter count, or a measured time); every stage gets at
+/// least one block when there are enough. Deterministic: every rank computes the same split.
+pub fn partition(costs: &[u64], stages: usize) -> Vec<Range<usize>> {
+    let n = costs.len();
+    let stages = stages.max(1);
+    if n == 0 {
+        return vec![0..0; stages];
+    }
+    // The smallest largest-stage cost that fits in `stages` contiguous stages: binary search.
+    let fits = |limit: u64| {
+        let (mut used, mut sum) = (1, 0u64);
+        for &c in costs {
+            if c > limit {
+                return false;
+            }
+            if sum + c > limit {
+                used += 1;
+                sum = 0;
+            }
+            sum += c;
+        }
+        used <= stages
+    };
+    let (mut lo, mut hi) = (0u64, costs.iter().sum::<u64>());
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) { hi = mid } else { lo = mid + 1 }
+    }
+    // Fill greedily up to that limit, leaving at least one block for each stage still to come.
+    let mut ranges = Vec::with_capacity(stages);
+    let mut start = 0;
+    for s in 0..stages {
+        let left_after = stages - s - 1;
+        let mut end = start;
+        let mut sum = 0u64;
+        while end < n && n - end > left_after && (end == start || sum + costs[end] <= lo) {
+            sum += costs[end];
+            end += 1;
+        }
+        if s == stages - 1 {
+            end = n;
+        }
+        ranges.push(start..end);
+        start = end;
+    }
+    ranges
+}
+
+/// One stage of a pipeline: this rank's place in the pipeline group, the schedule and the number
+/// of micro-batches per step.
+#[derive(Clone)]
+pub struct Pipeline {
+    group: Communicator,
+    schedule: Schedule,
+    micro_batches: usize,
+    _one: std::sync::Arc<OneStage>,
+}
+
+/// A micro-batch this stage has run forward and not yet backward.
+struct InFlight<B: AutodiffBackend, M, const D: usize> {
+    /// The module this micro-batch ran through: the stage's, each parameter a leaf of its own
+    /// (see [`own_leaves`]).
+    module: M,
+    output: Output<B, D>,
+    /// The received activation, tracked so that its gradient can go back.
+    input: Option<Tensor<B, D>>,
+    bytes: usize,
+}
+
+enum Output<B: AutodiffBackend, const D: usize> {
+    Activation(Tensor<B, D>),
+    Loss(Tensor<B, 1>),
+}
+
+/// A send the step waits for when it ends.
+enum Pending {
+    Shape(Work<Vec<i64>>),
+    Values(Work<Vec<f32>>),
+}
+
+/// A step's running account: time waited, graphs and bytes held.
+struct Account {
+    idle: Duration,
+    in_flight: usize,
+    max_in_flight: usize,
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl Pipeline {
+    /// Stage `group.rank()` of a pipeline of `group.size()` stages, running `schedule` over
+    /// `micro_batches` micro-batches per step. A process runs one stage at a time (a second
+    /// while the first is alive is refused).
+    pub fn new(
+        group: Communicator,
+        schedule: Schedule,
+        micro_batches: usize,
+    ) -> Result<Pipeline, PipelineError> {
+        if micro_batches == 0 {
+            return Err(PipelineError::NoMicroBatches);
+        }
+        let one = OneStage::take().ok_or(PipelineError::SecondStage)?;
+        Ok(Pipeline {
+            group,
+            schedule,
+            micro_batches,
+            _one: std::sync::Arc::new(one),
+        })
+    }
+
+    /// This rank's stage.
+    pub fn stage(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// The pipeline's stages.
+    pub fn stages(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Whether this stage reads the micro-batches (it receives no activation).
+    pub fn is_first(&self) -> bool {
+        self.stage() == 0
+    }
+
+    /// Whether this stage computes the loss (it sends no activation).
+    pub fn is_last(&self) -> bool {
+        self.stage() + 1 == self.stages()
+    }
+
+    /// Micro-batches per step.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// The schedule.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+
+    /// The order of this stage's work in a step: `true` a forward, `false` a backward, each of
+    /// the next micro-batch of its kind.
+    pub fn order(&self) -> Vec<bool> {
+        let m = self.micro_batches;
+        match self.schedule {
+            Schedule::GPipe => [vec![true; m], vec![false; m]].concat(),
+            Schedule::OneFOneB => {
+                let warmup = (self.stages() - 1 - self.stage()).min(m);
+                let mut order = vec![true; warmup];
+                for _ in 0..m - warmup {
+                    order.extend([true, false]);
+                }
+                order.extend(vec![false; warmup]);
+                order
+            }
+        }
+    }
+
+    /// One training step of this stage: every micro-batch forward and backward in the
+    /// schedule's order. `forward(module, i, input)` is the stage's forward of micro-batch `i`:
+    /// `input` is `None` on the first stage (which reads its own micro-batch `i`) and the
+    /// previous stage's activation elsewhere; it returns [`StageOutput::Activation`] on every
+    /// stage but the last, which returns [`StageOutput::Loss`]. Returns the gradients of the
+    /// stage's parameters for the mean of the micro-batches' losses, ready for the optimizer,
+    /// and what the step measured. Every stage of the group calls it for every step.
+    pub fn step<B, M, const D: usize, F>(
+        &self,
+        module: &M,
+        device: &B::Device,
+        mut forward: F,
+    ) -> Result<(GradientsParams, StepReport), PipelineError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        F: FnMut(&M, usize, Option<Tensor<B, D>>) -> StageOutput<B, D>,
+    {
+        let started = Instant::now();
+        let (stage, m) = (self.stage(), self.micro_batches);
+        let mut account = Account {
+            idle: Duration::ZERO,
+            in_flight: 0,
+            max_in_flight: 0,
+            bytes: 0,
+            max_bytes: 0,
+        };
+        let mut held: Vec<Option<InFlight<B, M, D>>> = (0..m).map(|_| None).collect();
+        let mut sends = Vec::new();
+        let mut grads = GradientsAccumulator::<M>::new();
+        let mut losses = Vec::new();
+        let (mut next_forward, mut next_backward) = (0, 0);
+        for is_forward in self.order() {
+            if is_forward {
+                let i = next_forward;
+                next_forward += 1;
+                let received = if self.is_first() {
+                    None
+                } else {
+                    Some(self.receive_activation::<D>(i, &mut account)?)
+                };
+                let input = received.map(|(values, dims)| {
+                    Tensor::<B, D>::from_data(TensorData::new(values, dims), device).require_grad()
+                });
+                let in_bytes = input.as_ref().map_or(0, |t| 4 * t.shape().num_elements());
+                let local = own_leaves(module.clone());
+                let output = match (forward(&local, i, input.clone()), self.is_last()) {
+                    (StageOutput::Activation(a), false) => {
+                        sends.extend(self.send(
+                            &a,
+                            stage + 1,
+                            i,
+                            "sending the activation",
+                            true,
+                        )?);
+                        Output::Activation(a)
+                    }
+                    (StageOutput::Loss(l), true) => {
+                        losses.push(l.clone().into_scalar().elem::<f32>());
+                        Output::Loss(l)
+                    }
+                    (StageOutput::Activation(_), true) => {
+                        return Err(
+                            self.problem(i, "the last stage returned an activation, not a loss")
+                        );
+                    }
+                    (StageOutput::Loss(_), false) => {
+                        return Err(self.problem(
+                            i,
+                            format!(
+                                "stage {stage} returned a loss, but stage {} comes after it",
+                                stage + 1
+                            ),
+                        ));
+                    }
+                };
+                let out_bytes = match &output {
+                    Output::Activation(a) => 4 * a.shape().num_elements(),
+                    Output::Loss(_) => 0,
+                };
+                let bytes = in_bytes + out_bytes;
+                held[i] = Some(InFlight {
+                    module: local,
+                    output,
+                    input,
+                    bytes,
+                });
+                account.in_flight += 1;
+                account.bytes += bytes;
+                account.max_in_flight = account.max_in_flight.max(account.in_flight);
+                account.max_bytes = account.max_bytes.max(account.bytes);
+            } else {
+                let k = next_backward;
+                next_backward += 1;
+                let entry = held[k]
+                    .take()
+                    .expect("a micro-batch goes backward after its forward");
+                let received = match &entry.output {
+                    Output::Loss(_) => None,
+                    Output::Activation(a) => {
+                        let dims = a.shape().dims::<D>();
+                        let what = "receiving the gradient";
+                        let values = self.receive_values(dims, stage + 1, k, what, &mut account)?;
+                        Some((values, dims))
+                    }
+                };
+                let gradients = match (entry.output, received) {
+                    (Output::Loss(l), _) => l.div_scalar(m as f32).backward(),
+                    (Output::Activation(a), Some((values, dims))) => {
+                        let g = Tensor::<B, D>::from_data(TensorData::new(values, dims), device);
+                        (a * g).sum().backward()
+                    }
+                    (Output::Activation(_), None) => {
+                        unreachable!("an activation's gradient is received")
+                    }
+                };
+                if let Some(input) = &entry.input {
+                    let Some(g) = input.grad(&gradients) else {
+                        return Err(
+                            self.problem(k, "the stage's output does not depend on its input")
+                        );
+                    };
+                    sends.extend(self.send(&g, stage - 1, k, "sending the gradient", false)?);
+                }
+                let local = &entry.module;
+                grads.accumulate::<B>(module, GradientsParams::from_grads(gradients, local));
+                account.in_flight -= 1;
+                account.bytes -= entry.bytes;
+            }
+        }
+        let waited = Instant::now();
+        for (work, micro, what) in sends {
+            let taken = match work {
+                Pending::Shape(w) => w.wait().map(drop),
+                Pending::Values(w) => w.wait().map(drop),
+            };
+            taken.map_err(|source| self.transfer(what, micro, source))?;
+        }
+        account.idle += waited.elapsed();
+        let loss = (!losses.is_empty()).then(|| losses.iter().sum::<f32>() / losses.len() as f32);
+        Ok((
+            grads.grads(),
+            StepReport {
+                loss,
+                wall: started.elapsed(),
+                idle: account.idle,
+                max_in_flight: account.max_in_flight,
+                max_activation_bytes: account.max_bytes,
+            },
+        ))
+    }
+
+    fn problem(&self, micro: usize, problem: impl Into<String>) -> PipelineError {
+        PipelineError::Stage {
+            stage: self.stage(),
+            stages: self.stages(),
+            micro,
+            problem: problem.into(),
+        }
+    }
+
+    fn transfer(&self, what: &'static str, micro: usize, source: CollectiveError) -> PipelineError {
+        PipelineError::Transfer {
+            stage: self.stage(),
+            stages: self.stages(),
+            what,
+            micro,
+            source: Box::new(source),
+        }
+    }
+
+    /// Starts sending `t` to stage `to`: an activation's shape first (`with_shape`; a gradient's
+    /// shape is its activation's, which the receiver knows), then its values as f32. No send is
+    /// waited for here (a stage waiting for its neighbour to take an activation while that
+    /// neighbour waits for it to take a gradient would never end); the step waits for them all
+    /// when it ends.
+    fn send<B2: burn::tensor::backend::Backend, const D: usize>(
+        &self,
+        t: &Tensor<B2, D>,
+        to: usize,
+        micro: usize,
+        what: &'static str,
+        with_shape: bool,
+    ) -> Result<Vec<(Pending, usize, &'static str)>, PipelineError> {
+        let dims = t.shape().dims::<D>();
+        let shape: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let values: Vec<f32> = t
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| self.problem(micro, format!("cannot read the tensor to send: {e:?}")))?;
+        let mut sends = Vec::with_capacity(2);
+        if with_shape {
+            sends.push((Pending::Shape(self.group.send(shape, to)), micro, what));
+        }
+        sends.push((Pending::Values(self.group.send(values, to)), micro, what));
+        Ok(sends)
+    }
+
+    /// Receives the activation of micro-batch `micro` from the stage before: its values and
+    /// shape.
+    fn receive_activation<const D: usize>(
+        &self,
+        micro: usize,
+        account: &mut Account,
+    ) -> Result<(Vec<f32>, [usize; D]), PipelineError> {
+        let what = "receiving the activation";
+        let from = self.stage() - 1;
+        let waited = Instant::now();
+        let shape = self
+            .group
+            .recv(vec![0i64; D], from)
+            .wait()
+            .map_err(|source| self.transfer(what, micro, source))?;
+        account.idle += waited.elapsed();
+        let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+        if shape.iter().any(|&d| d < 0)
+            || dims
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .is_none()
+        {
+            return Err(self.problem(
+                micro,
+                format!("stage {from} sent an activation of shape {shape:?}"),
+            ));
+        }
+        let dims: [usize; D] = dims.try_into().expect("D dimensions were received");
+        let values = self.receive_values(dims, from, micro, what, account)?;
+        Ok((values, dims))
+    }
+
+    /// Receives the values of a tensor of `dims` from stage `from`.
+    fn receive_values<const D: usize>(
+        &self,
+        dims: [usize; D],
+        from: usize,
+        micro: usize,
+        what: &'static str,
+        account: &mut Account,
+    ) -> Result<Vec<f32>, PipelineError> {
+        let waited = Instant::now();
+        let len = dims.iter().product();
+        let values = self
+            .group
+            .recv(vec![0f32; len], from)
+            .wait()
+            .map_err(|source| self.transfer(what, micro, source))?;
+        account.idle += waited.elapsed();
+        Ok(values)
+    }
+}
+
+/// `module` with each parameter a new leaf over the same values (same parameter ids, no copy):
+/// each micro-batch's graph is then its own, as in plain gradient accumulation, instead of
+/// every micro-batch in flight hanging off the same parameter nodes. Burn 0.21's autodiff
+/// bookkeeping lost track of an input's gradient when several graphs that shared parameter
+/// nodes were walked backward one after another (a GPipe step failed so in 3 of 5 runs).
+fn own_leaves<B: AutodiffBackend, M: AutodiffModule<B>>(module: M) -> M {
+    struct Leaves;
+    impl<B: AutodiffBackend> burn::module::ModuleMapper<B> for Leaves {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let leaf = if tensor.is_require_grad() {
+                tensor.detach().require_grad()
+            } else {
+                tensor
+            };
+            burn::module::Param::from_mapped_value(id, leaf, mapper)
+        }
+    }
+    module.map(&mut Leaves)
+}
+
+/// The stages alive in this process (at most one: see [`PipelineError::SecondStage`]).
+static STAGES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// This process's one live stage; the place is given back when the last clone of its
+/// [`Pipeline`] is dropped.
+struct OneStage;
+
+impl OneStage {
+    fn take() -> Option<OneStage> {
+        use std::sync::atomic::Ordering;
+        STAGES
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| OneStage)
+    }
+}
+
+impl Drop for OneStage {
+    fn drop(&mut self) {
+        STAGES.store(0, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(ranges: &[Range<usize>]) -> Vec<usize> {
+        ranges.iter().map(|r| r.len()).collect()
+    }
+
+    /// Stages are contiguous, cover every block once, each holds one at least, and the largest
+    /// stage's cost is the smallest any contiguous split reaches (checked against every split).
+    #[test]
+    fn partition_is_contiguous_complete_and_balanced() {
+        let cases: Vec<(Vec<u64>, usize)> = vec![
+            (vec![1; 8], 2),
+            (vec![1; 8], 4),
+            (vec![5, 1, 1, 1, 1, 1], 2),
+            (vec![1, 2, 3, 4, 5, 6, 7], 3),
+            (vec![10, 1, 1, 1, 10], 3),
+            (vec![3, 3], 2),
+            (vec![2, 9, 2, 9, 2], 4),
+        ];
+        for (costs, stages) in cases {
+            let ranges = partition(&costs, stages);
+            assert_eq!(ranges.len(), stages);
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[stages - 1].end, costs.len());
+            for w in ranges.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
+            assert!(
+                ranges.iter().all(|r| !r.is_empty()),
+                "{costs:?}: {ranges:?}"
+            );
+            let worst = |rs: &[Range<usize>]| {
+                rs.iter()
+                    .map(|r| costs[r.clone()].iter().sum::<u64>())
+                    .max()
+                    .unwrap()
+            };
+            // Every split into `stages` non-empty contiguous parts: the cut points.
+            let n = costs.len();
+            let mut best = u64::MAX;
+            let mut cuts: Vec<usize> = (1..stages).collect();
+            loop {
+                let mut rs = Vec::new();
+                let mut start = 0;
+                for &c in &cuts {
+                    rs.push(start..c);
+                    start = c;
+                }
+                rs.push(start..n);
+                best = best.min(worst(&rs));
+                // Next combination of cut points in 1..n.
+                let mut i = stages - 1;
+                loop {
+                    if i == 0 {
+                        break;
+                    }
+                    i -= 1;
+                    if cuts[i] < n - (stages - 1 - i) {
+                        cuts[i] += 1;
+                        for j in i + 1..stages - 1 {
+                            cuts[j] = cuts[j - 1] + 1;
+                        }
+                        break;
+                    }
+                    if i == 0 {
+                        cuts.clear();
+                    }
+                }
+                if cuts.len() != stages - 1 || stages == 1 {
+                    break;
+                }
+            }
+            assert_eq!(
+                worst(&ranges),
+                best,
+                "{costs:?} over {stages}: {:?}",
+                sizes(&ranges)
+            );
+        }
+        assert_eq!(sizes(&partition(&[1; 8], 4)), vec![2, 2, 2, 2]);
+    }
+
+    #[test]
+    fn the_bubble_is_the_textbook_fraction() {
+        assert_eq!(bubble(1, 8), 0.0);
+        assert!((bubble(2, 4) - 0.2).abs() < 1e-12);
+        assert!((bubble(4, 8) - 3.0 / 11.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn schedules_names_round_trip() {
+        for s in [Schedule::GPipe, Schedule::OneFOneB] {
+            assert_eq!(s.name().parse::<Schedule>(), Ok(s));
+        }
+        assert!("pipedream".parse::<Schedule>().is_err());
+    }
+}

@@ -408,23 +408,14 @@ impl Pipeline {
                 let entry = held[k]
                     .take()
                     .expect("a micro-batch goes backward after its forward");
-                let received = match &entry.output {
-                    Output::Loss(_) => None,
+                let gradients = match entry.output {
+                    Output::Loss(l) => l.div_scalar(m as f32).backward(),
                     Output::Activation(a) => {
                         let dims = a.shape().dims::<D>();
                         let what = "receiving the gradient";
                         let values = self.receive_values(dims, stage + 1, k, what, &mut account)?;
-                        Some((values, dims))
-                    }
-                };
-                let gradients = match (entry.output, received) {
-                    (Output::Loss(l), _) => l.div_scalar(m as f32).backward(),
-                    (Output::Activation(a), Some((values, dims))) => {
                         let g = Tensor::<B, D>::from_data(TensorData::new(values, dims), device);
                         (a * g).sum().backward()
-                    }
-                    (Output::Activation(_), None) => {
-                        unreachable!("an activation's gradient is received")
                     }
                 };
                 if let Some(input) = &entry.input {

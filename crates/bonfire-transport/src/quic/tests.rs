@@ -194,18 +194,7 @@ async fn strangers_and_garbage_do_not_stop_the_job() {
     // The real rank 1 still joins.
     let worker = QuicTransport::connect(config(1, 2, &m, s)).await.unwrap();
     let host = host.await.unwrap().unwrap();
-    let tag = Tag {
-        context: 1,
-        seq: 2,
-        step: 3,
-    };
-    worker
-        .send(Rank(0), tag, Bytes::from_static(b"hi"))
-        .await
-        .unwrap();
-    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
-    worker.shutdown().await;
-    host.shutdown().await;
+    exchange(&worker, &host, Bytes::from_static(b"hi")).await;
 }
 
 /// Rank 0 of a job of two, starting at `m` (its rendezvous up), the address, and the endpoint of
@@ -240,13 +229,18 @@ async fn worker_reaches_host(
 ) {
     let worker = QuicTransport::connect(config(1, 2, m, s)).await.unwrap();
     let host = host.await.unwrap().unwrap();
+    exchange(&worker, &host, payload).await;
+}
+
+/// Rank 1 (`worker`) sends rank 0 (`host`) `payload`, which arrives whole; both shut down.
+async fn exchange(worker: &QuicTransport, host: &QuicTransport, payload: Bytes) {
     let tag = Tag {
         context: 1,
         seq: 2,
         step: 3,
     };
     worker.send(Rank(0), tag, payload.clone()).await.unwrap();
-    assert_eq!(take(&host, 1, tag).await, payload);
+    assert_eq!(take(host, 1, tag).await, payload);
     worker.shutdown().await;
     host.shutdown().await;
 }
@@ -397,18 +391,7 @@ async fn a_stranger_answering_at_the_master_address_cannot_stop_a_join() {
     // The real rank 0 takes the address; the worker, still dialling, joins it.
     let host = QuicTransport::connect(config(0, 2, &m, s)).await.unwrap();
     let worker = worker.await.unwrap().unwrap();
-    let tag = Tag {
-        context: 1,
-        seq: 2,
-        step: 3,
-    };
-    worker
-        .send(Rank(0), tag, Bytes::from_static(b"hi"))
-        .await
-        .unwrap();
-    assert_eq!(take(&host, 1, tag).await, &b"hi"[..]);
-    worker.shutdown().await;
-    host.shutdown().await;
+    exchange(&worker, &host, Bytes::from_static(b"hi")).await;
 }
 
 /// A refusal rank 0 seals (it holds the job secret: here, a worker of another world size) ends

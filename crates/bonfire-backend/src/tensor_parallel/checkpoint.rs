@@ -241,38 +241,38 @@ where
     M: Module<B>,
 {
     let (rank, ranks) = rank_and_ranks();
-    let path = shard_file(dir, rank, ranks);
-    let entries = if path.exists() {
-        own_entries(&path, rank, ranks)?
-    } else {
-        let set = read_set(dir)?;
-        let mut entries = Vec::with_capacity(set[0].entries.len());
-        for i in 0..set[0].entries.len() {
-            let (path, shape, placement, whole) = whole_entry(dir, &set, i)?;
-            let data = match placement {
-                PlacementRecord::Replicate => whole,
-                PlacementRecord::Shard { dim, blocks } => cut(&whole, dim, blocks, ranks, rank)
-                    .map_err(|problem| CheckpointError::Mismatch {
+    let own = shard_file(dir, rank, ranks);
+    if own.exists() {
+        let entries = read_file(&own, rank, ranks)?.entries;
+        return apply(model, entries, &own, Local { ranks });
+    }
+    let set = read_set(dir)?;
+    let entries = (0..set[0].entries.len())
+        .map(|i| {
+            let mut entry = whole_entry(dir, &set, i)?;
+            if let PlacementRecord::Shard { dim, blocks } = entry.placement {
+                entry.data = cut(&entry.data, dim, blocks, ranks, rank).map_err(|problem| {
+                    CheckpointError::Mismatch {
                         path: dir.to_path_buf(),
-                        param: path.clone(),
+                        param: entry.path.clone(),
                         problem,
-                    })?,
-            };
-            entries.push(Entry {
-                path,
-                shape,
-                placement,
-                data,
-            });
-        }
-        entries
-    };
-    restore(model, entries, &path, ranks)
+                    }
+                })?;
+            }
+            Ok(entry)
+        })
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    apply(model, entries, dir, Local { ranks })
 }
 
-/// The entries of this rank's own file, checked to be this rank's of a group of this size.
-fn own_entries(path: &Path, rank: usize, ranks: usize) -> Result<Vec<Entry>, CheckpointError> {
-    let file = read_file(path)?;
+/// Shard file `path`, its checksum checked, and checked to hold rank `rank` of a group of
+/// `ranks`, as its name says.
+fn read_file(path: &Path, rank: usize, ranks: usize) -> Result<ShardFile, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let file = decode(path, &bytes)?;
     if (file.rank, file.ranks) != (rank, ranks) {
         return Err(CheckpointError::OtherGroup {
             path: path.to_path_buf(),
@@ -282,16 +282,7 @@ fn own_entries(path: &Path, rank: usize, ranks: usize) -> Result<Vec<Entry>, Che
             ranks,
         });
     }
-    Ok(file.entries)
-}
-
-/// One shard file, its checksum checked.
-fn read_file(path: &Path) -> Result<ShardFile, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    decode(path, &bytes)
+    Ok(file)
 }
 
 /// The group size and rank of a shard file's name, `tp-rank<r>-of-<n>.bin`.
@@ -356,31 +347,13 @@ fn read_set(dir: &Path) -> Result<Vec<ShardFile>, CheckpointError> {
             )));
         }
     };
-    let mut files = Vec::with_capacity(n);
-    for r in 0..n {
-        let path = shard_file(dir, r, n);
-        let file = read_file(&path)?;
-        if (file.rank, file.ranks) != (r, n) {
-            return Err(CheckpointError::OtherGroup {
-                path,
-                file_rank: file.rank,
-                file_ranks: file.ranks,
-                rank: r,
-                ranks: n,
-            });
-        }
-        files.push(file);
-    }
-    Ok(files)
+    (0..n)
+        .map(|r| read_file(&shard_file(dir, r, n), r, n))
+        .collect()
 }
 
-/// Entry `i` of a save, its parts put together: the parameter's name, shape, placement and
-/// whole value.
-fn whole_entry(
-    dir: &Path,
-    set: &[ShardFile],
-    i: usize,
-) -> Result<(String, Vec<usize>, PlacementRecord, TensorData), CheckpointError> {
+/// Entry `i` of a save, its parts put together: its data is the parameter's whole value.
+fn whole_entry(dir: &Path, set: &[ShardFile], i: usize) -> Result<Entry, CheckpointError> {
     let first = &set[0].entries[i];
     let inconsistent = |problem: String| CheckpointError::Inconsistent {
         dir: dir.to_path_buf(),
@@ -414,12 +387,12 @@ fn whole_entry(
             join(&parts, &first.shape, dim, blocks).map_err(inconsistent)?
         }
     };
-    Ok((
-        first.path.clone(),
-        first.shape.clone(),
-        first.placement,
-        whole,
-    ))
+    Ok(Entry {
+        path: first.path.clone(),
+        shape: first.shape.clone(),
+        placement: first.placement,
+        data: whole,
+    })
 }
 
 /// The bytes before, of, and after one index of dimension `dim` of a row-major `shape`: the
@@ -509,93 +482,82 @@ where
     M: Module<B>,
 {
     let set = read_set(dir)?;
-    let mut values = Vec::with_capacity(set[0].entries.len());
-    for i in 0..set[0].entries.len() {
-        let (path, shape, _, whole) = whole_entry(dir, &set, i)?;
-        values.push((path, shape, whole));
-    }
-    struct Fill {
-        path: Vec<String>,
-        dir: PathBuf,
-        values: std::vec::IntoIter<(String, Vec<usize>, TensorData)>,
-        error: Option<CheckpointError>,
-    }
-    impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for Fill {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let name = self.path.join(".");
-            let problem = match self.values.next() {
-                None => Some("the checkpoint has no more parameters".to_string()),
-                Some((path, _, _)) if path != name => {
-                    Some(format!("the checkpoint has {path} here"))
-                }
-                Some((_, shape, _)) if shape != tensor.shape().to_vec() => Some(format!(
-                    "shape {shape:?} in the checkpoint, {:?} in the model",
-                    tensor.shape().to_vec()
-                )),
-                Some((_, _, whole)) => {
-                    let require_grad = tensor.is_require_grad();
-                    let t = Tensor::<B, D>::from_data(whole, &tensor.device());
-                    let t = if require_grad { t.require_grad() } else { t };
-                    return Param::from_mapped_value(id, t, mapper);
-                }
-            };
-            if let Some(problem) = problem {
-                self.error.get_or_insert(CheckpointError::Mismatch {
-                    path: self.dir.clone(),
-                    param: name,
-                    problem,
-                });
-            }
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
-    let mut fill = Fill {
-        path: Vec::new(),
-        dir: dir.to_path_buf(),
-        values: values.into_iter(),
-        error: None,
-    };
-    let model = model.map(&mut fill);
-    if let Some(e) = fill.error {
-        return Err(e);
-    }
-    if let Some((extra, _, _)) = fill.values.next() {
-        return Err(CheckpointError::Mismatch {
-            path: dir.to_path_buf(),
-            param: extra,
-            problem: "the model has no such parameter".into(),
-        });
-    }
-    Ok(model)
+    let entries = (0..set[0].entries.len())
+        .map(|i| whole_entry(dir, &set, i))
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    apply(model, entries, dir, Whole)
 }
 
-/// `model` with each parameter replaced by its entry (this rank's part, in the module's order);
-/// `path` names the checkpoint in errors.
-fn restore<B, M>(
-    model: M,
-    entries: Vec<Entry>,
-    path: &Path,
+/// How a checkpoint's entry becomes a parameter's value, once its name and whole shape have
+/// been checked against the model's.
+trait Put<B: burn::tensor::backend::Backend> {
+    /// The new value of `current` from `entry`, or why it cannot be.
+    fn put<const D: usize>(
+        &self,
+        current: &Tensor<B, D>,
+        entry: Entry,
+    ) -> Result<Tensor<B, D>, String>;
+}
+
+/// An unsplit model: the entry's whole value.
+struct Whole;
+
+impl<B: burn::tensor::backend::Backend> Put<B> for Whole {
+    fn put<const D: usize>(
+        &self,
+        current: &Tensor<B, D>,
+        entry: Entry,
+    ) -> Result<Tensor<B, D>, String> {
+        Ok(Tensor::from_data(entry.data, &current.device()))
+    }
+}
+
+/// A split model: the entry's data is this rank's part of a group of `ranks`, placed as saved.
+struct Local {
     ranks: usize,
-) -> Result<M, CheckpointError>
+}
+
+impl<B: TensorParallelBackend> Put<B> for Local {
+    fn put<const D: usize>(
+        &self,
+        current: &Tensor<B, D>,
+        entry: Entry,
+    ) -> Result<Tensor<B, D>, String> {
+        let shape = current.shape();
+        let placement = match entry.placement {
+            PlacementRecord::Replicate => Placement::Replicate,
+            PlacementRecord::Shard { dim, blocks } => Placement::Shard { dim, blocks },
+        };
+        if entry.data.shape.to_vec() != local_shape(&shape, placement, self.ranks).to_vec() {
+            return Err(format!("its part has shape {:?}", entry.data.shape));
+        }
+        let device = B::tp_part(current.clone().into_primitive().tensor()).device();
+        let local = <B::Inner as burn_backend::ops::FloatTensorOps<B::Inner>>::float_from_data(
+            entry.data, &device,
+        );
+        let tp = TpTensor::local(local, placement, Some(shape));
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(B::from_tp(
+            tp,
+        ))))
+    }
+}
+
+/// `model` with each parameter replaced by its entry (in the module's order) as `put` makes
+/// it; `file` names the checkpoint in errors.
+fn apply<B, M, P>(model: M, entries: Vec<Entry>, file: &Path, put: P) -> Result<M, CheckpointError>
 where
-    B: TensorParallelBackend,
+    B: burn::tensor::backend::Backend,
     M: Module<B>,
+    P: Put<B>,
 {
-    struct Restore {
+    struct Apply<P> {
         path: Vec<String>,
         file: PathBuf,
         entries: std::vec::IntoIter<Entry>,
-        ranks: usize,
+        put: P,
         error: Option<CheckpointError>,
     }
-    impl<B: TensorParallelBackend> ModuleMapper<B> for Restore {
+    impl<B: burn::tensor::backend::Backend, P: Put<B>> ModuleMapper<B> for Apply<P> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.path.push(name.to_string());
         }
@@ -605,68 +567,50 @@ where
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
             let name = self.path.join(".");
-            let mismatch = |problem: String| CheckpointError::Mismatch {
-                path: self.file.clone(),
-                param: name.clone(),
-                problem,
+            let shape = tensor.shape().to_vec();
+            let value = match self.entries.next() {
+                None => Err("the checkpoint has no more parameters".to_string()),
+                Some(e) if e.path != name => Err(format!("the checkpoint has {} here", e.path)),
+                Some(e) if e.shape != shape => Err(format!(
+                    "shape {:?} in the checkpoint, {shape:?} in the model",
+                    e.shape
+                )),
+                Some(e) => self.put.put(&tensor, e),
             };
-            let Some(entry) = self.entries.next() else {
-                self.error
-                    .get_or_insert(mismatch("the checkpoint has no more parameters".into()));
-                return Param::from_mapped_value(id, tensor, mapper);
-            };
-            let shape = tensor.shape();
-            let problem = if entry.path != name {
-                Some(format!("the checkpoint has {} here", entry.path))
-            } else if entry.shape != shape.to_vec() {
-                Some(format!(
-                    "shape {:?} in the checkpoint, {:?} in the model",
-                    entry.shape,
-                    shape.to_vec()
-                ))
-            } else {
-                None
-            };
-            if let Some(p) = problem {
-                self.error.get_or_insert(mismatch(p));
-                return Param::from_mapped_value(id, tensor, mapper);
+            match value {
+                Ok(t) => {
+                    let t = if tensor.is_require_grad() {
+                        t.require_grad()
+                    } else {
+                        t
+                    };
+                    Param::from_mapped_value(id, t, mapper)
+                }
+                Err(problem) => {
+                    self.error.get_or_insert(CheckpointError::Mismatch {
+                        path: self.file.clone(),
+                        param: name,
+                        problem,
+                    });
+                    Param::from_mapped_value(id, tensor, mapper)
+                }
             }
-            let placement = match entry.placement {
-                PlacementRecord::Replicate => Placement::Replicate,
-                PlacementRecord::Shard { dim, blocks } => Placement::Shard { dim, blocks },
-            };
-            if entry.data.shape.to_vec() != local_shape(&shape, placement, self.ranks).to_vec() {
-                self.error.get_or_insert(mismatch(format!(
-                    "its part has shape {:?}",
-                    entry.data.shape
-                )));
-                return Param::from_mapped_value(id, tensor, mapper);
-            }
-            let require_grad = tensor.is_require_grad();
-            let device = B::tp_part(tensor.clone().into_primitive().tensor()).device();
-            let local = <B::Inner as burn_backend::ops::FloatTensorOps<B::Inner>>::float_from_data(
-                entry.data, &device,
-            );
-            let tp = TpTensor::local(local, placement, Some(shape));
-            let t = Tensor::from_primitive(TensorPrimitive::Float(B::from_tp(tp)));
-            let t = if require_grad { t.require_grad() } else { t };
-            Param::from_mapped_value(id, t, mapper)
         }
     }
-    let mut restore = Restore {
+    let mut apply = Apply {
         path: Vec::new(),
-        file: path.to_path_buf(),
+        file: file.to_path_buf(),
         entries: entries.into_iter(),
-        ranks,
+        put,
         error: None,
     };
-    let model = model.map(&mut restore);
-    if let Some(e) = restore.error {
+    let model = model.map(&mut apply);
+    if let Some(e) = apply.error {
         return Err(e);
     }
-    if let Some(extra) = restore.entries.next() {
+    if let Some(extra) = apply.entries.next() {
         return Err(CheckpointError::Mismatch {
-            path: path.to_path_buf(),
+            path: file.to_path_buf(),
             param: extra.path,
             problem: "the model has no such parameter".into(),
         });

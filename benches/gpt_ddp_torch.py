@@ -10,7 +10,7 @@ with betas (0.9, 0.99) and eps 1e-5, warmup then cosine to a tenth. Each step re
 (`.item()`), as the bonfire job does for its progress line.
 
     python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1]
-        [--zero | --fsdp2 zero2|zero3] [--json PATH]
+        [--zero | --fsdp2 zero2|zero3] [--device cpu|cuda] [--batch 16] [--json PATH]
 
 `--dp 2` runs two processes with DistributedDataParallel over gloo on 127.0.0.1, one compute
 thread each (`torch.set_num_threads`), as bonfire's job gives each of its two ranks on two cores.
@@ -24,7 +24,10 @@ reduce-scattered, the optimizer's state sharded, parameters whole from the forwa
 backward, the peer of `--zero 2`); `--fsdp2 zero3` reshards after the forward too (ZeRO-3). The
 gradients counted are the rank's shards. Each row also gives the model state of the rank
 holding the most (parameters, gradients and the optimizer's state tensors, in bytes) and every
-rank's peak resident memory (`ru_maxrss`).
+rank's peak resident memory (`ru_maxrss`). `--device cuda` trains on the GPU (every rank on
+device 0; DDP still over gloo, since NCCL refuses two ranks on one device), the peer of
+`bonfire train gpt --backend cuda`; the loss is read every step there too, which waits for the
+GPU as the bonfire job's progress line does.
 
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
@@ -77,7 +80,8 @@ def rank_main(rank, world, port, args, out):
     first = rank * per_rank
     args.vocab = len(chars)
     torch.manual_seed(args.seed)
-    model = model_module().build_model(args)
+    device = torch.device(args.device)
+    model = model_module().build_model(args).to(device)
     if world > 1 and args.fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -106,7 +110,7 @@ def rank_main(rank, world, port, args, out):
             g["lr"] = lr_at(args, step)
         starts = first + torch.randint(per_rank, (args.batch,), generator=gen)
         w = ids[starts.unsqueeze(1) + offsets]
-        x, y = w[:, :-1], w[:, 1:]
+        x, y = w[:, :-1].to(device), w[:, 1:].to(device)
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -172,6 +176,7 @@ def main():
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer around Adam (dp > 1)")
     p.add_argument("--fsdp2", choices=["zero2", "zero3"],
@@ -191,7 +196,7 @@ def main():
     print(f"# PyTorch {torch.__version__} DDP (gloo), GPT {args.layers} layers x {args.embd}, context "
           f"{args.context}, batch {args.batch} per rank, {args.threads} thread(s) per rank, {args.steps} steps"
           + (", ZeroRedundancyOptimizer(Adam)" if args.zero else "")
-          + (f", FSDP2 fully_shard ({args.fsdp2})" if args.fsdp2 else ""))
+          + (f", FSDP2 fully_shard ({args.fsdp2})" if args.fsdp2 else "") + f", on {args.device}")
     print(f"# {'dp':>3} {'chars/s':>10} {'per rank':>10} {'loss':>8} {'params MiB':>10} {'grads MiB':>9} "
           f"{'optim MiB (most)':>16} {'state MiB':>9}  peak RSS MiB by rank")
     for dp in [int(d) for d in args.dp.split(",")]:

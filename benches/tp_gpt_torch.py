@@ -131,9 +131,9 @@ def build_model(args):
 
         def forward(self, tokens):
             b, s = tokens.shape
-            positions = torch.arange(s).unsqueeze(0).expand(b, s)
+            positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
             x = self.tok(tokens) + self.pos(positions)
-            mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+            mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)
             for block in self.blocks:
                 x = block(x, mask)
             return self.head(self.ln_f(x))

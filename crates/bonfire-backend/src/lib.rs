@@ -26,8 +26,6 @@ pub mod passthrough;
 pub mod pipeline;
 pub mod tensor_parallel;
 
-#[cfg(feature = "cuda")]
-pub use data_parallel::CommLink;
 pub use data_parallel::{
     BindGuard, BucketTimes, BufferSync, ConfigError, DataParallel, DataParallelConfig,
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalParts, NoSyncGuard,
@@ -36,6 +34,8 @@ pub use data_parallel::{
     keep_gradients, last_step_stats, no_sync, register_local_parts, replicate, sharded,
     sync_buffers, total_stats,
 };
+#[cfg(feature = "cuda")]
+pub use data_parallel::{CommCross, CommLink, NodeLane};
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 
 /// Data x tensor parallelism: `Autodiff<Hybrid<B>>` splits each model over its rank's

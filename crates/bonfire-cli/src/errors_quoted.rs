@@ -1325,7 +1325,7 @@ fn cuda_only_messages() -> Vec<String> {
     );
     // Each format string, and the message it gives with example values.
     let messages = [
-        ("bonfire: gradients take the host lane: {}", None),
+        ("bonfire: gradients take the host lane: {why}", None),
         ("device lane: rank {rank} {detail}", None),
         (
             "could not map rank {r}'s window ({e:?}): the device lane needs its ranks on one \
@@ -1357,6 +1357,28 @@ fn cuda_only_messages() -> Vec<String> {
         (
             "device lane: {size} ranks, at most {MAX_RANKS} share one lane",
             Some("device lane: 17 ranks, at most 16 share one lane"),
+        ),
+        (
+            "{first} holds {per} of the group's ranks and {node} {n}: the device lane across \
+             nodes needs as many ranks on every node",
+            Some(
+                "bonfire: gradients take the host lane: node 0 holds 2 of the group's ranks and \
+                 node 1 1: the device lane across nodes needs as many ranks on every node",
+            ),
+        ),
+        (
+            "the ranks of {} (rank {r} among them) could not set up the lane of their node",
+            Some(
+                "bonfire: gradients take the host lane: the ranks of node 1 (rank 2 among them) \
+                 could not set up the lane of their node",
+            ),
+        ),
+        (
+            "collective: \"all-reduce across nodes\"",
+            Some(
+                "device lane: all-reduce across nodes of 4096 bytes on rank 0 of 2: rank 1 did \
+                 not arrive within 300s",
+            ),
         ),
     ];
     let mut out = Vec::new();

@@ -170,6 +170,21 @@ impl Communicator {
             .collect()
     }
 
+    /// `in_process` with the ranks placed on nodes as `layout` says (threads standing in for the
+    /// ranks of several hosts, in tests of what a node-aware path does).
+    pub fn in_process_on(layout: &NodeLayout, config: CommConfig) -> Vec<Communicator> {
+        InProcess::world(layout.world())
+            .into_iter()
+            .map(|t| {
+                Communicator::builder(Arc::new(t))
+                    .nodes(layout.clone())
+                    .config(config.clone())
+                    .build()
+                    .expect("the layout has the transport's size")
+            })
+            .collect()
+    }
+
     /// This rank's index in the group.
     pub fn rank(&self) -> usize {
         self.group.me as usize
@@ -188,6 +203,11 @@ impl Communicator {
     /// World ranks of the members, by group index.
     pub fn members(&self) -> &[Rank] {
         &self.group.members
+    }
+
+    /// The node of each member, by group index.
+    pub fn nodes(&self) -> &[NodeId] {
+        &self.group.nodes
     }
 
     /// The group's id.

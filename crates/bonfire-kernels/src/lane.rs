@@ -47,6 +47,22 @@ pub trait NodeLink {
     fn barrier(&self) -> Result<(), String>;
 }
 
+/// The second level of [`DeviceLane::all_reduce_across`]: this rank and the ranks of the other
+/// nodes that hold the same local index (the job's communicator split by local index in bonfire,
+/// any sum in a test).
+pub trait CrossLink {
+    /// Number of nodes, this one included.
+    fn nodes(&self) -> usize;
+    /// Starts summing `chunk` with the same chunk of every other node's rank; the call returned
+    /// waits for the sum (the same bits on every node). The error names the failed rank.
+    #[allow(clippy::type_complexity)]
+    fn start_sum(&self, chunk: Vec<f32>) -> Box<dyn FnOnce() -> Result<Vec<f32>, String> + '_>;
+}
+
+/// Elements per chunk of a share crossing nodes in [`DeviceLane::all_reduce_across`] (4 MiB of
+/// f32): a chunk's transfer overlaps the next one's read from the device.
+pub const CROSS_CHUNK: usize = 1 << 20;
+
 /// What went wrong in the device lane.
 #[derive(Debug, thiserror::Error)]
 pub enum LaneError {
@@ -898,6 +914,51 @@ impl<L: NodeLink> DeviceLane<L> {
             })
             .collect();
         self.collective::<T>("all-gather", bytes, &launches, 1.0)
+    }
+
+    /// All-reduce of f32 over the first `count` elements of every window of this lane *and* of
+    /// the lanes of the other nodes: the hierarchical schedule. The ranks of this node
+    /// reduce-scatter (sum) on the device; each rank's share crosses to the host in chunks of
+    /// [`CROSS_CHUNK`] elements and is summed over `cross` (the ranks of the other nodes with
+    /// this rank's local index, all with the same shares), each chunk's sum started as soon as
+    /// it is read, so the reads overlap the transfers; the sums are scaled (a mean divides by
+    /// every rank of every node), written back, and all-gathered on the device. Only one share
+    /// per rank leaves the device. Every node's lane must have the same size.
+    pub fn all_reduce_across<C: CrossLink + ?Sized>(
+        &self,
+        count: usize,
+        op: LaneOp,
+        cross: &C,
+    ) -> Result<(), LaneError> {
+        let bytes = count * 4;
+        self.fits("all-reduce across nodes", bytes)?;
+        let counts: Vec<usize> = (0..self.size).map(|r| self.share(count, r).len()).collect();
+        self.reduce_scatter::<f32>(&counts, LaneOp::Sum)?;
+        let mine = self.share(count, self.rank);
+        let scale = op.scale(self.size * cross.nodes());
+        let mut pending = Vec::new();
+        for at in (mine.start..mine.end).step_by(CROSS_CHUNK) {
+            let mut chunk = vec![0.0f32; CROSS_CHUNK.min(mine.end - at)];
+            self.read_at(at, &mut chunk)?;
+            pending.push((at, cross.start_sum(chunk)));
+        }
+        let cross_err = |detail: String| LaneError::Link {
+            collective: "all-reduce across nodes",
+            bytes,
+            rank: self.rank,
+            size: self.size,
+            detail,
+        };
+        for (at, sum) in pending {
+            let mut chunk = sum().map_err(cross_err)?;
+            if scale != 1.0 {
+                for v in &mut chunk {
+                    *v *= scale;
+                }
+            }
+            self.write_at(at, &chunk)?;
+        }
+        self.all_gather::<f32>(&counts)
     }
 
     /// Checks a collective's counts (one per rank) and returns its bytes.

@@ -1,18 +1,21 @@
 //! The device lane (CUDA IPC windows and the lane's fused kernel) against the host reference:
 //! every collective, f32/f16/bf16, sizes from 0 to 64 MiB with odd lengths, between threads of
-//! one process and between processes (where the windows cross through CUDA IPC); and a rank that
-//! dies before a collective, which its peer must name instead of waiting for it.
+//! one process and between processes (where the windows cross through CUDA IPC); the
+//! hierarchical all-reduce across nodes (threads standing in for the ranks of several nodes); and
+//! a rank that dies before or in the middle of a collective, which its peer must name instead of
+//! waiting for it.
 //!
 //! GPU only: without a CUDA device (or without `--features cuda`) each test says so and passes.
 #![cfg(feature = "cuda")]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bonfire_kernels::GradElement;
-use bonfire_kernels::lane::{self, DeviceLane, LaneOp, NodeLink};
+use bonfire_kernels::lane::{self, CrossLink, DeviceLane, LaneOp, NodeLink};
 use half::{bf16, f16};
 
 use rand::{Rng, SeedableRng};
@@ -203,6 +206,92 @@ fn lane_collectives_between_threads_match_the_reference() {
                         lane.split_kernels();
                     }
                 });
+            }
+        });
+    }
+}
+
+/// The ranks of one local index on every node, as threads: a sum is an all-gather of every
+/// node's chunk, added in node order.
+impl CrossLink for Threads {
+    fn nodes(&self) -> usize {
+        self.shared.size
+    }
+    fn start_sum(&self, chunk: Vec<f32>) -> Box<dyn FnOnce() -> Result<Vec<f32>, String> + '_> {
+        let bytes = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let all = self.all_gather(bytes);
+        Box::new(move || {
+            let all = all?;
+            let value = |node: usize, i: usize| {
+                f32::from_le_bytes(all[node][4 * i..4 * i + 4].try_into().unwrap())
+            };
+            Ok((0..chunk.len())
+                .map(|i| (1..all.len()).fold(value(0, i), |acc, node| acc + value(node, i)))
+                .collect())
+        })
+    }
+}
+
+/// Lengths for the hierarchical all-reduce: odd ones, and shares of several chunks crossing
+/// nodes ([`lane::CROSS_CHUNK`]).
+const ACROSS_LENS: &[usize] = &[0, 1, 63, 257, 65_537, (1 << 20) + 3, (5 << 20) + 7];
+
+#[test]
+fn the_all_reduce_across_nodes_matches_the_node_by_node_reference() {
+    if !gpu() {
+        return;
+    }
+    let capacity = ((5 << 20) + 64) * 4;
+    for (nodes, per_node) in [(2, 2), (3, 1), (2, 3)] {
+        let node_links: Vec<Vec<Threads>> = (0..nodes).map(|_| Threads::group(per_node)).collect();
+        let cross_links: Vec<Vec<Threads>> = (0..per_node).map(|_| Threads::group(nodes)).collect();
+        let world = nodes * per_node;
+        std::thread::scope(|s| {
+            for (node, links) in node_links.iter().enumerate() {
+                for (local, link) in links.iter().enumerate() {
+                    let cross = &cross_links[local][node];
+                    s.spawn(move || {
+                        let rank = node * per_node + local;
+                        let mut lane = DeviceLane::new(link, 0, capacity).expect("the lane sets up");
+                        for (k, &len) in ACROSS_LENS.iter().enumerate() {
+                            for op in [LaneOp::Sum, LaneOp::Mean] {
+                                let seed = 500 + k as u64;
+                                let inputs: Vec<Vec<f32>> =
+                                    (0..world).map(|r| input(seed, r, len)).collect();
+                                lane.write(&inputs[rank]).unwrap();
+                                lane.all_reduce_across(len, op, cross).unwrap();
+                                let mut got = vec![0.0f32; len];
+                                lane.read(&mut got).unwrap();
+                                // Each node sums its ranks in order (the lane's kernel), the
+                                // nodes' sums are added in node order, then scaled once.
+                                let scale = match op {
+                                    LaneOp::Sum => 1.0,
+                                    LaneOp::Mean => 1.0 / world as f32,
+                                };
+                                let want = (0..len).map(|i| {
+                                    let node_sum = |n: usize| {
+                                        (1..per_node).fold(inputs[n * per_node][i], |acc, l| {
+                                            acc + inputs[n * per_node + l][i]
+                                        })
+                                    };
+                                    let total = (1..nodes).fold(node_sum(0), |acc, n| acc + node_sum(n));
+                                    if scale == 1.0 { total } else { total * scale }
+                                });
+                                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                                    assert_eq!(
+                                        g.to_bits(),
+                                        w.to_bits(),
+                                        "{nodes} nodes of {per_node}, rank {rank}, {op:?} of {len}: element {i} is {g}, the reference says {w}"
+                                    );
+                                }
+                            }
+                            // The one-device schedule first, then one kernel per rank.
+                            if k == ACROSS_LENS.len() / 2 {
+                                lane.split_kernels();
+                            }
+                        }
+                    });
+                }
             }
         });
     }
@@ -451,6 +540,73 @@ fn a_rank_that_dies_is_named_by_its_peer() {
     assert!(ok, "rank 0 failed:\n{out}");
     assert!(
         out.contains("all-reduce of 4000 bytes on rank 0 of 2") && out.contains("rank 1 left"),
+        "rank 0 did not name the collective, its size and the dead rank:\n{out}"
+    );
+    assert!(!outs[1].0, "rank 1 was meant to die");
+}
+
+/// A link whose rank kills its process (as kill -9 would) at its `n`th barrier once armed.
+struct DiesAt<'a> {
+    link: &'a Tcp,
+    left: AtomicUsize,
+}
+
+impl NodeLink for DiesAt<'_> {
+    fn rank(&self) -> usize {
+        self.link.rank()
+    }
+    fn size(&self) -> usize {
+        self.link.size()
+    }
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, String> {
+        self.link.all_gather(mine)
+    }
+    fn barrier(&self) -> Result<(), String> {
+        if self.left.fetch_sub(1, Ordering::SeqCst) == 1 {
+            std::process::abort();
+        }
+        self.link.barrier()
+    }
+}
+
+#[test]
+fn a_rank_that_dies_in_the_middle_of_a_collective_is_named_by_its_peer() {
+    if let Some((rank, size, port)) = as_child() {
+        let link = Tcp::connect(rank, size, port);
+        let link = DiesAt {
+            link: &link,
+            left: AtomicUsize::new(usize::MAX),
+        };
+        let lane = DeviceLane::new(&link, 0, 1 << 20).expect("the lane sets up");
+        lane.write(&vec![1.0f32; 1000]).unwrap();
+        if rank == 1 {
+            // Through the collective's first barrier (inputs written); dead at its second, while
+            // rank 0's kernel reduces both windows.
+            link.left.store(2, Ordering::SeqCst);
+        }
+        match lane.all_reduce::<f32>(1000, LaneOp::Sum) {
+            Ok(()) => panic!("the all-reduce finished without rank 1"),
+            Err(e) => println!("rank {rank}: {e}"),
+        }
+        // Closing the lane unmaps the dead rank's window too, and returns.
+        drop(lane);
+        println!("rank {rank}: lane closed");
+        return;
+    }
+    if !gpu() {
+        return;
+    }
+    let outs = processes(
+        "a_rank_that_dies_in_the_middle_of_a_collective_is_named_by_its_peer",
+        2,
+        &[],
+    );
+    let (ok, out) = &outs[0];
+    assert!(ok, "rank 0 failed:\n{out}");
+    assert!(
+        out.contains("all-reduce of 4000 bytes on rank 0 of 2")
+            && out.contains("rank 1 left")
+            && out.contains("lane closed"),
         "rank 0 did not name the collective, its size and the dead rank:\n{out}"
     );
     assert!(!outs[1].0, "rank 1 was meant to die");

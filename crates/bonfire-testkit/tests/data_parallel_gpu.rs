@@ -89,29 +89,50 @@ where
     B: AutodiffBackend,
     SmallMlp<B>: AutodiffModule<B> + 'static,
 {
-    let device = device.clone();
-    let models = RankModels::new(vec![rank0, seeded::<B, _>(1001, &device, SmallMlp::new)]);
-    let batches = batches.to_vec();
-    run_ranks(
+    ranks(
         Communicator::in_process(2, comm_config()),
-        Duration::from_secs(600),
-        move |comm| {
-            let r = comm.rank();
-            let model = models.take(r);
-            let _bind = bind_thread(comm, config(path));
-            let model = bonfire::replicate(model);
-            let shard: Vec<Batch> = batches
-                .iter()
-                .map(|b| {
-                    let n = b.rows() / 2;
-                    b.slice(r * n, n)
-                })
-                .collect();
-            let (model, _) = train(model, &shard, 1, &device);
-            let stats = bonfire::last_step_stats().expect("bound");
-            (parameters(&model), stats)
-        },
+        rank0,
+        batches,
+        path,
+        device,
     )
+}
+
+/// One rank per communicator, as threads, each on its share of every batch; the ranks after
+/// the first start from other parameters.
+fn ranks<B>(
+    comms: Vec<Communicator>,
+    rank0: SmallMlp<B>,
+    batches: &[Batch],
+    path: Path,
+    device: &B::Device,
+) -> Vec<(Params, StepStats)>
+where
+    B: AutodiffBackend,
+    SmallMlp<B>: AutodiffModule<B> + 'static,
+{
+    let n = comms.len();
+    let device = device.clone();
+    let mut models = vec![rank0];
+    models.extend((1..n).map(|r| seeded::<B, _>(1000 + r as u64, &device, SmallMlp::new)));
+    let models = RankModels::new(models);
+    let batches = batches.to_vec();
+    run_ranks(comms, Duration::from_secs(600), move |comm| {
+        let r = comm.rank();
+        let model = models.take(r);
+        let _bind = bind_thread(comm, config(path));
+        let model = bonfire::replicate(model);
+        let shard: Vec<Batch> = batches
+            .iter()
+            .map(|b| {
+                let rows = b.rows() / n;
+                b.slice(r * rows, rows)
+            })
+            .collect();
+        let (model, _) = train(model, &shard, 1, &device);
+        let stats = bonfire::last_step_stats().expect("bound");
+        (parameters(&model), stats)
+    })
 }
 
 /// `lane`: whether this backend has the device lane (CUDA).
@@ -193,4 +214,45 @@ fn cuda_buckets_are_packed_on_the_device_and_match_one_rank() {
         CudaDevice::default(),
         true,
     );
+}
+
+/// Four ranks on two nodes (threads standing in for two hosts of two GPUs): each node's ranks
+/// reduce-scatter through their lane, each share crosses to the other node's rank of the same
+/// local index over the job's link, and the node all-gathers on the device. Checked against the
+/// host lane over the same layout and against one rank with the whole batch.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_buckets_cross_nodes_through_the_hierarchical_lane() {
+    use bonfire::kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    use bonfire::topology::NodeLayout;
+    type B = Autodiff<bonfire::DataParallel<CubeBackend<CudaRuntime, f32, i32, u32>>>;
+    if let Err(why) = bonfire::kernels::lane::devices() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let device = CudaDevice::default();
+    let layout = NodeLayout::uniform(4, 2);
+    let batches = random_batches(23, STEPS, 8, SmallMlp::<B>::FEATURES, 3);
+    let base = seeded::<B, _>(1, &device, SmallMlp::new);
+    let reference = single(base.clone(), &batches, &device);
+    let comms = || Communicator::in_process_on(&layout, comm_config());
+    let lane = ranks(comms(), base.clone(), &batches, Path::Lane, &device);
+    let host = ranks(comms(), base, &batches, Path::Packed, &device);
+    for (r, ((ln, ln_stats), (hst, hst_stats))) in lane.iter().zip(&host).enumerate() {
+        assert_eq!(
+            ln_stats.device_lane, ln_stats.buckets,
+            "rank {r}: every bucket through the lane: {ln_stats:?}"
+        );
+        assert!(ln_stats.buckets >= 3, "{ln_stats:?}");
+        assert_eq!(hst_stats.device_lane, 0, "{hst_stats:?}");
+        // The node all-gathers one result: the same bits on every rank.
+        assert_eq!(ln, &lane[0].0, "rank {r} drifted from rank 0");
+        let d = max_abs_diff(ln, hst);
+        assert!(
+            d <= 1e-6,
+            "rank {r}: the lane across nodes differs from the host lane by {d:e}"
+        );
+        let d = max_abs_diff(ln, &reference);
+        assert!(d <= TOLERANCE, "rank {r} differs from one rank by {d:e}");
+    }
 }

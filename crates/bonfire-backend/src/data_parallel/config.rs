@@ -72,7 +72,8 @@ pub struct DataParallelConfig {
     pub device_pack: bool,
     /// All-reduce device-packed CUDA buckets through the device lane (default true): the
     /// bucket stays in device memory, mapped between the processes of one host with CUDA IPC
-    /// and reduced by one fused kernel per rank (`bonfire_kernels::lane`). Used for f32
+    /// and reduced by one fused kernel per rank (`bonfire_kernels::lane`); across hosts each
+    /// node reduce-scatters on the device and only each rank's share crosses nodes. Used for f32
     /// gradients that are all-reduced (not under ZeRO stage 2) when every rank can join; the
     /// others keep the host lane. False always takes the host lane.
     pub device_lane: bool,

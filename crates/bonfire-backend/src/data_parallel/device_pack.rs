@@ -279,8 +279,8 @@ pub(crate) fn pack_for_lane<B: Backend>(
 /// like `like`, plain or fused) with one launch of the fused unpack kernel. Returns the reduced
 /// flags and the tensors.
 #[cfg(feature = "cuda")]
-pub(crate) fn lane_all_reduce<B: Backend, L: bonfire_kernels::lane::NodeLink>(
-    lane: &bonfire_kernels::lane::DeviceLane<L>,
+pub(crate) fn lane_all_reduce<B: Backend>(
+    node: &super::lane::NodeLane,
     bucket: LaneBucket,
     len: usize,
     op: bonfire_kernels::lane::LaneOp,
@@ -295,6 +295,7 @@ pub(crate) fn lane_all_reduce<B: Backend, L: bonfire_kernels::lane::NodeLink>(
         mut flags,
         ..
     } = bucket;
+    let lane = node.lane();
     let lane_err = |e: bonfire_kernels::lane::LaneError| e.to_string();
     // The pack kernel ran on CubeCL's stream: done before the lane's stream reads its output.
     futures::executor::block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
@@ -319,8 +320,7 @@ pub(crate) fn lane_all_reduce<B: Backend, L: bonfire_kernels::lane::NodeLink>(
         }
     }
     lane.write_at(len, &flags).map_err(lane_err)?;
-    lane.all_reduce::<f32>(len + flags.len(), op)
-        .map_err(lane_err)?;
+    node.all_reduce(len + flags.len(), op).map_err(lane_err)?;
     drop(src);
     lane.read_at(len, &mut flags).map_err(lane_err)?;
     let out = DeviceBuffer::<CudaRuntime, f32>::empty(&client, len.max(1));

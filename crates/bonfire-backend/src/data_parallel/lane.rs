@@ -1,18 +1,23 @@
 //! Gradient buckets through the device lane (CUDA): a bucket packed on the device goes into the
 //! rank's IPC window, is all-reduced there by the lane's kernel against the other ranks' windows
-//! of this host, and comes back into the gradients with the fused unpack kernel. It never
-//! crosses to the host; only the presence flags (one f32 per parameter) do.
+//! of this host, and comes back into the gradients with the fused unpack kernel. Within one host
+//! it never crosses to the host; only the presence flags (one f32 per parameter) do. A job of
+//! several nodes runs the hierarchical schedule ([`NodeLane`]): the node's ranks reduce-scatter
+//! on the device, each rank's share alone crosses nodes over the job's link, and the node
+//! all-gathers the result on the device.
 //!
 //! The lane is set up at the first bucket that can take it, by every rank together: f32
 //! gradients of a CUDA backend, all-reduced (not reduce-scattered under ZeRO stage 2), not
 //! compressed to bf16, in a step without gradients accumulated on the host, with
-//! `DataParallelConfig::device_lane` on. Where any rank cannot join (no IPC between the devices,
-//! ranks on several hosts), every rank keeps the host lane, and rank 0 says why once.
+//! `DataParallelConfig::device_lane` on. Where any rank cannot join (no IPC between the devices
+//! of a node, nodes of different sizes), every rank keeps the host lane, and rank 0 says why
+//! once.
 
 use std::sync::Mutex;
 
 use bonfire_collectives::Communicator;
-use bonfire_kernels::lane::{DeviceLane, LaneOp, NodeLink};
+use bonfire_kernels::lane::{CrossLink, DeviceLane, LaneError, LaneOp, NodeLink};
+use bonfire_topology::{NodeId, ReduceOp};
 
 /// The data-parallel group's communicator as the lane's link: the windows' handles cross it
 /// (authenticated, as every frame of the job), and its barriers order the lane's collectives.
@@ -51,6 +56,141 @@ impl NodeLink for CommLink {
     }
 }
 
+/// The job's communicator split by local index as the second level of the hierarchical lane:
+/// this rank and the ranks of the other nodes that hold its place on theirs.
+pub struct CommCross(pub Communicator);
+
+impl CrossLink for CommCross {
+    fn nodes(&self) -> usize {
+        self.0.size()
+    }
+    fn start_sum(&self, chunk: Vec<f32>) -> Box<dyn FnOnce() -> Result<Vec<f32>, String> + '_> {
+        let work = self.0.all_reduce(chunk, ReduceOp::Sum);
+        Box::new(move || work.wait().map_err(|e| e.to_string()))
+    }
+}
+
+/// A rank's device lane in a job of one node or several: the lane between the processes of its
+/// node, and where the group spans several nodes, the link to the ranks of the same local index
+/// on the others (the hierarchical schedule of [`DeviceLane::all_reduce_across`]).
+pub struct NodeLane {
+    lane: DeviceLane<CommLink>,
+    cross: Option<CommCross>,
+}
+
+impl NodeLane {
+    /// Sets the lane up for `comm`'s ranks on CUDA device `ordinal`, with windows of `bytes`.
+    /// Collective over `comm`: every rank calls it, and every rank gets the same verdict. In a
+    /// group of several nodes, each node's ranks set up their lane and the nodes agree; every
+    /// node must hold as many of the group's ranks. The error says why the ranks go without it,
+    /// naming the rank or node that could not join.
+    pub fn join(comm: &Communicator, ordinal: usize, bytes: usize) -> Result<NodeLane, String> {
+        let places = Places::of(comm.nodes());
+        if places.nodes.len() == 1 {
+            return DeviceLane::new(CommLink(comm.clone()), ordinal, bytes)
+                .map(|lane| NodeLane { lane, cross: None })
+                .map_err(|declined| declined.error.to_string());
+        }
+        // Decided from the layout alone, which every rank has: the same verdict everywhere, and
+        // before any collective.
+        places.uniform()?;
+        let (node, local) = places.of[comm.rank()];
+        let split = |color: usize, key: usize| {
+            comm.split(Some(color as u32), key as u32)
+                .map_err(|e| format!("splitting the group for the device lane: {e}"))
+                .map(|c| c.expect("a color was given"))
+        };
+        let node_comm = split(node, comm.rank())?;
+        let cross = split(local, node)?;
+        let lane = DeviceLane::new(CommLink(node_comm), ordinal, bytes);
+        // Each node's ranks agreed among themselves; the nodes agree now.
+        let ok = comm
+            .all_gather(vec![i64::from(lane.is_ok())])
+            .wait()
+            .map_err(|e| format!("agreeing on the device lane across nodes: {e}"))?;
+        match lane {
+            Err(declined) => Err(format!(
+                "{} (on {})",
+                declined.error,
+                comm.nodes()[comm.rank()]
+            )),
+            Ok(_) if ok.contains(&0) => {
+                let r = ok.iter().position(|&o| o == 0).expect("one declined");
+                Err(format!(
+                    "the ranks of {} (rank {r} among them) could not set up the lane of their node",
+                    comm.nodes()[r]
+                ))
+            }
+            Ok(lane) => Ok(NodeLane {
+                lane,
+                cross: Some(CommCross(cross)),
+            }),
+        }
+    }
+
+    /// The lane between the processes of this rank's node.
+    pub fn lane(&self) -> &DeviceLane<CommLink> {
+        &self.lane
+    }
+
+    /// Number of nodes the lane spans (1 within a host).
+    pub fn nodes(&self) -> usize {
+        self.cross.as_ref().map_or(1, |c| c.nodes())
+    }
+
+    /// Bytes per window.
+    pub fn capacity(&self) -> usize {
+        self.lane.capacity()
+    }
+
+    /// All-reduce of f32 in place over the first `count` elements of every rank's window: on the
+    /// device within a node, hierarchically across nodes.
+    pub fn all_reduce(&self, count: usize, op: LaneOp) -> Result<(), LaneError> {
+        match &self.cross {
+            None => self.lane.all_reduce::<f32>(count, op),
+            Some(cross) => self.lane.all_reduce_across(count, op, cross),
+        }
+    }
+}
+
+/// Where a group's ranks sit: each rank's node (in order of first appearance) and its index
+/// among that node's ranks.
+struct Places {
+    nodes: Vec<(NodeId, usize)>,
+    of: Vec<(usize, usize)>,
+}
+
+impl Places {
+    fn of(nodes: &[NodeId]) -> Places {
+        let mut seen: Vec<(NodeId, usize)> = Vec::new();
+        let of = nodes
+            .iter()
+            .map(|&n| match seen.iter().position(|&(m, _)| m == n) {
+                Some(i) => {
+                    seen[i].1 += 1;
+                    (i, seen[i].1 - 1)
+                }
+                None => {
+                    seen.push((n, 1));
+                    (seen.len() - 1, 0)
+                }
+            })
+            .collect();
+        Places { nodes: seen, of }
+    }
+
+    /// The hierarchical lane pairs each rank with one rank of every other node.
+    fn uniform(&self) -> Result<(), String> {
+        let (first, per) = self.nodes[0];
+        match self.nodes.iter().find(|&&(_, n)| n != per) {
+            None => Ok(()),
+            Some(&(node, n)) => Err(format!(
+                "{first} holds {per} of the group's ranks and {node} {n}: the device lane across nodes needs as many ranks on every node"
+            )),
+        }
+    }
+}
+
 /// A rank's device lane, once its ranks have agreed on it.
 #[derive(Default)]
 pub(crate) enum Slot {
@@ -60,7 +200,7 @@ pub(crate) enum Slot {
     /// The ranks went without it (the reason was said once).
     Off,
     /// Set up, with a window of its capacity.
-    On(Box<DeviceLane<CommLink>>),
+    On(Box<NodeLane>),
 }
 
 /// The lane of one rank, behind a lock (the sync path takes it on the training thread).
@@ -80,7 +220,7 @@ impl LaneState {
         comm: &Communicator,
         ordinal: usize,
         bytes: usize,
-        f: impl FnOnce(&DeviceLane<CommLink>) -> T,
+        f: impl FnOnce(&NodeLane) -> T,
     ) -> Option<T> {
         let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let grow = matches!(&*slot, Slot::On(lane) if lane.capacity() < bytes);
@@ -88,11 +228,11 @@ impl LaneState {
             // Every rank gets here at the same bucket (the plan is agreed), so the set-up's
             // collectives line up.
             *slot = Slot::Off;
-            match DeviceLane::new(CommLink(comm.clone()), ordinal, bytes) {
+            match NodeLane::join(comm, ordinal, bytes) {
                 Ok(lane) => *slot = Slot::On(Box::new(lane)),
-                Err(declined) => {
+                Err(why) => {
                     if comm.rank() == 0 {
-                        eprintln!("bonfire: gradients take the host lane: {}", declined.error);
+                        eprintln!("bonfire: gradients take the host lane: {why}");
                     }
                 }
             }

@@ -38,7 +38,7 @@ pub use context::{
 };
 pub use error::SyncError;
 #[cfg(feature = "cuda")]
-pub use lane::CommLink;
+pub use lane::{CommCross, CommLink, NodeLane};
 pub use local::{LocalParts, register as register_local_parts};
 pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
 pub use sampler::DistributedSampler;

@@ -631,7 +631,7 @@ fn through_lane<B: Backend>(
         let mut packed = Some(packed);
         let outcome = rep.lane.with(&rep.comm, ordinal, bytes, |lane| {
             let packed = packed.take().expect("taken once");
-            device_pack::lane_all_reduce::<B, _>(
+            device_pack::lane_all_reduce::<B>(
                 lane,
                 packed,
                 len,

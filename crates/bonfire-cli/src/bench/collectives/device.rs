@@ -4,10 +4,10 @@
 
 use std::time::Instant;
 
-use bonfire::backend::CommLink;
+use bonfire::backend::NodeLane;
 use bonfire::collectives::CommConfig;
 use bonfire::kernels::GradElement;
-use bonfire::kernels::lane::{self, DeviceLane, LaneOp};
+use bonfire::kernels::lane::{self, LaneOp};
 use bonfire::topology::{DType, ReduceOp};
 use half::{bf16, f16};
 
@@ -79,21 +79,36 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
     let ordinal = world.local_rank() % devices;
     let elem = size_of::<T>();
     let largest = args.sizes.iter().copied().max().unwrap_or(0);
-    let lane = DeviceLane::new(CommLink(world.comm().clone()), ordinal, largest)
-        .map_err(|declined| lane_error(declined.error))?;
+    let node = NodeLane::join(world.comm(), ordinal, largest).map_err(CliError::Lane)?;
+    let lane = node.lane();
+    let nodes = node.nodes();
+    if nodes > 1 && (!matches!(args.op, Op::AllReduce) || !matches!(args.dtype, DType::F32)) {
+        return Err(CliError::Usage(format!(
+            "--device cuda across {nodes} nodes runs the hierarchical all-reduce of f32, not {} of {}",
+            args.op.name(),
+            args.dtype
+        )));
+    }
     say!(
-        "# bonfire bench collectives --device cuda: {}{}, {n} ranks on {} CUDA device(s) of this host, {}, windows of {} mapped through CUDA IPC ({} peers per rank), {}",
+        "# bonfire bench collectives --device cuda: {}{}, {n} ranks{} on {} CUDA device(s) per node, {}, windows of {} mapped through CUDA IPC ({} peers per rank), {}",
         args.op.name(),
         match args.op {
             Op::AllGather => String::new(),
             _ => format!(" ({})", args.reduce_op),
         },
-        devices.min(n),
+        if nodes > 1 {
+            format!(
+                " on {nodes} nodes (the node's lane reduce-scatters and all-gathers on the device, each rank's share crosses nodes over the job's link)"
+            )
+        } else {
+            String::new()
+        },
+        devices.min(lane.size()),
         args.dtype,
         size::format(lane.capacity()),
         lane.ipc_peers(),
         if lane.one_device() {
-            "one device: rank 0's kernel reduces for all"
+            "one device: the lane's first rank's kernel reduces for all"
         } else {
             "one kernel per rank"
         },
@@ -118,6 +133,8 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
         let bytes = count * elem;
         let counts = vec![count / n; n];
         let call = || match args.op {
+            // f32 (checked above): the hierarchical schedule reduces f32.
+            Op::AllReduce if nodes > 1 => node.all_reduce(count, op),
             Op::AllReduce => lane.all_reduce::<T>(count, op),
             Op::ReduceScatter => lane.reduce_scatter::<T>(&counts, op),
             _ => lane.all_gather::<T>(&counts),
@@ -125,13 +142,14 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
         // One checked call against the host reference.
         let check = if bytes <= CHECK_UP_TO {
             let inputs: Vec<Vec<T>> = (0..n).map(|r| input(r, count)).collect();
-            lane.write(&inputs[lane.rank()]).map_err(lane_error)?;
+            lane.write(&inputs[world.comm().rank()])
+                .map_err(lane_error)?;
             call().map_err(lane_error)?;
             let mut got = vec![T::narrow(0.0); count];
             lane.read(&mut got).map_err(lane_error)?;
             let reduced = lane::reference::all_reduce(&inputs, op);
             let per = count / n;
-            let at = lane.rank() * per;
+            let at = world.comm().rank() * per;
             let (mine, want): (&[T], Vec<T>) = match args.op {
                 Op::AllReduce => (&got, reduced),
                 Op::ReduceScatter => (&got[at..at + per], reduced[at..at + per].to_vec()),
@@ -144,7 +162,7 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
             if let Some(i) = bad {
                 eprintln!(
                     "rank {}: element {i} of {} is {}, the reference says {} (inputs {:?})",
-                    lane.rank(),
+                    world.comm().rank(),
                     mine.len(),
                     mine[i].widen(),
                     want[i].widen(),
@@ -206,9 +224,16 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
             check,
         );
     }
-    say!(
-        "# time: the slowest rank's mean per call (two host barriers and one kernel per rank). algbw = size / time, busbw as nccl-tests."
-    );
+    if nodes > 1 {
+        say!(
+            "# time: the slowest rank's mean per call (on each node a reduce-scatter and an all-gather, two host barriers and a kernel each, and between them each rank's share copied to the host in chunks of {} and summed across nodes). algbw = size / time, busbw as nccl-tests.",
+            size::format(lane::CROSS_CHUNK * 4)
+        );
+    } else {
+        say!(
+            "# time: the slowest rank's mean per call (two host barriers and one kernel per rank). algbw = size / time, busbw as nccl-tests."
+        );
+    }
     say!(
         "# copy: cuMemcpyDtoD of the same bytes on rank 0's device, best of 10 (CUDA events), in the same run; algbw/copy compares the collective with one copy of its buffer."
     );
@@ -216,7 +241,7 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
         "# check: one call per size up to {} compared bit for bit with the host reference on every rank.",
         size::format(CHECK_UP_TO)
     );
-    drop(lane);
+    drop(node);
     world.shutdown();
     Ok(())
 }

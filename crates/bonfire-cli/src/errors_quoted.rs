@@ -1359,8 +1359,8 @@ fn cuda_only_messages() -> Vec<String> {
             Some("device lane: 17 ranks, at most 16 share one lane"),
         ),
         (
-            "{first} holds {per} of the group's ranks and {node} {n}: the device lane across \
-             nodes needs as many ranks on every node",
+            "{} holds {first} of the group's ranks and {} {n}: the device lane across nodes \
+             needs as many ranks on every node",
             Some(
                 "bonfire: gradients take the host lane: node 0 holds 2 of the group's ranks and \
                  node 1 1: the device lane across nodes needs as many ranks on every node",

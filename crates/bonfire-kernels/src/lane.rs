@@ -19,6 +19,10 @@
 //! its time slice ended while the peer it waits for could not run. The barriers carry the
 //! link's timeouts, so a dead rank is named by the link's error, never waited on forever.
 //!
+//! Across nodes, [`DeviceLane::all_reduce_across`] runs the hierarchical schedule: the node's
+//! ranks reduce-scatter on the device, each rank's share crosses nodes over a [`CrossLink`] (the
+//! job's communicator split by local index, in bonfire), and the node all-gathers the result.
+//!
 //! The reduction kernel is CUDA C compiled at run time with NVRTC (the compiler CubeCL uses),
 //! not a CubeCL kernel: CubeCL 0.10 binds only memory it allocated itself, and a peer's mapped
 //! window is not such memory. [`reference`] computes the same results on the host, in the same

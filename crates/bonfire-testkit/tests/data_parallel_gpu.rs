@@ -4,8 +4,9 @@
 //! fused unpack kernel. Checked against one rank with the whole batch (f32, max abs difference at
 //! most 1e-5) and against the host path (every gradient read on its own), which must give the
 //! same bits. On CUDA the buckets also go through the device lane (the ranks' device windows,
-//! reduced by the lane's kernel, never crossing to the host), which must give those bits too.
-//! Ranks are threads of this process over the in-process transport, sharing one device (the way
+//! reduced by the lane's kernel, never crossing to the host), which must give those bits too,
+//! and with four ranks placed on two nodes through the lane's hierarchical schedule. Ranks are
+//! threads of this process over the in-process transport, sharing one device (the way
 //! burn-train's DDP runs when a device is listed twice); the lane between processes (CUDA IPC)
 //! is tested in `bonfire-kernels`' `device_lane` tests and by `bonfire train --backend cuda`.
 
@@ -77,29 +78,9 @@ where
     parameters(&train(model, batches, 1, device).0)
 }
 
-/// Two ranks as threads, each on its half of every batch; rank 1 starts from other parameters
-/// (replicate must copy rank 0's). Returns each rank's parameters and last-step statistics.
-fn two_ranks<B>(
-    rank0: SmallMlp<B>,
-    batches: &[Batch],
-    path: Path,
-    device: &B::Device,
-) -> Vec<(Params, StepStats)>
-where
-    B: AutodiffBackend,
-    SmallMlp<B>: AutodiffModule<B> + 'static,
-{
-    ranks(
-        Communicator::in_process(2, comm_config()),
-        rank0,
-        batches,
-        path,
-        device,
-    )
-}
-
 /// One rank per communicator, as threads, each on its share of every batch; the ranks after
-/// the first start from other parameters.
+/// the first start from other parameters (replicate must copy rank 0's). Returns each rank's
+/// parameters and last-step statistics.
 fn ranks<B>(
     comms: Vec<Communicator>,
     rank0: SmallMlp<B>,
@@ -150,9 +131,10 @@ where
         "{what}: the reference run did not train"
     );
 
-    let through_lane = two_ranks(base.clone(), &batches, Path::Lane, &device);
-    let on_device = two_ranks(base.clone(), &batches, Path::Packed, &device);
-    let host = two_ranks(base, &batches, Path::Host, &device);
+    let two = || Communicator::in_process(2, comm_config());
+    let through_lane = ranks(two(), base.clone(), &batches, Path::Lane, &device);
+    let on_device = ranks(two(), base.clone(), &batches, Path::Packed, &device);
+    let host = ranks(two(), base, &batches, Path::Host, &device);
     for (r, ((ln, ln_stats), (dev, dev_stats))) in through_lane.iter().zip(&on_device).enumerate() {
         // The device lane sums in rank order and scales once, as the host's all-reduce of two.
         assert_eq!(ln, dev, "{what}: rank {r}, device lane against host lane");

@@ -53,9 +53,83 @@ impl NodeLayout {
     }
 }
 
+/// A group's members by node: each node's member positions in order, the nodes in order of
+/// their first member. The one rule for which ranks share a node and where each sits among them
+/// (the hierarchical schedule and the device lane across nodes both follow it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ByNode {
+    nodes: Vec<NodeId>,
+    groups: Vec<Vec<usize>>,
+}
+
+impl ByNode {
+    /// Groups positions `0..nodes.len()`, where `nodes[p]` is the node of position `p`.
+    pub fn of(nodes: &[NodeId]) -> ByNode {
+        let mut by = ByNode {
+            nodes: Vec::new(),
+            groups: Vec::new(),
+        };
+        for (p, node) in nodes.iter().enumerate() {
+            match by.nodes.iter().position(|n| n == node) {
+                Some(k) => by.groups[k].push(p),
+                None => {
+                    by.nodes.push(*node);
+                    by.groups.push(vec![p]);
+                }
+            }
+        }
+        by
+    }
+
+    /// Each node's positions, nodes in order of their first position.
+    pub fn groups(&self) -> &[Vec<usize>] {
+        &self.groups
+    }
+
+    /// The node of group `k`.
+    pub fn node(&self, k: usize) -> NodeId {
+        self.nodes[k]
+    }
+
+    /// Which group holds position `p`, and `p`'s index in it.
+    ///
+    /// # Panics
+    /// If `p` is not a position of the grouping.
+    pub fn locate(&self, p: usize) -> (usize, usize) {
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(k, g)| g.iter().position(|&q| q == p).map(|i| (k, i)))
+            .expect("a position of the grouping")
+    }
+
+    /// The number of positions per node when every node holds as many, else the first node
+    /// whose count differs from the first node's, with both counts: `Err((first, node, count))`.
+    pub fn per_node(&self) -> Result<usize, (usize, usize, usize)> {
+        let first = self.groups.first().map_or(0, Vec::len);
+        match self.groups.iter().position(|g| g.len() != first) {
+            None => Ok(first),
+            Some(k) => Err((first, k, self.groups[k].len())),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn positions_group_by_node_in_order_of_first_appearance() {
+        let by = ByNode::of(&[NodeId(7), NodeId(3), NodeId(7), NodeId(3)]);
+        assert_eq!(by.groups(), &[vec![0, 2], vec![1, 3]]);
+        assert_eq!((by.node(0), by.node(1)), (NodeId(7), NodeId(3)));
+        assert_eq!(by.locate(2), (0, 1));
+        assert_eq!(by.locate(1), (1, 0));
+        assert_eq!(by.per_node(), Ok(2));
+        let uneven = ByNode::of(&[NodeId(0), NodeId(0), NodeId(1), NodeId(2), NodeId(2)]);
+        assert_eq!(uneven.per_node(), Err((2, 1, 1)));
+        assert_eq!(ByNode::of(&[]).per_node(), Ok(0));
+    }
 
     #[test]
     fn uniform_fills_nodes_in_order() {

@@ -18,7 +18,7 @@ mod shard;
 pub use buckets::{Bucket, BucketPlan};
 pub use dtype::DType;
 pub use ids::{GroupId, NodeId, Rank, stable_hash};
-pub use layout::NodeLayout;
+pub use layout::{ByNode, NodeLayout};
 pub use mesh::{Mesh, MeshError};
 pub use partition::Partition;
 pub use reduce::ReduceOp;

@@ -17,7 +17,7 @@ use std::sync::Mutex;
 
 use bonfire_collectives::Communicator;
 use bonfire_kernels::lane::{CrossLink, DeviceLane, LaneError, LaneOp, NodeLink};
-use bonfire_topology::{NodeId, ReduceOp};
+use bonfire_topology::{ByNode, ReduceOp};
 
 /// The data-parallel group's communicator as the lane's link: the windows' handles cross it
 /// (authenticated, as every frame of the job), and its barriers order the lane's collectives.
@@ -85,16 +85,22 @@ impl NodeLane {
     /// node must hold as many of the group's ranks. The error says why the ranks go without it,
     /// naming the rank or node that could not join.
     pub fn join(comm: &Communicator, ordinal: usize, bytes: usize) -> Result<NodeLane, String> {
-        let places = Places::of(comm.nodes());
-        if places.nodes.len() == 1 {
+        let by = ByNode::of(comm.nodes());
+        if by.groups().len() == 1 {
             return DeviceLane::new(CommLink(comm.clone()), ordinal, bytes)
                 .map(|lane| NodeLane { lane, cross: None })
                 .map_err(|declined| declined.error.to_string());
         }
         // Decided from the layout alone, which every rank has: the same verdict everywhere, and
         // before any collective.
-        places.uniform()?;
-        let (node, local) = places.of[comm.rank()];
+        if let Err((first, k, n)) = by.per_node() {
+            return Err(format!(
+                "{} holds {first} of the group's ranks and {} {n}: the device lane across nodes needs as many ranks on every node",
+                by.node(0),
+                by.node(k)
+            ));
+        }
+        let (node, local) = by.locate(comm.rank());
         let split = |color: usize, key: usize| {
             comm.split(Some(color as u32), key as u32)
                 .map_err(|e| format!("splitting the group for the device lane: {e}"))
@@ -149,44 +155,6 @@ impl NodeLane {
         match &self.cross {
             None => self.lane.all_reduce::<f32>(count, op),
             Some(cross) => self.lane.all_reduce_across(count, op, cross),
-        }
-    }
-}
-
-/// Where a group's ranks sit: each rank's node (in order of first appearance) and its index
-/// among that node's ranks.
-struct Places {
-    nodes: Vec<(NodeId, usize)>,
-    of: Vec<(usize, usize)>,
-}
-
-impl Places {
-    fn of(nodes: &[NodeId]) -> Places {
-        let mut seen: Vec<(NodeId, usize)> = Vec::new();
-        let of = nodes
-            .iter()
-            .map(|&n| match seen.iter().position(|&(m, _)| m == n) {
-                Some(i) => {
-                    seen[i].1 += 1;
-                    (i, seen[i].1 - 1)
-                }
-                None => {
-                    seen.push((n, 1));
-                    (seen.len() - 1, 0)
-                }
-            })
-            .collect();
-        Places { nodes: seen, of }
-    }
-
-    /// The hierarchical lane pairs each rank with one rank of every other node.
-    fn uniform(&self) -> Result<(), String> {
-        let (first, per) = self.nodes[0];
-        match self.nodes.iter().find(|&&(_, n)| n != per) {
-            None => Ok(()),
-            Some(&(node, n)) => Err(format!(
-                "{first} holds {per} of the group's ranks and {node} {n}: the device lane across nodes needs as many ranks on every node"
-            )),
         }
     }
 }

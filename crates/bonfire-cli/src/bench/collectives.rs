@@ -48,9 +48,10 @@ pub(crate) enum Device {
     /// Host memory, through the transport (`--transport`).
     Host,
     /// CUDA device memory, through the device lane: each rank's window is mapped into the
-    /// other processes of this host with CUDA IPC and one fused kernel per rank reduces it.
-    /// Ranks are always processes here (`inproc` is taken as `auto`). Needs a build with
-    /// `--features cuda`.
+    /// other processes of this host with CUDA IPC and one fused kernel per rank reduces it;
+    /// under a launcher of several nodes, the hierarchical all-reduce of f32 (each node's lane,
+    /// each rank's share across nodes). Ranks are always processes here (`inproc` is taken as
+    /// `auto`). Needs a build with `--features cuda`.
     Cuda,
 }
 

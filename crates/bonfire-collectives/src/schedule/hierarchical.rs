@@ -5,36 +5,11 @@
 //! layouts reduce to one leader per node, all-reduce among the leaders, and broadcast within each
 //! node.
 
-use bonfire_topology::{NodeId, Partition};
+use bonfire_topology::{ByNode, NodeId, Partition};
 
 use super::{
     Builder, Team, all_gather_ring, broadcast_binomial, reduce_binomial, reduce_scatter_ring,
 };
-
-/// Each node's team positions, nodes in order of their first position.
-fn by_node(nodes: &[NodeId]) -> Vec<Vec<usize>> {
-    let mut order: Vec<NodeId> = Vec::new();
-    let mut groups: Vec<Vec<usize>> = Vec::new();
-    for (p, node) in nodes.iter().enumerate() {
-        match order.iter().position(|n| n == node) {
-            Some(k) => groups[k].push(p),
-            None => {
-                order.push(*node);
-                groups.push(vec![p]);
-            }
-        }
-    }
-    groups
-}
-
-/// Which node of `groups` holds team position `me`, and its index there.
-fn locate(groups: &[Vec<usize>], me: usize) -> (usize, usize) {
-    groups
-        .iter()
-        .enumerate()
-        .find_map(|(k, g)| g.iter().position(|&p| p == me).map(|i| (k, i)))
-        .expect("a rank is on its own node")
-}
 
 /// The ranks of one node (`group`, team positions), as a team in which this rank is position `i`.
 fn node_team(team: &Team, group: &[usize], i: usize) -> Team {
@@ -54,12 +29,12 @@ pub(crate) fn all_reduce_two_level(
     finalize: bool,
 ) -> bool {
     assert_eq!(nodes.len(), team.size());
-    let groups = by_node(nodes);
-    let local = groups[0].len();
-    if groups.iter().any(|g| g.len() != local) {
+    let by = ByNode::of(nodes);
+    let Ok(local) = by.per_node() else {
         return false;
-    }
-    let (k, i) = locate(&groups, team.me());
+    };
+    let groups = by.groups();
+    let (k, i) = by.locate(team.me());
     let local_team = node_team(team, &groups[k], i);
     let rail = Team::new(groups.iter().map(|g| team.peer(g[i])).collect(), k);
     let parts = Partition::balanced(count, local);
@@ -86,8 +61,9 @@ pub(crate) fn all_reduce_hierarchical(
     finalize: bool,
 ) {
     assert_eq!(nodes.len(), team.size());
-    let groups = by_node(nodes);
-    let (k, i) = locate(&groups, team.me());
+    let by = ByNode::of(nodes);
+    let groups = by.groups();
+    let (k, i) = by.locate(team.me());
     let local_team = node_team(team, &groups[k], i);
 
     reduce_binomial(b, &local_team, 0, 0..count, 0, false);

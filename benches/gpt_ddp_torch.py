@@ -185,6 +185,8 @@ def main():
     args = p.parse_args()
     if args.zero and args.fsdp2:
         p.error("--zero and --fsdp2 are two peers: give one")
+    if args.fsdp2 and args.device == "cuda":
+        p.error("--fsdp2 shards over a CPU mesh here: run it with --device cpu")
     try:
         import torch  # noqa: F401
         import torch.multiprocessing as mp

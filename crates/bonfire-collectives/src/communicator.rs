@@ -159,15 +159,7 @@ impl Communicator {
     /// `n` communicators over an in-process transport, one per rank, for ranks that are threads
     /// of this process. Element `i` is rank `i`.
     pub fn in_process(n: usize, config: CommConfig) -> Vec<Communicator> {
-        InProcess::world(n)
-            .into_iter()
-            .map(|t| {
-                Communicator::builder(Arc::new(t))
-                    .config(config.clone())
-                    .build()
-                    .expect("a single-node layout always fits")
-            })
-            .collect()
+        Communicator::in_process_on(&NodeLayout::single_node(n), config)
     }
 
     /// `in_process` with the ranks placed on nodes as `layout` says (threads standing in for the

@@ -107,7 +107,7 @@ pub mod backend {
 /// Ranks, groups, nodes, the data x tensor-parallel mesh, reduce operations and dtypes.
 pub mod topology {
     pub use bonfire_topology::{
-        DType, GroupId, Mesh, MeshError, NodeId, NodeLayout, Partition, Rank, ReduceOp,
+        ByNode, DType, GroupId, Mesh, MeshError, NodeId, NodeLayout, Partition, Rank, ReduceOp,
     };
 }
 

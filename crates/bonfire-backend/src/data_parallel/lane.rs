@@ -114,20 +114,17 @@ impl NodeLane {
             .all_gather(vec![i64::from(lane.is_ok())])
             .wait()
             .map_err(|e| format!("agreeing on the device lane across nodes: {e}"))?;
-        match lane {
-            Err(declined) => Err(format!(
+        match (lane, ok.iter().position(|&o| o == 0)) {
+            (Err(declined), _) => Err(format!(
                 "{} (on {})",
                 declined.error,
                 comm.nodes()[comm.rank()]
             )),
-            Ok(_) if ok.contains(&0) => {
-                let r = ok.iter().position(|&o| o == 0).expect("one declined");
-                Err(format!(
-                    "the ranks of {} (rank {r} among them) could not set up the lane of their node",
-                    comm.nodes()[r]
-                ))
-            }
-            Ok(lane) => Ok(NodeLane {
+            (Ok(_), Some(r)) => Err(format!(
+                "the ranks of {} (rank {r} among them) could not set up the lane of their node",
+                comm.nodes()[r]
+            )),
+            (Ok(lane), None) => Ok(NodeLane {
                 lane,
                 cross: Some(CommCross(cross)),
             }),
@@ -137,11 +134,6 @@ impl NodeLane {
     /// The lane between the processes of this rank's node.
     pub fn lane(&self) -> &DeviceLane<CommLink> {
         &self.lane
-    }
-
-    /// Number of nodes the lane spans (1 within a host).
-    pub fn nodes(&self) -> usize {
-        self.cross.as_ref().map_or(1, |c| c.nodes())
     }
 
     /// Bytes per window.

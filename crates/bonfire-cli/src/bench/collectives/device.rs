@@ -8,7 +8,7 @@ use bonfire::backend::NodeLane;
 use bonfire::collectives::CommConfig;
 use bonfire::kernels::GradElement;
 use bonfire::kernels::lane::{self, LaneOp};
-use bonfire::topology::{DType, ReduceOp};
+use bonfire::topology::{ByNode, DType, ReduceOp};
 use half::{bf16, f16};
 
 use super::{Args, Op, significant};
@@ -79,9 +79,8 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
     let ordinal = world.local_rank() % devices;
     let elem = size_of::<T>();
     let largest = args.sizes.iter().copied().max().unwrap_or(0);
-    let node = NodeLane::join(world.comm(), ordinal, largest).map_err(CliError::Lane)?;
-    let lane = node.lane();
-    let nodes = node.nodes();
+    // Refused before any rank sets up a window: every rank has the layout.
+    let nodes = ByNode::of(world.comm().nodes()).groups().len();
     if nodes > 1 && (!matches!(args.op, Op::AllReduce) || !matches!(args.dtype, DType::F32)) {
         return Err(CliError::Usage(format!(
             "--device cuda across {nodes} nodes runs the hierarchical all-reduce of f32, not {} of {}",
@@ -89,6 +88,8 @@ fn bench<T: GradElement>(args: &Args, op: LaneOp) -> Result<(), CliError> {
             args.dtype
         )));
     }
+    let node = NodeLane::join(world.comm(), ordinal, largest).map_err(CliError::Lane)?;
+    let lane = node.lane();
     say!(
         "# bonfire bench collectives --device cuda: {}{}, {n} ranks{} on {} CUDA device(s) per node, {}, windows of {} mapped through CUDA IPC ({} peers per rank), {}",
         args.op.name(),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The regression guard of the bundled jobs' speed: each job for a fixed number of steps at fixed
-# settings, on each backend, printing throughput and where a step goes (input, forward, backward
+# settings, on each backend, printing throughput (and the steady rate after the first 10 batches)
+# and where a step goes (input, forward, backward
 # and its exposed communication, optimizer) as the jobs' reports measure them, with the commit.
 # A drop (655 -> 465 images/s was one) shows here as a number; record the table in BENCHMARKS.md.
 #
@@ -42,8 +43,8 @@ run() { # job backend ranks -> the report on stdout
 
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 echo "# bonfire step time: commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), binary $bin"
-printf '%-7s %-8s %5s %12s %10s %10s %10s %10s %10s %10s\n' job backend ranks "items/s" \
-    "input" "forward" "backward" "exposed" "optimizer" "step(ms)"
+printf '%-7s %-8s %5s %12s %12s %10s %10s %10s %10s %10s %10s\n' job backend ranks "items/s" \
+    "steady/s" "input" "forward" "backward" "exposed" "optimizer" "step(ms)"
 for job in vision gpt; do
     for backend in $backends; do
         for ranks in $ranks_list; do
@@ -58,14 +59,17 @@ import re, sys
 job, backend, ranks = sys.argv[1:4]
 text = sys.stdin.read()
 rate = re.search(r"^throughput\s+(\d+)", text, re.M)
+steady = re.search(r"^throughput .*; (\d+) \S+/s after the first", text, re.M)
 split = re.search(r"^step split .*?input ([\d.]+) ms, forward ([\d.]+) ms, backward ([\d.]+) ms "
                   r"\(([\d.]+) ms of it exposed communication\), optimizer ([\d.]+) ms", text, re.M)
 if not (rate and split):
     sys.exit(f"{job} {backend} {ranks}: no throughput or step split line in its report:\n{text[-2000:]}")
 i, f, b, e, o = (float(x) for x in split.groups())
-print(f"{job:<7} {backend:<8} {ranks:>5} {int(rate.group(1)):>12} {i:>10.1f} {f:>10.1f} {b:>10.1f} {e:>10.1f} {o:>10.1f} {i + f + b + o:>10.1f}")
+steady = steady.group(1) if steady else "-"
+print(f"{job:<7} {backend:<8} {ranks:>5} {int(rate.group(1)):>12} {steady:>12} {i:>10.1f} {f:>10.1f} {b:>10.1f} {e:>10.1f} {o:>10.1f} {i + f + b + o:>10.1f}")
 ' "$job" "$backend" "$ranks"
         done
     done
 done
-echo "# items/s: images (vision) or characters (gpt) per second over all ranks; the split is rank 0's, ms per batch"
+echo "# items/s: images (vision) or characters (gpt) per second over all ranks; steady/s: the same after"
+echo "# each run's first 10 batches (the warm-up a GPU spends compiling kernels); the split is rank 0's, ms per batch"

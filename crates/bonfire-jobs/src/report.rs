@@ -7,6 +7,7 @@ use std::time::Duration;
 use bonfire::StepStats;
 
 use crate::progress::{ProgressLine, StepProgress, clock};
+use crate::stragglers::{StepSplit, WARM_UP_BATCHES};
 
 /// What a line of a job's output is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,17 +90,39 @@ pub struct Throughput {
     pub ranks: usize,
     /// The run's wall-clock time on this rank, evaluation and checkpoints included.
     pub wall: Duration,
+    /// Items trained, over all ranks, in the batches after the process's first
+    /// [`WARM_UP_BATCHES`](crate::stragglers::WARM_UP_BATCHES).
+    pub steady_items: usize,
+    /// The seconds those batches took.
+    pub steady_seconds: f64,
 }
 
 impl Throughput {
+    /// Adds an epoch's steady batches (rank 0's, from its [`StepSplit`]) as `copies` ranks'
+    /// worth of items: the ranks that train distinct batches (every rank in the vision job, the
+    /// data-parallel replicas in the GPT's).
+    pub fn add_steady(&mut self, split: &StepSplit, copies: usize) {
+        self.steady_items += split.steady_items as usize * copies;
+        self.steady_seconds += split.steady.as_secs_f64();
+    }
+
     /// `throughput      1234 images/s over 2 rank(s) (617 per rank); this run trained for 0:10
-    /// of 0:12 in all`, or `None` when nothing was trained.
+    /// of 0:12 in all; 1301 images/s after the first 10 batches`, or `None` when nothing was
+    /// trained. The last part, the steady rate without the warm-up (kernel compilation on a
+    /// GPU), only when the run trained more batches than that.
     pub fn line(&self, unit: &str) -> Option<String> {
         (self.items > 0).then(|| {
             let rate = self.items as f64 / self.seconds;
+            let steady = match self.steady_items {
+                0 => String::new(),
+                items => format!(
+                    "; {:.0} {unit}/s after the first {WARM_UP_BATCHES} batches",
+                    items as f64 / self.steady_seconds
+                ),
+            };
             format!(
                 "throughput      {:.0} {unit}/s over {} rank(s) ({:.0} per rank); this run \
-                 trained for {} of {} in all",
+                 trained for {} of {} in all{steady}",
                 rate,
                 self.ranks,
                 rate / self.ranks as f64,
@@ -402,16 +425,30 @@ mod tests {
             "checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and \
              runs/vision-1/accuracy.png"
         );
-        let t = Throughput {
+        let mut t = Throughput {
             items: 2000,
             seconds: 2.0,
             ranks: 2,
             wall: Duration::from_secs(3),
+            ..Throughput::default()
         };
         assert_eq!(
             t.line("images").unwrap(),
             "throughput      1000 images/s over 2 rank(s) (500 per rank); this run trained for \
              0:02 of 0:03 in all"
+        );
+        // Two epochs' steady batches of rank 0, each rank training its own.
+        let split = StepSplit {
+            steady: Duration::from_millis(500),
+            steady_items: 400,
+            ..StepSplit::default()
+        };
+        t.add_steady(&split, 2);
+        t.add_steady(&split, 2);
+        assert_eq!(
+            t.line("images").unwrap(),
+            "throughput      1000 images/s over 2 rank(s) (500 per rank); this run trained for \
+             0:02 of 0:03 in all; 1600 images/s after the first 10 batches"
         );
         assert!(Throughput::default().line("images").is_none());
         assert!(data_parallel_lines(None, 1.0, 2).is_empty());

@@ -205,6 +205,12 @@ pub fn report_line<'a>(
     Some(format!("stragglers      {}", parts.join("; ")))
 }
 
+/// Batches at the start of a process's training that the steady rate leaves out: the first steps
+/// compile (and, with autotune, tune) a GPU backend's kernels and fault in fresh memory on any
+/// backend, which the peers' own timings leave out as warm-up (`benches/ddp_mnist_style.py`
+/// and `benches/gpt_ddp_torch.py` time after 10 steps).
+pub const WARM_UP_BATCHES: u64 = 10;
+
 /// Times one rank's steps through an epoch: call [`input_done`](EpochTimer::input_done) when the
 /// batch is made, [`forward_done`](EpochTimer::forward_done) when the loss is read,
 /// [`backward_done`](EpochTimer::backward_done) when backward has returned (its gradients
@@ -215,6 +221,8 @@ pub struct EpochTimer {
     split: StepSplit,
     wait_at_start: Duration,
     mark: Instant,
+    step_began: Instant,
+    before: u64,
 }
 
 impl Default for EpochTimer {
@@ -224,12 +232,22 @@ impl Default for EpochTimer {
 }
 
 impl EpochTimer {
-    /// Starts timing, now.
+    /// Starts timing the process's first epoch, now.
     pub fn start() -> EpochTimer {
+        EpochTimer::start_after(0)
+    }
+
+    /// Starts timing an epoch, now, after `batches` timed in this process before it (the sum
+    /// of the earlier epochs' [`StepSplit::batches`]), so that only the process's first
+    /// [`WARM_UP_BATCHES`] are left out of the steady rate.
+    pub fn start_after(batches: u64) -> EpochTimer {
+        let now = Instant::now();
         EpochTimer {
             split: StepSplit::default(),
             wait_at_start: exposed(),
-            mark: Instant::now(),
+            mark: now,
+            step_began: now,
+            before: batches,
         }
     }
 
@@ -258,11 +276,18 @@ impl EpochTimer {
         self.split.backward += lap;
     }
 
-    /// The step is done (forward, backward, the optimizer).
-    pub fn step_done(&mut self) {
+    /// The step is done (forward, backward, the optimizer), on `items` of this rank's (images,
+    /// tokens).
+    pub fn step_done(&mut self, items: u64) {
         let lap = self.lap();
         self.split.optimizer += lap;
         self.split.batches += 1;
+        self.split.items += items;
+        if self.before + self.split.batches > WARM_UP_BATCHES {
+            self.split.steady += self.mark - self.step_began;
+            self.split.steady_items += items;
+        }
+        self.step_began = self.mark;
     }
 
     /// This rank's times so far.
@@ -303,11 +328,21 @@ pub struct StepSplit {
     pub exposed: Duration,
     /// Optimizer steps.
     pub optimizer: Duration,
+    /// Items (images, tokens) in the batches timed.
+    pub items: u64,
+    /// The whole time of the batches after the process's first [`WARM_UP_BATCHES`], from the
+    /// end of the batch before each to its own end.
+    pub steady: Duration,
+    /// The items of those batches.
+    pub steady_items: u64,
 }
 
 impl std::ops::AddAssign for StepSplit {
     fn add_assign(&mut self, o: StepSplit) {
         self.batches += o.batches;
+        self.items += o.items;
+        self.steady += o.steady;
+        self.steady_items += o.steady_items;
         self.input += o.input;
         self.forward += o.forward;
         self.backward += o.backward;
@@ -401,10 +436,11 @@ mod tests {
             timer.forward_done();
             std::thread::sleep(Duration::from_millis(8));
             timer.backward_done();
-            timer.step_done();
+            timer.step_done(64);
         }
         let split = timer.split();
-        assert_eq!(split.batches, 2);
+        assert_eq!((split.batches, split.items), (2, 128));
+        assert_eq!((split.steady, split.steady_items), (Duration::ZERO, 0));
         assert!(split.forward >= Duration::from_millis(8), "{split:?}");
         assert!(split.backward >= Duration::from_millis(16), "{split:?}");
         let step = Duration::from_secs_f64(timer.times().compute + timer.times().wait);
@@ -423,6 +459,7 @@ mod tests {
             backward: Duration::from_millis(240),
             exposed: Duration::from_millis(2),
             optimizer: Duration::from_millis(12),
+            ..StepSplit::default()
         }
         .line()
         .unwrap();
@@ -432,6 +469,40 @@ mod tests {
              ms (1.0 ms of it exposed communication), optimizer 6.0 ms"
         );
         assert_eq!(StepSplit::default().line(), None);
+    }
+
+    #[test]
+    fn the_steady_time_leaves_out_the_process_s_first_batches_only() {
+        // A slow first batch (a GPU compiling its kernels), then quick ones, over two epochs of 8.
+        let step = |timer: &mut EpochTimer, ms: u64| {
+            timer.input_done();
+            std::thread::sleep(Duration::from_millis(ms));
+            timer.step_done(4);
+        };
+        let mut first = EpochTimer::start();
+        step(&mut first, 60);
+        for _ in 1..8 {
+            step(&mut first, 2);
+        }
+        let mut total = first.split();
+        assert_eq!((total.steady, total.steady_items), (Duration::ZERO, 0));
+        // An evaluation between the epochs: not a batch's time.
+        std::thread::sleep(Duration::from_millis(60));
+        let mut second = EpochTimer::start_after(total.batches);
+        for _ in 0..8 {
+            step(&mut second, 2);
+        }
+        total += second.split();
+        // Batches 11-16 are steady: 6 of them, 24 items, about 12 ms, neither the first batch's
+        // 60 ms nor the evaluation's.
+        assert_eq!(
+            (total.batches, total.items, total.steady_items),
+            (16, 64, 24)
+        );
+        assert!(
+            total.steady >= Duration::from_millis(12) && total.steady < Duration::from_millis(55),
+            "{total:?}"
+        );
     }
 
     #[test]

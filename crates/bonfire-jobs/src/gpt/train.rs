@@ -98,11 +98,21 @@ fn run_on<A: AutodiffBackend>(
     for round in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let trained;
-        (model, trained) = train_round(ctx, model, &mut optim, &train, &shard, round, &device)?;
+        (model, trained) = train_round(
+            ctx,
+            model,
+            &mut optim,
+            &train,
+            &shard,
+            round,
+            split.batches,
+            &device,
+        )?;
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.tokens * replicas;
         throughput.seconds += train_secs;
+        throughput.add_steady(&trained.split, replicas);
         split += trained.split;
         // The ranks of a tensor-parallel group count the same batches: the sums over all
         // ranks are `tp` times the replicas', which the means cancel.
@@ -243,7 +253,8 @@ fn batch<B: Backend>(
 }
 
 /// Trains one round's steps, each on `grad_accum` micro-batches of windows drawn from this
-/// rank's shard.
+/// rank's shard, after `before` micro-batches trained by this process.
+#[allow(clippy::too_many_arguments)]
 fn train_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     mut model: Gpt<A>,
@@ -251,6 +262,7 @@ fn train_round<A: AutodiffBackend>(
     train: &Windows<'_>,
     shard: &RankShard,
     round: usize,
+    before: u64,
     device: &A::Device,
 ) -> Result<(Gpt<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
@@ -263,7 +275,7 @@ fn train_round<A: AutodiffBackend>(
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
     let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
     let mut curve = Vec::new();
-    let mut timer = EpochTimer::start();
+    let mut timer = EpochTimer::start_after(before);
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
         for micro in 0..c.grad_accum {
@@ -286,7 +298,7 @@ fn train_round<A: AutodiffBackend>(
                 let grads = GradientsParams::from_grads(grads, &model);
                 model = optim.step(lr, model, grads);
             }
-            timer.step_done();
+            timer.step_done((c.batch * c.context) as u64);
             loss_sum += l;
             batches += 1;
             tokens += c.batch * c.context;

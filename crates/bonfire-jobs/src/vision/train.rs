@@ -68,11 +68,20 @@ pub(super) fn run<B: Backend>(
     for epoch in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let trained;
-        (model, trained) = train_epoch(ctx, model, &mut optim, &train, epoch, &device)?;
+        (model, trained) = train_epoch(
+            ctx,
+            model,
+            &mut optim,
+            &train,
+            epoch,
+            split.batches,
+            &device,
+        )?;
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.seen as usize * size;
         throughput.seconds += train_secs;
+        throughput.add_steady(&trained.split, size);
         split += trained.split;
         let totals = ctx.sum(
             vec![
@@ -188,13 +197,15 @@ struct Trained {
     split: StepSplit,
 }
 
-/// Trains one epoch on this rank's shard, in the epoch's order for this rank.
+/// Trains one epoch on this rank's shard, in the epoch's order for this rank, after `before`
+/// batches trained by this process.
 fn train_epoch<B: Backend>(
     ctx: &mut RankContext<'_, Vision>,
     mut model: ResNet<A<B>>,
     optim: &mut Optim<B>,
     train: &ImageSet,
     epoch: usize,
+    before: u64,
     device: &B::Device,
 ) -> Result<(ResNet<A<B>>, Trained), JobError> {
     let c = ctx.settings().config.clone();
@@ -207,7 +218,7 @@ fn train_epoch<B: Backend>(
     let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0u64, 0u64);
     let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
     let mut curve = Vec::new();
-    let mut timer = EpochTimer::start();
+    let mut timer = EpochTimer::start_after(before);
     for (i, idx) in order.chunks(c.batch).enumerate() {
         let (x, y) = train.batch::<A<B>>(idx, device);
         timer.input_done();
@@ -220,7 +231,7 @@ fn train_epoch<B: Backend>(
         timer.backward_done();
         let grads = GradientsParams::from_grads(grads, &model);
         model = optim.step(lr, model, grads);
-        timer.step_done();
+        timer.step_done(idx.len() as u64);
         loss_sum += l * idx.len() as f64;
         correct += hits as u64;
         seen += idx.len() as u64;

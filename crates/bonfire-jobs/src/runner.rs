@@ -225,7 +225,8 @@ impl<'a, J: Job> Runner<'a, J> {
         // Like torchrun's OMP_NUM_THREADS: the ranks share this machine's cores instead of each
         // starting a compute thread per core (with 2 ranks on 2 cores, 2 threads each cost
         // 10-20% of the throughput; see BENCHMARKS.md). An explicit setting is kept.
-        // OMP_NUM_THREADS is LibTorch's, set the same way.
+        // OMP_NUM_THREADS is LibTorch's (and OpenBLAS's, in a build with `openblas`), set the
+        // same way.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = (cores / ranks).max(1);
         for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {

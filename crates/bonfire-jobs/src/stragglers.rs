@@ -282,7 +282,6 @@ impl EpochTimer {
         let lap = self.lap();
         self.split.optimizer += lap;
         self.split.batches += 1;
-        self.split.items += items;
         if self.before + self.split.batches > WARM_UP_BATCHES {
             self.split.steady += self.mark - self.step_began;
             self.split.steady_items += items;
@@ -328,8 +327,6 @@ pub struct StepSplit {
     pub exposed: Duration,
     /// Optimizer steps.
     pub optimizer: Duration,
-    /// Items (images, tokens) in the batches timed.
-    pub items: u64,
     /// The whole time of the batches after the process's first [`WARM_UP_BATCHES`], from the
     /// end of the batch before each to its own end.
     pub steady: Duration,
@@ -340,7 +337,6 @@ pub struct StepSplit {
 impl std::ops::AddAssign for StepSplit {
     fn add_assign(&mut self, o: StepSplit) {
         self.batches += o.batches;
-        self.items += o.items;
         self.steady += o.steady;
         self.steady_items += o.steady_items;
         self.input += o.input;
@@ -439,7 +435,7 @@ mod tests {
             timer.step_done(64);
         }
         let split = timer.split();
-        assert_eq!((split.batches, split.items), (2, 128));
+        assert_eq!(split.batches, 2);
         assert_eq!((split.steady, split.steady_items), (Duration::ZERO, 0));
         assert!(split.forward >= Duration::from_millis(8), "{split:?}");
         assert!(split.backward >= Duration::from_millis(16), "{split:?}");
@@ -495,10 +491,7 @@ mod tests {
         total += second.split();
         // Batches 11-16 are steady: 6 of them, 24 items, about 12 ms, neither the first batch's
         // 60 ms nor the evaluation's.
-        assert_eq!(
-            (total.batches, total.items, total.steady_items),
-            (16, 64, 24)
-        );
+        assert_eq!((total.batches, total.steady_items), (16, 24));
         assert!(
             total.steady >= Duration::from_millis(12) && total.steady < Duration::from_millis(55),
             "{total:?}"

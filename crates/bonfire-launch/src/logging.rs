@@ -15,10 +15,14 @@ use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
 
 /// The filter when neither `BONFIRE_LOG` nor `RUST_LOG` is set: bonfire's informational
-/// messages (a launcher's nodes joining, a restart) and every crate's warnings and errors.
+/// messages (a launcher's nodes joining, a restart) and every crate's warnings and errors, except
+/// CubeCL's warning that two processes tuned the same kernel shape: the ranks of a job share one
+/// autotune cache (`bonfire_jobs::kernel_cache`), tune a new shape at the same
+/// time, and the first verdict written is kept, so each such shape printed a screenful.
 pub const DEFAULT: &str = "warn,bonfire=info,bonfire_launch=info,bonfire_transport=info,\
                            bonfire_collectives=info,bonfire_backend=info,bonfire_train=info,\
-                           bonfire_jobs=info,bonfire_cli=info";
+                           bonfire_jobs=info,bonfire_cli=info,\
+                           cubecl_runtime::tune::tune_cache=error";
 
 /// Why the log filter could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -144,5 +148,38 @@ mod tests {
             err.to_string()
                 .starts_with("BONFIRE_LOG=\"bonfire_transport=loud\" is not a log filter")
         );
+    }
+
+    #[test]
+    fn the_default_filter_drops_cubecl_s_duplicate_tuning_warning_only() {
+        use std::sync::{Arc, Mutex};
+        let seen = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = seen.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(EnvFilter::new(DEFAULT))
+            .with_writer(move || WriteTo(sink.clone()))
+            .event_format(RankFormat {
+                prefix: String::new(),
+            })
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(target: "cubecl_runtime::tune::tune_cache", "tuned twice");
+            tracing::warn!(target: "cubecl_runtime::tune::tuner", "another warning");
+            tracing::info!(target: "cubecl_runtime::tune::tuner", "information");
+        });
+        let text = String::from_utf8(seen.lock().unwrap().clone()).unwrap();
+        assert_eq!(text, "warning: another warning\n");
+    }
+
+    struct WriteTo(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for WriteTo {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 }

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The jobs with Burn's fusion and autotune (bonfire-cli's `fusion` feature) on a GPU machine, warm,
+# against PyTorch eager in the same lease (BENCHMARKS.md, "Burn's fusion and autotune on CUDA").
+# Runs on the GPU machine, from the repository root, with $GPU_DIR (default .gpu-fused) holding
+# `bonfire.xz` (`GPU_DIR=.gpu-fused CLI_FEATURES=fusion bash benches/gpu/build.sh`) and the MNIST
+# package's tarball; logs and a summary go to $OUT (default ./gpu-out).
+#
+# 1. Tuning: one short run of each part (PARTS, default "vision64 gpt vision256") with the shapes
+#    of its measured run, all at once (each tunes on a CPU core of its own; the GPU idles while
+#    NVRTC compiles candidates), sharing one kernel cache ($BONFIRE_KERNEL_CACHE, which bonfire
+#    gives CubeCL). A cache brought back from an earlier lease ($GPU_DIR/kernels.tar.xz.*) is
+#    unpacked first, so tuning resumes where that lease stopped.
+# 2. Measuring: as each part's tuning ends, its measured run, then PyTorch eager on the same model
+#    and batch, one at a time (a lock keeps measured runs apart; parts still tuning go on beside
+#    them, at a few percent of the GPU).
+# 3. The cache comes back in $OUT as kernels.tar.xz.NN (15 MiB pieces), for the next lease's
+#    $GPU_DIR.
+# Everything stops by DEADLINE seconds (default 500) after the script starts; the cache is packed
+# in the last 40.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dir="${GPU_DIR:-.gpu-fused}"
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+logs=/tmp/tuned-logs
+rm -rf "$logs"
+mkdir -p "$logs"
+start=$(date +%s)
+deadline=$((start + ${DEADLINE:-500}))
+pack_at=$((deadline - 40))
+# shellcheck source=benches/gpu/machine.sh
+source benches/gpu/machine.sh
+gpu_machine "$dir"
+zcat datasets/embedded/shakespeare-head.txt.gz >/tmp/shakespeare-head.txt
+export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
+mkdir -p "$BONFIRE_KERNEL_CACHE"
+
+say() { printf '[+%3ds] %s\n' $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }
+left() { # seconds: the smaller of $1 and what remains before the cache is packed, at least 1
+    local l=$((pack_at - $(date +%s)))
+    ((l < 1)) && l=1
+    ((l < $1)) && echo "$l" || echo "$1"
+}
+cache_stats() { # the cache's autotune verdicts and compiled kernels, counted by their index lines
+    local v k
+    v=$(find "$BONFIRE_KERNEL_CACHE" -path '*autotune*' -name '*.json.log' -exec cat {} + 2>/dev/null | wc -l)
+    k=$(find "$BONFIRE_KERNEL_CACHE" -path '*ptx*' -name '*.json.log' -exec cat {} + 2>/dev/null | wc -l)
+    echo "verdicts $v, kernels $k"
+}
+show="(throughput|step split|no autotune|error|panick)"
+
+if ls "$dir"/kernels.tar.xz.* >/dev/null 2>&1; then
+    cat "$dir"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
+    say "cache carried in: $(cache_stats)"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
+
+want() { [[ " ${PARTS:-vision64 gpt vision256} " == *" $1 "* ]]; }
+job() { # part, tune|warm -> the job's command line
+    local b=${1#vision}
+    case $1:$2 in
+    vision*:tune) echo "train vision --backend cuda --ranks 1 --batch $b --epochs 1 --train-limit 1280 --test-limit 1024" ;;
+    vision*:warm) echo "train vision --backend cuda --ranks 1 --batch $b --epochs 1 --train-limit 12800 --test-limit 1024" ;;
+    gpt:tune) echo "train gpt --backend cuda --dp 1 --steps 12 --eval-every 100000 --sample-chars 0" ;;
+    gpt:warm) echo "train gpt --backend cuda --dp 1 --steps 60 --eval-every 100000 --sample-chars 0" ;;
+    esac
+}
+peer() { # part -> PyTorch eager on the same model and batch
+    case $1 in
+    vision*) echo "benches/ddp_mnist_style.py --model resnet --device cuda --batch ${1#vision} --steps 200" ;;
+    gpt) echo "benches/gpt_ddp_torch.py --device cuda --text /tmp/shakespeare-head.txt --dp 1 --steps 60" ;;
+    esac
+}
+part() { # tune, then (one measured run at a time) measure warm and the peer
+    local p=$1 t0 rc
+    t0=$(date +%s)
+    # shellcheck disable=SC2046
+    timeout "$(left 600)" "$bin/bonfire" $(job "$p" tune) --checkpoint-dir "/tmp/ck-$p-tune" \
+        >"$logs/$p-tune.log" 2>&1
+    rc=$?
+    say "$p: tuning run rc=$rc in $(($(date +%s) - t0)) s ($(cache_stats))"
+    grep -E "$show" "$logs/$p-tune.log" | sed "s/^/  $p tune: /" | tee -a "$out/summary.txt"
+    [ "$rc" = 0 ] || return 0
+    (
+        flock 9
+        t0=$(date +%s)
+        # shellcheck disable=SC2046
+        timeout "$(left 120)" "$bin/bonfire" $(job "$p" warm) --checkpoint-dir "/tmp/ck-$p-warm" \
+            >"$logs/$p-warm.log" 2>&1
+        say "$p: warm run rc=$? in $(($(date +%s) - t0)) s ($(cache_stats))"
+        grep -E "$show" "$logs/$p-warm.log" | sed "s/^/  $p warm: /" | tee -a "$out/summary.txt"
+        # shellcheck disable=SC2046
+        PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer.log" 2>&1
+        say "$p: PyTorch eager rc=$?"
+        tail -3 "$logs/$p-peer.log" | sed "s/^/  $p peer: /" | tee -a "$out/summary.txt"
+    ) 9>/tmp/tuned-measure.lock
+}
+
+say "tuning $(for p in vision64 gpt vision256; do want $p && printf '%s ' $p; done)($(cache_stats))"
+pids=()
+for p in vision64 gpt vision256; do
+    want "$p" || continue
+    part "$p" &
+    pids+=($!)
+done
+# The cache grows while the parts tune: a line a minute.
+next=$(($(date +%s) + 60))
+while sleep 5; do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    if (($(date +%s) >= next)); then
+        say "... $(cache_stats); GPU $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader)"
+        next=$((next + 60))
+    fi
+done
+wait
+pkill -f "$bin/bonfire train" 2>/dev/null
+say "done: $(cache_stats)"
+(cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$out/kernels.tar.xz."
+du -sh "$BONFIRE_KERNEL_CACHE" "$out"/kernels.tar.xz.* | tee -a "$out/summary.txt"
+tar czf "$out/logs.tar.gz" -C "$logs" .

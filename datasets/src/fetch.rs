@@ -21,20 +21,26 @@ pub(crate) const VERIFIED: &str = ".verified";
 /// Where data sets are cached: `$BONFIRE_DATA_DIR` when set, else `$XDG_CACHE_HOME/bonfire/datasets`,
 /// else `$HOME/.cache/bonfire/datasets`, else `.bonfire-data` in the working directory.
 pub fn cache_root() -> PathBuf {
-    let var = |k: &str| {
+    user_cache_dir("BONFIRE_DATA_DIR", "datasets", ".bonfire-data")
+}
+
+/// One of bonfire's cache directories: `$var` when set, else `$XDG_CACHE_HOME/bonfire/<name>`,
+/// else `$HOME/.cache/bonfire/<name>`, else `local` in the working directory.
+pub fn user_cache_dir(var: &str, name: &str, local: &str) -> PathBuf {
+    let get = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    if let Some(dir) = var("BONFIRE_DATA_DIR") {
+    if let Some(dir) = get(var) {
         return dir;
     }
-    if let Some(dir) = var("XDG_CACHE_HOME") {
-        return dir.join("bonfire").join("datasets");
+    if let Some(dir) = get("XDG_CACHE_HOME") {
+        return dir.join("bonfire").join(name);
     }
-    match var("HOME") {
-        Some(home) => home.join(".cache").join("bonfire").join("datasets"),
-        None => PathBuf::from(".bonfire-data"),
+    match get("HOME") {
+        Some(home) => home.join(".cache").join("bonfire").join(name),
+        None => PathBuf::from(local),
     }
 }
 

@@ -34,5 +34,5 @@ pub mod text;
 /// `world` reads.
 pub use bonfire_topology::{RankShard, ShardError, Sharding};
 pub use error::{ByHand, DataError};
-pub use fetch::cache_root;
+pub use fetch::{cache_root, user_cache_dir};
 pub use images::{ImageItem, ImageSet, Shard, Split, Vision};

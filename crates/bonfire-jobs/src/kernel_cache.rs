@@ -23,21 +23,7 @@ pub const KERNEL_CACHE_ENV: &str = "BONFIRE_KERNEL_CACHE";
 /// `$XDG_CACHE_HOME/bonfire/kernels`, else `$HOME/.cache/bonfire/kernels`, else
 /// `.bonfire-kernels` in the working directory.
 pub fn kernel_cache_root() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    if let Some(dir) = var(KERNEL_CACHE_ENV) {
-        return dir;
-    }
-    if let Some(dir) = var("XDG_CACHE_HOME") {
-        return dir.join("bonfire").join("kernels");
-    }
-    match var("HOME") {
-        Some(home) => home.join(".cache").join("bonfire").join("kernels"),
-        None => PathBuf::from(".bonfire-kernels"),
-    }
+    bonfire_datasets::user_cache_dir(KERNEL_CACHE_ENV, "kernels", ".bonfire-kernels")
 }
 
 /// Where this process's CubeCL caches are, as [`place_kernel_caches`] found or put them.

@@ -20,7 +20,7 @@ stages=("${@:-2 4}")
 for p in ${stages[@]}; do
     for schedule in gpipe 1f1b; do
         for m in 4 8 16; do
-            BOOK_REPORT=1 BOOK_SCHEDULE="$schedule" BOOK_MICRO_BATCHES="$m" RAYON_NUM_THREADS=1 \
+            BONFIRE_PP="$p" BOOK_REPORT=1 BOOK_SCHEDULE="$schedule" BOOK_MICRO_BATCHES="$m" RAYON_NUM_THREADS=1 \
                 "$target/bonfire" launch --nproc-per-node "$p" -- "$target/pipeline" \
                 | grep '^\(\[rank [0-9]*\] \)\?stage ' | sed 's/^\[rank [0-9]*\] //'
         done

@@ -124,35 +124,208 @@ impl<B: Backend> Block<B> {
 impl<B: Backend> Gpt<B> {
     /// Logits `[batch, seq, vocab]` for tokens `[batch, seq]` (seq at most the context).
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [b, s] = tokens.dims();
-        let device = tokens.device();
-        let positions = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
-            .reshape([1, s])
-            .repeat_dim(0, b);
-        let mut x = self.tok.forward(tokens) + self.pos.forward(positions);
-        let mask = generate_autoregressive_mask::<B>(b, s, &device);
-        for block in &self.blocks {
-            x = block.forward(x, mask.clone());
-        }
-        let x = self.ln_f.forward(x);
-        match &self.head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.tok.weight.val().transpose().unsqueeze::<3>()),
-        }
+        let x = run_blocks(&self.blocks, embed(&self.tok, &self.pos, tokens));
+        logits(&self.ln_f, self.head.as_ref(), Some(&self.tok), x)
     }
 
     /// Mean next-token cross-entropy (nats per token) of `tokens` predicting `targets` (both
     /// `[batch, seq]`).
     pub fn loss(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        let [b, s] = tokens.dims();
-        let device = tokens.device();
-        let logits = self.forward(tokens);
-        let vocab = logits.dims()[2];
-        CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits.reshape([b * s, vocab]), targets.reshape([b * s]))
+        cross_entropy(self.forward(tokens), targets)
     }
 
+    /// Blocks `blocks` (of `0..layers`) of the model as one pipeline stage: the embeddings come
+    /// along when the range starts at block 0, the final norm and the head when it ends at the
+    /// last block, and a tied head keeps the token embedding on the last stage too (its
+    /// gradient is then the sum of the two stages', see [`GptStage::tied_embedding`]). Every
+    /// parameter keeps its id, so the stages of one model put together
+    /// ([`GptStage::assemble`]) are that model.
+    ///
+    /// # Panics
+    /// If `blocks` is empty or reaches past the last block.
+    pub fn into_stage(self, blocks: std::ops::Range<usize>) -> GptStage<B> {
+        let layers = self.blocks.len();
+        assert!(
+            blocks.start < blocks.end && blocks.end <= layers,
+            "blocks {blocks:?} of a model of {layers}"
+        );
+        let (first, last) = (blocks.start == 0, blocks.end == layers);
+        let tied = self.head.is_none();
+        GptStage {
+            tok: (first || (last && tied)).then_some(self.tok),
+            pos: first.then_some(self.pos),
+            blocks: self
+                .blocks
+                .into_iter()
+                .skip(blocks.start)
+                .take(blocks.len())
+                .collect(),
+            ln_f: last.then_some(self.ln_f),
+            head: if last { self.head } else { None },
+            first_block: blocks.start,
+            tied,
+        }
+    }
+
+    /// Parameters per block, in block order: what a pipeline's stages are balanced by.
+    pub fn block_params(&self) -> Vec<u64> {
+        self.blocks.iter().map(|b| b.num_params() as u64).collect()
+    }
+}
+
+/// Token and position embeddings of `tokens` `[batch, seq]`.
+fn embed<B: Backend>(
+    tok: &Embedding<B>,
+    pos: &Embedding<B>,
+    tokens: Tensor<B, 2, Int>,
+) -> Tensor<B, 3> {
+    let [b, s] = tokens.dims();
+    let device = tokens.device();
+    let positions = Tensor::<B, 1, Int>::arange(0..s as i64, &device)
+        .reshape([1, s])
+        .repeat_dim(0, b);
+    tok.forward(tokens) + pos.forward(positions)
+}
+
+/// `blocks` over the residual stream `x` `[batch, seq, width]`, causally masked.
+fn run_blocks<B: Backend>(blocks: &[Block<B>], mut x: Tensor<B, 3>) -> Tensor<B, 3> {
+    if blocks.is_empty() {
+        return x;
+    }
+    let [b, s, _] = x.dims();
+    let mask = generate_autoregressive_mask::<B>(b, s, &x.device());
+    for block in blocks {
+        x = block.forward(x, mask.clone());
+    }
+    x
+}
+
+/// The final norm and the head (or the tied embedding's transpose) over `x`: logits.
+fn logits<B: Backend>(
+    ln_f: &LayerNorm<B>,
+    head: Option<&Linear<B>>,
+    tok: Option<&Embedding<B>>,
+    x: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let x = ln_f.forward(x);
+    match (head, tok) {
+        (Some(head), _) => head.forward(x),
+        (None, Some(tok)) => x.matmul(tok.weight.val().transpose().unsqueeze::<3>()),
+        (None, None) => unreachable!("a tied head keeps the token embedding on its stage"),
+    }
+}
+
+/// Mean cross-entropy of `logits` `[batch, seq, vocab]` against `targets` `[batch, seq]`.
+fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [b, s, vocab] = logits.dims();
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits.reshape([b * s, vocab]), targets.reshape([b * s]))
+}
+
+/// One pipeline stage of a [`Gpt`] ([`Gpt::into_stage`]): some of its blocks, with the
+/// embeddings on the first stage and the final norm and head on the last.
+#[derive(Module, Debug)]
+pub struct GptStage<B: Backend> {
+    tok: Option<Embedding<B>>,
+    pos: Option<Embedding<B>>,
+    blocks: Vec<Block<B>>,
+    ln_f: Option<LayerNorm<B>>,
+    head: Option<Linear<B>>,
+    first_block: usize,
+    tied: bool,
+}
+
+impl<B: Backend> GptStage<B> {
+    /// Whether this stage reads the tokens (it holds the embeddings).
+    pub fn is_first(&self) -> bool {
+        self.pos.is_some()
+    }
+
+    /// Whether this stage computes the loss (it holds the head).
+    pub fn is_last(&self) -> bool {
+        self.ln_f.is_some()
+    }
+
+    /// The blocks this stage holds, as indices of the whole model's.
+    pub fn blocks(&self) -> std::ops::Range<usize> {
+        self.first_block..self.first_block + self.blocks.len()
+    }
+
+    /// The token embedding's weight when it is tied to the head and this stage uses it but not
+    /// alone: on the first and the last stage of a pipeline of several. Its gradient is the sum
+    /// of both stages' (the input's part and the head's), which the two must exchange before
+    /// their optimizers step, as Megatron-LM's embedding group does.
+    pub fn tied_embedding(&self) -> Option<&burn::module::Param<Tensor<B, 2>>> {
+        let shared = self.tied && (self.is_first() != self.is_last());
+        self.tok.as_ref().filter(|_| shared).map(|t| &t.weight)
+    }
+
+    /// The stage's forward: the embeddings of `tokens` on the first stage, else `input` (the
+    /// previous stage's activation), through the stage's blocks.
+    ///
+    /// # Panics
+    /// On the first stage without tokens, or another stage without an input.
+    pub fn forward(
+        &self,
+        tokens: Option<Tensor<B, 2, Int>>,
+        input: Option<Tensor<B, 3>>,
+    ) -> Tensor<B, 3> {
+        let x = match (&self.tok, &self.pos, tokens, input) {
+            (Some(tok), Some(pos), Some(tokens), _) => embed(tok, pos, tokens),
+            (_, None, _, Some(x)) => x,
+            _ => panic!(
+                "stage of blocks {:?}: the first stage takes tokens, the others an input",
+                self.blocks()
+            ),
+        };
+        run_blocks(&self.blocks, x)
+    }
+
+    /// The last stage's loss: the final norm and the head over its blocks' output `x`, mean
+    /// cross-entropy against `targets` `[batch, seq]`.
+    ///
+    /// # Panics
+    /// On any stage but the last.
+    pub fn loss(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let Some(ln_f) = &self.ln_f else {
+            panic!("stage of blocks {:?} is not the last", self.blocks());
+        };
+        let logits = logits(ln_f, self.head.as_ref(), self.tok.as_ref(), x);
+        cross_entropy(logits, targets)
+    }
+
+    /// The whole model from the records of its stages, in stage order: the blocks of each, the
+    /// embeddings of the first, the final norm and the head of the last.
+    ///
+    /// # Panics
+    /// If the stages are not those of one model (a part missing).
+    pub fn assemble(stages: Vec<GptStageRecord<B>>) -> GptRecord<B> {
+        let count = stages.len();
+        let mut blocks = Vec::new();
+        let (mut tok, mut pos, mut ln_f, mut head) = (None, None, None, None);
+        for (i, stage) in stages.into_iter().enumerate() {
+            if i == 0 {
+                tok = stage.tok;
+                pos = stage.pos;
+            }
+            if i + 1 == count {
+                ln_f = stage.ln_f;
+                head = stage.head;
+            }
+            blocks.extend(stage.blocks);
+        }
+        GptRecord {
+            tok: tok.expect("the first stage holds the token embedding"),
+            pos: pos.expect("the first stage holds the position embedding"),
+            blocks,
+            ln_f: ln_f.expect("the last stage holds the final norm"),
+            head,
+        }
+    }
+}
+
+impl<B: Backend> Gpt<B> {
     /// Tokens in the vocabulary.
     pub fn vocab(&self) -> usize {
         self.tok.weight.dims()[0]
@@ -338,5 +511,87 @@ mod sampling_tests {
         }
         let expect = 6f64.sqrt() / (6f64.sqrt() + 3f64.sqrt() + 1.0);
         assert!((c2 as f64 / n as f64 - expect).abs() < 1e-3, "{c2}");
+    }
+}
+
+#[cfg(test)]
+mod stage_tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::module::Module;
+
+    type B = Flex;
+
+    fn model(tied: bool) -> Gpt<B> {
+        let device = Default::default();
+        B::seed(&device, 7);
+        GptConfig::new(11)
+            .with_context(8)
+            .with_layers(4)
+            .with_heads(2)
+            .with_embd(16)
+            .with_tied(tied)
+            .init(&device)
+    }
+
+    /// The stages of a model, run one after another, give the whole model's loss bit for bit;
+    /// their records put together are the model's (same ids, same values); the tied embedding
+    /// is named on the first and the last stage only.
+    #[test]
+    fn stages_chained_are_the_model() {
+        let device = Default::default();
+        let tokens = Tensor::<B, 2, Int>::from_ints([[1, 2, 3, 4], [5, 6, 7, 8]], &device);
+        let targets = Tensor::<B, 2, Int>::from_ints([[2, 3, 4, 5], [6, 7, 8, 9]], &device);
+        for tied in [true, false] {
+            let whole = model(tied);
+            let want = whole.loss(tokens.clone(), targets.clone()).into_scalar();
+            let ranges = [0..1, 1..3, 3..4];
+            let stages: Vec<GptStage<B>> = ranges
+                .iter()
+                .map(|r| whole.clone().into_stage(r.clone()))
+                .collect();
+            assert!(stages[0].is_first() && !stages[0].is_last());
+            assert!(!stages[1].is_first() && !stages[1].is_last());
+            assert!(stages[2].is_last() && !stages[2].is_first());
+            assert_eq!(stages[1].blocks(), 1..3);
+            let tied_ids: Vec<bool> = stages
+                .iter()
+                .map(|s| s.tied_embedding().is_some())
+                .collect();
+            assert_eq!(tied_ids, vec![tied, false, tied]);
+            let mut x = stages[0].forward(Some(tokens.clone()), None);
+            x = stages[1].forward(None, Some(x));
+            let x = stages[2].forward(None, Some(x));
+            let got = stages[2].loss(x, targets.clone()).into_scalar();
+            assert_eq!(got.to_bits(), want.to_bits(), "tied {tied}");
+            let records = stages.into_iter().map(|s| s.into_record()).collect();
+            let rebuilt = GptConfig::new(11)
+                .with_context(8)
+                .with_layers(4)
+                .with_heads(2)
+                .with_embd(16)
+                .with_tied(tied)
+                .init::<B>(&device)
+                .load_record(GptStage::assemble(records));
+            let ids = |m: &Gpt<B>| {
+                let mut v = Vec::new();
+                struct Ids<'a>(&'a mut Vec<(String, Vec<f32>)>);
+                impl<B: Backend> burn::module::ModuleVisitor<B> for Ids<'_> {
+                    fn visit_float<const D: usize>(
+                        &mut self,
+                        p: &burn::module::Param<Tensor<B, D>>,
+                    ) {
+                        let values = p.val().into_data().to_vec::<f32>().unwrap();
+                        self.0.push((p.id.to_string(), values));
+                    }
+                }
+                m.visit(&mut Ids(&mut v));
+                v
+            };
+            assert_eq!(ids(&rebuilt), ids(&whole), "tied {tied}");
+        }
+        // A single stage is the whole model.
+        let one = model(true).into_stage(0..4);
+        assert!(one.is_first() && one.is_last() && one.tied_embedding().is_none());
     }
 }

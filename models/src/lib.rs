@@ -11,5 +11,5 @@
 mod gpt;
 mod resnet;
 
-pub use gpt::{Block, Gpt, GptConfig, Mlp, Sampling};
+pub use gpt::{Block, Gpt, GptConfig, GptRecord, GptStage, GptStageRecord, Mlp, Sampling};
 pub use resnet::{BasicBlock, ResNet, ResNetConfig};

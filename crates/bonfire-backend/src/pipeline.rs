@@ -23,18 +23,22 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use bonfire_collectives::{CollectiveError, Communicator, Work};
-use burn::module::AutodiffModule;
+use bonfire_topology::ReduceOp;
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 /// The order of a stage's forwards and backwards within a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Schedule {
     /// Every micro-batch's forward, then every backward (GPipe).
+    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward in the steady state, after `p - 1 - stage` forwards of warm-up
     /// (PipeDream-flush's 1F1B): at most `p - stage` micro-batches in flight on a stage.
+    #[default]
+    #[serde(rename = "1f1b")]
     OneFOneB,
 }
 
@@ -291,6 +295,68 @@ impl Pipeline {
     /// The schedule.
     pub fn schedule(&self) -> Schedule {
         self.schedule
+    }
+
+    /// The pipeline group: one rank per stage, in stage order.
+    pub fn group(&self) -> &Communicator {
+        &self.group
+    }
+
+    /// Sums the gradient of a parameter that the first and the last stage both hold (a token
+    /// embedding tied to the head: the first stage's input and the last stage's output) over the
+    /// two, as Megatron-LM's embedding group does: each ends with the first stage's gradient
+    /// plus the last's, in that order, so the two copies take the same optimizer step, bit for
+    /// bit. The first and the last stage call it after [`Pipeline::step`] with their copy; the
+    /// stages between do not. A no-op in a pipeline of one stage.
+    pub fn sum_shared<B: AutodiffBackend, const D: usize>(
+        &self,
+        grads: &mut GradientsParams,
+        param: &Param<Tensor<B, D>>,
+    ) -> Result<(), PipelineError> {
+        let (stage, stages) = (self.stage(), self.stages());
+        if stages == 1 {
+            return Ok(());
+        }
+        let what = "summing a parameter shared by the first and the last stage";
+        let other = match stage {
+            0 => stages - 1,
+            s if s + 1 == stages => 0,
+            _ => {
+                return Err(self.problem(
+                    0,
+                    "only the first and the last stage share parameters".to_string(),
+                ));
+            }
+        };
+        let Some(mine) = grads.remove::<B::InnerBackend, D>(param.id) else {
+            return Err(self.problem(
+                0,
+                format!(
+                    "the shared parameter {} has no gradient on this stage",
+                    param.id
+                ),
+            ));
+        };
+        let device = mine.device();
+        let dims = mine.shape().dims::<D>();
+        let values = f32_values(&mine).map_err(|e| self.problem(0, e))?;
+        let sent = self.group.send(values.clone(), other);
+        let theirs = self
+            .group
+            .recv(vec![0f32; values.len()], other)
+            .wait()
+            .map_err(|source| self.transfer(what, 0, source))?;
+        sent.wait()
+            .map_err(|source| self.transfer(what, 0, source))?;
+        let (first, last) = if stage == 0 {
+            (&values, &theirs)
+        } else {
+            (&theirs, &values)
+        };
+        let sum: Vec<f32> = first.iter().zip(last).map(|(a, b)| a + b).collect();
+        let sum = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(sum, dims), &device);
+        grads.register::<B::InnerBackend, D>(param.id, sum);
+        Ok(())
     }
 
     /// The order of this stage's work in a step: `true` a forward, `false` a backward, each of
@@ -554,6 +620,104 @@ impl Pipeline {
         account.idle += waited.elapsed();
         Ok(values)
     }
+}
+
+/// Averages a step's gradients (from [`Pipeline::step`]) over `group`, the ranks that hold the
+/// same stage (the stage's data-parallel group), in one all-reduce of the gradients in
+/// `module`'s parameter order, after the step's last backward. Every member calls it with the
+/// same stage. Returns the gradients, averaged; a group of one returns them as they are.
+pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &Communicator,
+    module: &M,
+    grads: GradientsParams,
+) -> Result<GradientsParams, CollectiveError> {
+    if group.size() == 1 {
+        return Ok(grads);
+    }
+    struct Take<B> {
+        grads: GradientsParams,
+        flat: Vec<f32>,
+        taken: Vec<(ParamId, Vec<usize>, usize)>,
+        failed: Option<String>,
+        _b: std::marker::PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let Some(g) = self.grads.remove::<B::InnerBackend, D>(p.id) else {
+                return;
+            };
+            match f32_values(&g) {
+                Ok(values) => {
+                    self.taken.push((p.id, g.dims().to_vec(), values.len()));
+                    self.flat.extend(values);
+                }
+                Err(e) => self.failed = Some(e),
+            }
+        }
+    }
+    let mut take = Take::<B> {
+        grads,
+        flat: Vec::new(),
+        taken: Vec::new(),
+        failed: None,
+        _b: std::marker::PhantomData,
+    };
+    module.visit(&mut take);
+    if let Some(problem) = take.failed {
+        return Err(CollectiveError::InvalidArgument {
+            me: group.world_rank(),
+            op: "all_reduce",
+            problem,
+        });
+    }
+    let averaged = group.all_reduce(take.flat, ReduceOp::Mean).wait()?;
+    struct Put<'a, B: AutodiffBackend> {
+        grads: GradientsParams,
+        averaged: &'a [f32],
+        taken: std::slice::Iter<'a, (ParamId, Vec<usize>, usize)>,
+        at: usize,
+        device: Option<B::Device>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let Some((id, dims, len)) = self.taken.as_slice().first() else {
+                return;
+            };
+            if *id != p.id {
+                return;
+            }
+            self.taken.next();
+            let device = self
+                .device
+                .get_or_insert_with(|| p.val().inner().device())
+                .clone();
+            let values = self.averaged[self.at..self.at + len].to_vec();
+            self.at += len;
+            let dims: [usize; D] = dims.clone().try_into().expect("the gradient's rank");
+            let g = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, dims), &device);
+            self.grads.register::<B::InnerBackend, D>(p.id, g);
+        }
+    }
+    let mut put = Put::<B> {
+        grads: take.grads,
+        averaged: &averaged,
+        taken: take.taken.iter(),
+        at: 0,
+        device: None,
+    };
+    module.visit(&mut put);
+    Ok(put.grads)
+}
+
+/// A tensor's values as f32.
+fn f32_values<B: burn::tensor::backend::Backend, const D: usize>(
+    t: &Tensor<B, D>,
+) -> Result<Vec<f32>, String> {
+    t.clone()
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("cannot read a gradient: {e:?}"))
 }
 
 /// `module` with each parameter a new leaf over the same values (same parameter ids, no copy):

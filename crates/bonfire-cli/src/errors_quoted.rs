@@ -419,6 +419,7 @@ variants!(
         InitError::Transport(..),
         InitError::Communicator(..),
         InitError::TensorParallelSize { .. },
+        InitError::PipelineSize { .. },
         InitError::Groups { .. },
         InitError::Config(..),
     ]
@@ -461,6 +462,11 @@ fn init_examples() -> Vec<InitError> {
         InitError::Communicator(peer_lost()),
         InitError::TensorParallelSize {
             value: "3".into(),
+            world_size: 4,
+        },
+        InitError::PipelineSize {
+            value: "3".into(),
+            tp: 1,
             world_size: 4,
         },
         InitError::Groups {
@@ -921,6 +927,8 @@ variants!(
         JobError::VocabMismatch { .. },
         JobError::PromptOutsideVocab { .. },
         JobError::TpNotSet { .. },
+        JobError::PpNotSet { .. },
+        JobError::Pipeline(..),
         JobError::Plan(..),
         JobError::NothingToSample,
     ]
@@ -1053,6 +1061,12 @@ fn job_examples() -> Vec<JobError> {
             tp: 2,
             found: 1,
         },
+        JobError::PpNotSet {
+            job: "gpt",
+            pp: 2,
+            found: 1,
+        },
+        JobError::Pipeline(PipelineError::NoMicroBatches),
         JobError::Plan(PlanError::OtherGroup { given: 7, bound: 9 }),
         JobError::NothingToSample,
     ]

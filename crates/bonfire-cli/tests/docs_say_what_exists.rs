@@ -36,6 +36,7 @@ fn help(path: &[&str]) -> String {
 
 fn cli() -> Cli {
     let flag = Regex::new(r"(?m)^\s+(?:-\w, )?--([a-z0-9-]+)").unwrap();
+    let alias = Regex::new(r"\[alias(?:es)?:\s+([^\]]+)\]").unwrap();
     let mut cli = Cli {
         flags: HashMap::new(),
         helps: Vec::new(),
@@ -44,9 +45,17 @@ fn cli() -> Cli {
     while let Some(path) = todo.pop() {
         let args: Vec<&str> = path.iter().map(String::as_str).collect();
         let text = help(&args);
+        // A flag's visible aliases are flags too: `[alias: --ranks]`, `[aliases: --a, --b]`.
+        let aliases = alias.captures_iter(&text).flat_map(|c| {
+            c[1].split(',')
+                .filter_map(|a| a.trim().strip_prefix("--"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        });
         let flags = flag
             .captures_iter(&text)
             .map(|c| c[1].to_string())
+            .chain(aliases)
             .collect();
         if let Some(cmds) = text.split("Commands:\n").nth(1) {
             for line in cmds.lines().take_while(|l| l.starts_with("  ")) {

@@ -576,3 +576,192 @@ fn damaged_checkpoints_are_passed_over_or_refused_without_a_panic() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every parameter of the model in checkpoint `epoch-N` of the run in `dir`, in module order.
+fn weights(dir: &Path, n: usize) -> Vec<f32> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    type B = burn::backend::Flex;
+    struct Values(Vec<f32>);
+    impl ModuleVisitor<B> for Values {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0
+                .extend(p.val().into_data().to_vec::<f32>().expect("f32 parameters"));
+        }
+    }
+    let config: bonfire_jobs::gpt::GptRunConfig =
+        serde_json::from_value(state(dir, n)["config"].clone()).unwrap();
+    let epoch = dir.join(format!("epoch-{n}"));
+    let bytes = std::fs::read(epoch.join("model.bin")).unwrap();
+    let device = Default::default();
+    let model = bonfire_jobs::checkpoint::load_model(
+        config.model().init::<B>(&device),
+        &bytes,
+        &device,
+        &epoch,
+    )
+    .unwrap();
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+/// The largest difference between two runs' parameters after checkpoint `n`.
+fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
+    let (x, y) = (weights(a, n), weights(b, n));
+    assert_eq!(x.len(), y.len());
+    x.iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Pipeline parallelism in the bundled job: `--pp 2` (1F1B and GPipe) against one device with
+/// the same micro-batches (`--micro-batches 4` is the same step), and `--dp 2 --pp 2` (four
+/// processes) against `--dp 2`: every evaluation's losses within 1e-5, every parameter within
+/// 1e-5 after 8 Adam steps (the tied embedding's gradient is summed per step across the first
+/// and the last stage, not per micro-batch, so the bits may differ). The report names the
+/// stages against the bubble. A run killed after its first checkpoint resumes bit for bit; its
+/// checkpoint is the whole model (`--sample` reads it); `--pp` more than the blocks, `--pp` with
+/// `--tp`, and `--zero` with `--pp` are refused with exit code 2.
+#[test]
+fn pipeline_stages_train_as_one_device() {
+    let dir = scratch("gpt-pipeline");
+    let mut tiny: Vec<&str> = TINY.to_vec();
+    let at = |t: &Vec<&str>, flag: &str| t.iter().position(|a| *a == flag).unwrap() + 1;
+    let (layers, batch, every) = (
+        at(&tiny, "--layers"),
+        at(&tiny, "--batch"),
+        at(&tiny, "--eval-every"),
+    );
+    tiny[layers] = "3";
+    tiny[batch] = "2";
+    tiny[every] = "4";
+    let run = |name: &str, extra: &[&str]| -> String {
+        let out = bonfire(&dir, &tiny)
+            .args([
+                "--steps",
+                "8",
+                "--micro-batches",
+                "4",
+                "--checkpoint-dir",
+                name,
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let log = text(&out);
+        assert!(out.status.success(), "{name}: {log}");
+        log
+    };
+    run("one", &["--dp", "1"]);
+    let log = run("pp", &["--dp", "1", "--pp", "2"]);
+    assert!(
+        log.contains("1 data-parallel replica(s) x 2 pipeline stages (1f1b, 4 micro-batches"),
+        "{log}"
+    );
+    for stage in [
+        "pipeline stage 0 of 2: blocks 0..2",
+        "pipeline stage 1 of 2: blocks 2..3",
+    ] {
+        assert!(log.contains(stage), "{log}");
+    }
+    assert!(log.contains("(the bubble (p-1)/(m+p-1) is 20.0%)"), "{log}");
+    run("gpipe", &["--dp", "1", "--pp", "2", "--schedule", "gpipe"]);
+    run("dp", &["--dp", "2"]);
+    run("dp-pp", &["--dp", "2", "--pp", "2"]);
+    let close = |a: &str, b: &str| {
+        let (sa, sb) = (state(&dir.join(a), 2), state(&dir.join(b), 2));
+        for (x, y) in sa["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(sb["history"].as_array().unwrap())
+        {
+            for loss in ["train_loss", "val_loss"] {
+                let (p, q) = (f(&x[loss]), f(&y[loss]));
+                assert!((p - q).abs() < 1e-5, "{a} against {b}: {loss} {p} and {q}");
+            }
+        }
+        for n in [1, 2] {
+            let d = max_difference(&dir.join(a), &dir.join(b), n);
+            assert!(
+                d < 1e-5,
+                "{a} against {b}: parameters {d} apart after evaluation {n}"
+            );
+        }
+    };
+    close("pp", "one");
+    close("gpipe", "one");
+    close("dp-pp", "dp");
+    // The schedule changes the order of the work, not the arithmetic.
+    assert_eq!(digests(&dir.join("pp"), 2), digests(&dir.join("gpipe"), 2));
+
+    // Killed after its first checkpoint and resumed: the same bits as the uninterrupted run.
+    let killed = dir.join("killed");
+    let mut cmd = bonfire(&dir, &tiny);
+    cmd.args([
+        "--steps",
+        "8",
+        "--micro-batches",
+        "4",
+        "--dp",
+        "1",
+        "--pp",
+        "2",
+    ])
+    .arg("--checkpoint-dir")
+    .arg(&killed);
+    let done = kill_after_first_checkpoint(&mut cmd, &killed);
+    assert_eq!(done, "epoch-1", "the job finished before it was killed");
+    let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
+        .arg(&killed)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(
+        out.status.success() && log.contains("resuming from"),
+        "{log}"
+    );
+    assert_eq!(digests(&killed, 2), digests(&dir.join("pp"), 2));
+    let sample = bonfire(
+        &dir,
+        &["train", "gpt", "--sample", "ROMEO:", "--checkpoint-dir"],
+    )
+    .arg(dir.join("pp"))
+    .output()
+    .unwrap();
+    assert!(sample.status.success(), "{}", text(&sample));
+    assert!(String::from_utf8_lossy(&sample.stdout).starts_with("ROMEO:"));
+
+    for (extra, says) in [
+        (
+            &["--pp", "4"][..],
+            "each pipeline stage holds at least one block",
+        ),
+        (
+            &["--pp", "2", "--tp", "2"][..],
+            "not over tensor-parallel ones",
+        ),
+        (
+            &["--pp", "2", "--zero", "1"][..],
+            "a pipeline's stages keep their own optimizer state",
+        ),
+        (
+            &["--pp", "2", "--schedule", "zigzag"][..],
+            "expected gpipe or 1f1b",
+        ),
+    ] {
+        let out = bonfire(&dir, &tiny)
+            .args(["--steps", "8", "--checkpoint-dir", "refused"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_clean_failure(&out, says);
+        assert!(
+            !dir.join("refused").exists(),
+            "{extra:?} left a run directory"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

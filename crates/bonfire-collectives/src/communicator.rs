@@ -67,6 +67,9 @@ pub struct MeshGroups {
     pub dp: Communicator,
     /// The ranks sharing one replica of the model (tensors are sharded over it).
     pub tp: Communicator,
+    /// The ranks holding one replica's stages, one rank per stage in stage order (a group of
+    /// one without pipeline parallelism).
+    pub pp: Communicator,
 }
 
 /// Builds the world communicator of a transport.
@@ -404,8 +407,9 @@ impl Communicator {
         }))
     }
 
-    /// This rank's data-parallel and tensor-parallel groups in `mesh`, by two [`split`]s
-    /// (group indices are mesh ranks). Collective.
+    /// This rank's data-parallel, tensor-parallel and pipeline groups in `mesh`, by [`split`]s
+    /// (group indices are mesh ranks; the pipeline group is split only when the mesh has
+    /// several stages). Collective.
     ///
     /// [`split`]: Communicator::split
     pub fn split_mesh(&self, mesh: &Mesh) -> Result<MeshGroups, CollectiveError> {
@@ -420,14 +424,22 @@ impl Communicator {
                 ),
             });
         }
-        let (d, t) = mesh.coords(Rank::from(self.rank()));
+        let (p, d, t) = mesh.coords3(Rank::from(self.rank()));
+        let color =
+            |outer: usize, inner: usize, inner_size: usize| (outer * inner_size + inner) as u32;
         let dp = self
-            .split(Some(t as u32), d as u32)?
+            .split(Some(color(p, t, mesh.tp())), d as u32)?
             .expect("a color was given");
         let tp = self
-            .split(Some(d as u32), t as u32)?
+            .split(Some(color(p, d, mesh.dp())), t as u32)?
             .expect("a color was given");
-        Ok(MeshGroups { dp, tp })
+        let pp = if mesh.pp() == 1 {
+            Communicator::in_process(1, self.config().clone()).remove(0)
+        } else {
+            self.split(Some(color(d, t, mesh.tp())), p as u32)?
+                .expect("a color was given")
+        };
+        Ok(MeshGroups { dp, tp, pp })
     }
 
     /// Starts a collective; returns its sequence number and handle.

@@ -249,6 +249,38 @@ fn a_mesh_gives_dp_and_tp_groups() {
     assert_eq!(got[5], (4, 2, 16, vec![4, 5]));
 }
 
+/// A mesh of 2 stages x 2 replicas x 2 tensor-parallel ranks: each group all-gathers its
+/// members' ranks, which must be the mesh's groups, in their order.
+#[test]
+fn a_mesh_with_stages_gives_pipeline_groups() {
+    let comms = Communicator::in_process(8, config());
+    let mesh = Mesh::with_stages(8, 2, 2).unwrap();
+    let got = run_ranks(comms, DEADLINE, move |comm| {
+        let groups = comm.split_mesh(&mesh).unwrap();
+        let me = comm.rank() as i32;
+        let members = |g: &Communicator| g.all_gather(vec![me]).wait().unwrap();
+        (
+            members(&groups.dp),
+            members(&groups.tp),
+            members(&groups.pp),
+            groups.pp.rank(),
+        )
+    });
+    for (r, (dp, tp, pp, stage)) in got.iter().enumerate() {
+        let ranks = |g: Vec<bonfire_topology::Rank>| -> Vec<i32> {
+            g.into_iter().map(|x| x.index() as i32).collect()
+        };
+        let me = bonfire_topology::Rank::from(r);
+        assert_eq!(dp, &ranks(mesh.dp_group(me)), "rank {r}'s dp group");
+        assert_eq!(tp, &ranks(mesh.tp_group(me)), "rank {r}'s tp group");
+        assert_eq!(pp, &ranks(mesh.pp_group(me)), "rank {r}'s pp group");
+        assert_eq!(*stage, mesh.stage(me));
+    }
+    // Rank 5 = stage 1, replica 0, tp rank 1.
+    assert_eq!(got[5].2, vec![1, 5]);
+    assert_eq!(got[5].0, vec![5, 7]);
+}
+
 #[test]
 fn one_rank_is_a_pass_through() {
     let comm = Communicator::in_process(1, config()).remove(0);

@@ -319,6 +319,24 @@ pub enum JobError {
         /// The vocabulary.
         vocab: String,
     },
+    /// A pipeline step failed (a neighbouring stage lost, or a stage's output not what its
+    /// place gives).
+    #[error(transparent)]
+    Pipeline(#[from] bonfire::pipeline::PipelineError),
+    /// The run is pipeline-parallel but this rank's job was started with another `BONFIRE_PP`.
+    #[error(
+        "this {job} run has {pp} pipeline stage(s), but the job was started with \
+         BONFIRE_PP={found}: start it with `bonfire train {job}` (which sets it), or set \
+         BONFIRE_PP={pp} for `bonfire launch`"
+    )]
+    PpNotSet {
+        /// The job.
+        job: &'static str,
+        /// The run's stages.
+        pp: usize,
+        /// The job's.
+        found: usize,
+    },
     /// The run is tensor-parallel but this rank's job was started with another `BONFIRE_TP`.
     #[error(
         "this {job} run has {tp} tensor-parallel rank(s) per replica, but the job was started \

@@ -25,6 +25,11 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn tensor_parallel(&self) -> usize {
         1
     }
+    /// Pipeline stages (the ranks are told through `BONFIRE_PP`); 1 without pipeline
+    /// parallelism.
+    fn pipeline_stages(&self) -> usize {
+        1
+    }
 }
 
 /// The state of a run of job `J`, as its checkpoints hold it.

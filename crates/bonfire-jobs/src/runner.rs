@@ -222,6 +222,12 @@ impl<'a, J: Job> Runner<'a, J> {
                 s.config.tensor_parallel().to_string().into(),
             ));
         }
+        if s.config.pipeline_stages() > 1 {
+            config.extra_env.push((
+                "BONFIRE_PP".into(),
+                s.config.pipeline_stages().to_string().into(),
+            ));
+        }
         // Like torchrun's OMP_NUM_THREADS: the ranks share this machine's cores instead of each
         // starting a compute thread per core (with 2 ranks on 2 cores, 2 threads each cost
         // 10-20% of the throughput; see BENCHMARKS.md). An explicit setting is kept.
@@ -262,6 +268,14 @@ impl<'a, J: Job> Runner<'a, J> {
                 job: J::NAME,
                 tp,
                 found: world.tp_group().size(),
+            });
+        }
+        let pp = settings.config.pipeline_stages();
+        if world.pp_group().size() != pp {
+            return Err(JobError::PpNotSet {
+                job: J::NAME,
+                pp,
+                found: world.pp_group().size(),
             });
         }
         let mut ctx = RankContext::new(&world, &settings, reporter);

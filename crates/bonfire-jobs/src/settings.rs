@@ -141,13 +141,27 @@ pub fn settle<J: Job>(
     {
         return Err(JobError::RanksMismatch { ranks, world });
     }
-    if options.resume {
+    let settings = if options.resume {
         settle_resumed(job, request, options)
     } else if crate::rank::restart_round() > 0 {
         settle_restarted(job, request, options, world_size, reporter)
     } else {
         settle_fresh(job, request, options, world_size, reporter)
+    }?;
+    let stages = settings.config.pipeline_stages();
+    if let Some(zero) = options.zero.filter(|_| stages > 1) {
+        if !settings.resume {
+            // The directory this call made, still empty: nothing to keep.
+            let _ = std::fs::remove_dir(&settings.checkpoint_dir);
+        }
+        return Err(JobError::Invalid {
+            flag: "--zero",
+            given: format!("{zero} with --pp {stages}"),
+            why: "a pipeline's stages keep their own optimizer state already; ZeRO shards it \
+                  over data-parallel replicas without stages",
+        });
     }
+    Ok(settings)
 }
 
 /// A fresh run started again by the launcher after a failure (`BONFIRE_RESTART_ROUND` above

@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bonfire_backend::{ConfigError, DataParallelConfig};
-use bonfire_collectives::{CollectiveError, CommConfig, Communicator, runtime};
+use bonfire_collectives::{CollectiveError, CommConfig, Communicator, MeshGroups, runtime};
 use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
-use bonfire_topology::{Mesh, MeshError, NodeLayout, Rank};
+use bonfire_topology::{Mesh, NodeLayout, Rank};
 use bonfire_transport::shm::{ShmConfig, ShmConfigError};
 use bonfire_transport::{JobTransport, JobTransportError, Lane, QuicConfig, Secret, SecretError};
 
@@ -56,7 +56,20 @@ pub enum InitError {
         /// Ranks in the job.
         world_size: usize,
     },
-    /// The data-parallel and tensor-parallel groups could not be formed.
+    /// `BONFIRE_PP` is not a positive number of stages that, times the tensor-parallel size,
+    /// divides the world size.
+    #[error(
+        "bonfire::init: BONFIRE_PP={value:?}: expected a positive number of pipeline stages that, times BONFIRE_TP={tp}, divides the world size {world_size}"
+    )]
+    PipelineSize {
+        /// The value found.
+        value: String,
+        /// The tensor-parallel size.
+        tp: usize,
+        /// Ranks in the job.
+        world_size: usize,
+    },
+    /// The data-parallel, tensor-parallel and pipeline groups could not be formed.
     #[error("bonfire::init: cannot form the {what} group: {source}")]
     Groups {
         /// Which group.
@@ -87,6 +100,7 @@ pub struct World {
     mesh: Mesh,
     dp: Communicator,
     tp: Communicator,
+    pp: Communicator,
     env: JobEnv,
     nodes: NodeLayout,
     transport: Option<Arc<JobTransport>>,
@@ -98,16 +112,25 @@ impl World {
         &self.comm
     }
 
-    /// The data x tensor-parallel layout of the job (`BONFIRE_TP` ranks per tensor-parallel
-    /// group, adjacent ranks, so a group shares a node when it fits in one; 1 when unset).
+    /// The pipeline x data x tensor-parallel layout of the job (`BONFIRE_TP` ranks per
+    /// tensor-parallel group, adjacent ranks, so a group shares a node when it fits in one;
+    /// `BONFIRE_PP` pipeline stages, outermost; 1 each when unset).
     pub fn mesh(&self) -> Mesh {
         self.mesh
     }
 
     /// The ranks holding the same part of the model, over which `DataParallel` averages
-    /// gradients (the whole world without tensor parallelism).
+    /// gradients (the whole world without tensor or pipeline parallelism; the ranks of this
+    /// rank's stage with its tensor-parallel index with them).
     pub fn dp_group(&self) -> &Communicator {
         &self.dp
+    }
+
+    /// The ranks holding the stages of this rank's replica, one per stage in stage order, over
+    /// which a [`crate::pipeline::Pipeline`] runs (`BONFIRE_PP` ranks; a group of one when
+    /// unset). This rank's stage is its index in it.
+    pub fn pp_group(&self) -> &Communicator {
+        &self.pp
     }
 
     /// The ranks sharing one replica of the model, over which `TensorParallel` splits it (a
@@ -191,7 +214,10 @@ impl Drop for World {
 /// tensor-parallel group), [`crate::TensorParallel`] splits over the rank's tensor-parallel group
 /// and [`crate::DataParallel`] averages gradients over its data-parallel group; without it,
 /// `DataParallel` averages over every rank (with the bucket cap and gradient dtype from
-/// `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set).
+/// `BONFIRE_BUCKET_CAP_MB` and `BONFIRE_GRAD_DTYPE`, when set). With `BONFIRE_PP=p` as well,
+/// the ranks are first cut into p pipeline stages of world / p consecutive ranks each, every
+/// stage laid out as above: [`World::pp_group`] is the rank's pipeline, and its data-parallel
+/// group holds the ranks of its own stage only.
 ///
 /// First it installs bonfire's log subscriber ([`crate::init_logging`]: `BONFIRE_LOG`, else
 /// `RUST_LOG`, lines prefixed with the rank) unless the program installed one of its own, and
@@ -234,16 +260,18 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
     }
     let dp = DataParallelConfig::from_env()?;
     let tp = tp_from_env(env.world_size)?;
+    let pp = pp_from_env(env.world_size, tp)?;
     if env.world_size == 1 {
         let comm = Communicator::in_process(1, config).remove(0);
-        let (mesh, dp_comm, tp_comm) = groups(&comm, tp)?;
-        bonfire_backend::install(dp_comm.clone(), dp);
+        let (mesh, g) = groups(&comm, tp, pp)?;
+        bonfire_backend::install(g.dp.clone(), dp);
         return Ok(World {
             rank: Rank(0),
             comm,
             mesh,
-            dp: dp_comm,
-            tp: tp_comm,
+            dp: g.dp,
+            tp: g.tp,
+            pp: g.pp,
             nodes: NodeLayout::single_node(1),
             env,
             transport: None,
@@ -288,14 +316,15 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
         .nodes(nodes.clone())
         .config(config)
         .build()?;
-    let (mesh, dp_comm, tp_comm) = groups(&comm, tp)?;
-    bonfire_backend::install(dp_comm.clone(), dp);
+    let (mesh, g) = groups(&comm, tp, pp)?;
+    bonfire_backend::install(g.dp.clone(), dp);
     Ok(World {
         rank,
         comm,
         mesh,
-        dp: dp_comm,
-        tp: tp_comm,
+        dp: g.dp,
+        tp: g.tp,
+        pp: g.pp,
         env,
         nodes,
         transport: Some(transport),
@@ -313,32 +342,62 @@ fn tp_from_env(world_size: usize) -> Result<usize, InitError> {
     }
 }
 
-/// The mesh of `world` with `tp` ranks per tensor-parallel group, this rank's data-parallel and
-/// tensor-parallel communicators, and the tensor-parallel one installed for `TensorParallel`.
-fn groups(
-    world: &Communicator,
-    tp: usize,
-) -> Result<(Mesh, Communicator, Communicator), InitError> {
-    let mesh = Mesh::new(world.size(), tp).map_err(|MeshError { world, tp }| {
-        InitError::TensorParallelSize {
-            value: tp.to_string(),
-            world_size: world,
+/// `BONFIRE_PP`: pipeline stages (1 when unset).
+fn pp_from_env(world_size: usize, tp: usize) -> Result<usize, InitError> {
+    let Ok(value) = std::env::var("BONFIRE_PP") else {
+        return Ok(1);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(p) if p > 0 && world_size.is_multiple_of(p * tp) => Ok(p),
+        _ => Err(InitError::PipelineSize {
+            value,
+            tp,
+            world_size,
+        }),
+    }
+}
+
+/// The mesh of `world` with `tp` ranks per tensor-parallel group and `pp` stages, this rank's
+/// groups, and the tensor-parallel one installed for `TensorParallel`.
+fn groups(world: &Communicator, tp: usize, pp: usize) -> Result<(Mesh, MeshGroups), InitError> {
+    let mesh = Mesh::with_stages(world.size(), tp, pp).map_err(|e| {
+        if e.pp == 1 {
+            InitError::TensorParallelSize {
+                value: e.tp.to_string(),
+                world_size: e.world,
+            }
+        } else {
+            InitError::PipelineSize {
+                value: e.pp.to_string(),
+                tp: e.tp,
+                world_size: e.world,
+            }
         }
     })?;
-    if tp == 1 {
-        let alone = Communicator::in_process(1, world.config().clone()).remove(0);
-        return Ok((mesh, world.clone(), alone));
+    if tp == 1 && pp == 1 {
+        let alone = || Communicator::in_process(1, world.config().clone()).remove(0);
+        let g = MeshGroups {
+            dp: world.clone(),
+            tp: alone(),
+            pp: alone(),
+        };
+        return Ok((mesh, g));
     }
     let g = world
         .split_mesh(&mesh)
         .map_err(|source| InitError::Groups {
-            what: "data x tensor-parallel",
+            what: "pipeline x data x tensor-parallel",
             source: Box::new(source),
         })?;
-    bonfire_backend::tensor_parallel::install(g.tp.clone(), bonfire_backend::FailurePolicy::Exit)
+    if tp > 1 {
+        bonfire_backend::tensor_parallel::install(
+            g.tp.clone(),
+            bonfire_backend::FailurePolicy::Exit,
+        )
         .map_err(|source| InitError::Groups {
-        what: "tensor-parallel",
-        source: Box::new(source),
-    })?;
-    Ok((mesh, g.dp, g.tp))
+            what: "tensor-parallel",
+            source: Box::new(source),
+        })?;
+    }
+    Ok((mesh, g))
 }

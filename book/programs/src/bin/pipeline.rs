@@ -1,11 +1,15 @@
-//! Burn's own `TransformerEncoder`, its layers split into pipeline stages over the job's ranks
-//! (one stage per rank), trained as a character model on the book's text: the embedding on the
-//! first stage, the head on the last, micro-batches flowing through under 1F1B (or GPipe with
-//! `BOOK_SCHEDULE=gpipe`; `BOOK_MICRO_BATCHES` sets their number, 8 by default, and
-//! `BOOK_REPORT=1` makes every stage say at the end how long it idled, against the bubble's
-//! formula, and what it held).
+//! Burn's own `TransformerEncoder`, its layers split into pipeline stages over the job's ranks,
+//! trained as a character model on the book's text: the embedding on the first stage, the head
+//! on the last, micro-batches flowing through under 1F1B (or GPipe with `BOOK_SCHEDULE=gpipe`;
+//! `BOOK_MICRO_BATCHES` sets their number, 8 by default, and `BOOK_REPORT=1` makes every stage
+//! say at the end how long it idled, against the bubble's formula, and what it held).
+//!
+//! The stages are `BONFIRE_PP` ranks (`bonfire::init`'s pipeline group); with more ranks than
+//! stages, the job is several replicas of the pipeline, each on its share of the batch, every
+//! stage averaging its gradients with the same stage of the other replicas.
 use bonfire::DataParallel;
-use bonfire::pipeline::{Pipeline, Schedule, StageOutput, partition};
+use bonfire::pipeline::{Pipeline, Schedule, StageOutput, average_gradients, partition};
+use bonfire::topology::ReduceOp;
 use bonfire_book::materialised;
 use bonfire_book::text::{VOCAB, batch};
 use burn::backend::Autodiff;
@@ -54,15 +58,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let micro_batches: usize = std::env::var("BOOK_MICRO_BATCHES")
         .unwrap_or_else(|_| "8".into())
         .parse()?;
-    if micro_batches == 0 || !BATCH.is_multiple_of(micro_batches) {
-        return Err(
-            format!("BOOK_MICRO_BATCHES={micro_batches}: expected a divisor of {BATCH}").into(),
-        );
-    }
     // ANCHOR: split
-    // One stage per rank; the encoder's layers split evenly (by parameter count, as they are
-    // all alike); each rank builds only its own.
-    let pipe = Pipeline::new(world.comm().clone(), schedule, micro_batches)?;
+    // One stage per rank of the pipeline group (BONFIRE_PP ranks); the encoder's layers split
+    // evenly (by parameter count, as they are all alike); each rank builds only its own. With
+    // more ranks than stages, each replica of the pipeline takes its share of the batch.
+    let (dp, replica) = (world.dp_group().size(), world.dp_group().rank());
+    let pipe = Pipeline::new(world.pp_group().clone(), schedule, micro_batches)?;
     let range = partition(&[1; LAYERS], pipe.stages())[pipe.stage()].clone();
     let mut model = Stage {
         embed: pipe.is_first().then(|| {
@@ -76,16 +77,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }),
     };
     // ANCHOR_END: split
+    let share = BATCH / dp;
+    if micro_batches == 0 || !BATCH.is_multiple_of(dp) || !share.is_multiple_of(micro_batches) {
+        return Err(format!(
+            "BOOK_MICRO_BATCHES={micro_batches}: expected a divisor of {share} (a batch of \
+             {BATCH} over {dp} replica(s))"
+        )
+        .into());
+    }
     let mut optim = AdamConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let rows = BATCH / micro_batches;
+    let rows = share / micro_batches;
     let mask = generate_autoregressive_mask::<B>(rows, CONTEXT, &device);
     // After 5 steps of warm-up: the time waited, the pipeline's time, the whole step's (the
     // optimizer's too), the most held.
     let (mut idle, mut wall, mut total, mut held, mut bytes) = (0.0, 0.0, 0.0, 0, 0);
     for step in 0..30 {
         // Every stage builds the step's batch: the first reads its tokens, the last its targets.
-        let (tokens, targets) = batch::<B>(step, 0, BATCH, CONTEXT, &device);
+        let (tokens, targets) = batch::<B>(step, replica * share, share, CONTEXT, &device);
         let started = std::time::Instant::now();
         // ANCHOR: step
         let (grads, report) = pipe.step(&model, &device, |stage: &Stage<B>, i, input| {
@@ -107,8 +116,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         })?;
+        // The same stage of every replica: one all-reduce of the stage's gradients.
+        let grads = average_gradients(world.dp_group(), &model, grads)?;
         model = optim.step(3e-3, model, grads);
         // ANCHOR_END: step
+        // The last stages hold their replica's loss; the mean over the replicas is the batch's.
+        let loss = match report.loss {
+            Some(l) => Some(
+                world
+                    .dp_group()
+                    .all_reduce(vec![l], ReduceOp::Mean)
+                    .wait()?[0],
+            ),
+            None => None,
+        };
         if step >= 5 {
             total += started.elapsed().as_secs_f64();
             idle += report.idle.as_secs_f64();
@@ -116,8 +137,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             held = held.max(report.max_in_flight);
             bytes = bytes.max(report.max_activation_bytes);
         }
-        if let Some(loss) = report.loss
+        // The last rank of the job is the last stage of the last replica.
+        if let Some(loss) = loss
             && step % 5 == 0
+            && world.rank().0 as usize + 1 == world.world_size()
         {
             println!(
                 "step {step} (stage {} of {}: idle {:.0}% of the step, {} micro-batches held at most): loss {loss:.5}",

@@ -20,7 +20,7 @@ pub(crate) struct GptArgs {
     /// into bonfire) [default: shakespeare, or embedded when it cannot be fetched]
     #[arg(long)]
     dataset: Option<String>,
-    /// Data-parallel replicas; the job starts dp x tp ranks (processes) on this machine
+    /// Data-parallel replicas; the job starts dp x tp x pp ranks (processes) on this machine
     /// [default: 2]
     #[arg(long, visible_alias = "ranks", value_parser = clap::value_parser!(u32).range(1..=1024))]
     dp: Option<u32>,
@@ -29,6 +29,16 @@ pub(crate) struct GptArgs {
     /// vocabulary); must divide --heads [default: 1]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     tp: Option<u32>,
+    /// Pipeline stages per replica: the blocks are split into this many contiguous stages
+    /// (balanced by parameters), one rank each, and each step's micro-batches (--micro-batches)
+    /// flow through them; the job starts dp x pp ranks [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pp: Option<u32>,
+    /// The pipeline's order of forwards and backwards: 1f1b (one forward, one backward; at
+    /// most pp micro-batches held per stage) or gpipe (every forward, then every backward)
+    /// [default: 1f1b]
+    #[arg(long)]
+    schedule: Option<bonfire_jobs::gpt::Schedule>,
     /// Blocks [default: 4]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     layers: Option<u32>,
@@ -44,8 +54,9 @@ pub(crate) struct GptArgs {
     /// Sequences per rank per micro-batch [default: 16]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
     batch: Option<u32>,
-    /// Micro-batches per optimizer step; gradients are communicated once per step [default: 1]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    /// Micro-batches per optimizer step, each of --batch sequences; gradients are communicated
+    /// once per step; with --pp they flow through the stages [default: 1]
+    #[arg(long, visible_alias = "micro-batches", value_parser = clap::value_parser!(u32).range(1..=4096))]
     grad_accum: Option<u32>,
     /// Optimizer steps in all [default: 1200]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -130,6 +141,8 @@ impl GptArgs {
             dataset: self.dataset.as_deref().map(str::parse).transpose()?,
             dp: n(self.dp),
             tp: n(self.tp),
+            pp: n(self.pp),
+            schedule: self.schedule,
             layers: n(self.layers),
             heads: n(self.heads),
             embd: n(self.embd),
@@ -177,6 +190,8 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--dataset", c.dataset.key().to_string());
     flag("--dp", c.dp().to_string());
     flag("--tp", c.tp.to_string());
+    flag("--pp", c.pp.to_string());
+    flag("--schedule", c.schedule.name().to_string());
     flag("--layers", c.layers.to_string());
     flag("--heads", c.heads.to_string());
     flag("--embd", c.embd.to_string());

@@ -25,6 +25,7 @@
 //! ```
 
 mod output;
+mod pipeline;
 mod plan;
 mod sample;
 mod train;
@@ -34,6 +35,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use bonfire::StepStats;
+pub use bonfire::pipeline::Schedule;
 use bonfire_datasets::shakespeare::{self, Vocab};
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
@@ -115,6 +117,12 @@ pub struct GptRequest {
     /// Tensor-parallel ranks per replica, splitting each layer by the model's plan
     /// ([`plan`]); must divide the heads (default: 1).
     pub tp: Option<usize>,
+    /// Pipeline stages: each replica's blocks split into this many contiguous stages, one rank
+    /// each, the micro-batches (`grad_accum`) flowing through them; at most the layers
+    /// (default: 1).
+    pub pp: Option<usize>,
+    /// The pipeline's order of forwards and backwards (default: 1F1B).
+    pub schedule: Option<Schedule>,
     /// Blocks (default: 4).
     pub layers: Option<usize>,
     /// Attention heads per block; must divide `embd` (default: 4).
@@ -161,6 +169,12 @@ pub struct GptRunConfig {
     /// Tensor-parallel ranks per replica.
     #[serde(default = "one")]
     pub tp: usize,
+    /// Pipeline stages per replica.
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// The pipeline's schedule.
+    #[serde(default)]
+    pub schedule: Schedule,
     /// Blocks.
     pub layers: usize,
     /// Attention heads per block.
@@ -237,7 +251,7 @@ impl GptRunConfig {
 
     /// Data-parallel replicas.
     pub fn dp(&self) -> usize {
-        self.ranks / self.tp
+        self.ranks / (self.tp * self.pp)
     }
 
     /// Characters seen per optimizer step, over all replicas.
@@ -257,6 +271,10 @@ impl JobConfig for GptRunConfig {
 
     fn tensor_parallel(&self) -> usize {
         self.tp
+    }
+
+    fn pipeline_stages(&self) -> usize {
+        self.pp
     }
 }
 
@@ -304,6 +322,8 @@ pub struct GptReport {
     pub stats: Option<StepStats>,
     /// The tensor-parallel decorator's totals on this rank, in a tensor-parallel run.
     pub tp_stats: Option<bonfire::backend::tensor_parallel::TpStats>,
+    /// What each stage of replica 0 measured, in a pipeline-parallel run.
+    pub pipeline: Option<Vec<pipeline::StageSummary>>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -337,6 +357,7 @@ impl Job for GptJob {
         for (flag, v) in [
             ("--dp", r.dp),
             ("--tp", r.tp),
+            ("--pp", r.pp),
             ("--layers", r.layers),
             ("--heads", r.heads),
             ("--embd", r.embd),
@@ -363,6 +384,30 @@ impl Job for GptJob {
                 flag: "--tp",
                 given: format!("{tp} with --heads {heads}"),
                 why: "the tensor-parallel size must divide the heads (the plan splits attention by heads)",
+            });
+        }
+        let (pp, layers) = (r.pp.unwrap_or(1), r.layers.unwrap_or(4));
+        if pp > layers {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} with --layers {layers}"),
+                why: "each pipeline stage holds at least one block",
+            });
+        }
+        if pp > 1 && tp > 1 {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} with --tp {tp}"),
+                why: "the GPT job runs a pipeline over data-parallel replicas (--dp), not over \
+                      tensor-parallel ones; `bonfire::init` forms such meshes for programs of \
+                      your own",
+            });
+        }
+        if pp > 1 && r.bf16 {
+            return Err(JobError::Invalid {
+                flag: "--bf16-comm",
+                given: format!("with --pp {pp}"),
+                why: "a pipeline's stages average their gradients in f32",
             });
         }
         if let Some(v) = r.lr.filter(|v| !(*v > 0.0 && v.is_finite())) {
@@ -392,9 +437,9 @@ impl Job for GptJob {
     }
 
     fn requested_ranks(&self, r: &GptRequest) -> Option<usize> {
-        match (r.dp, r.tp) {
-            (None, None) => None,
-            (dp, tp) => Some(dp.unwrap_or(2) * tp.unwrap_or(1)),
+        match (r.dp, r.tp, r.pp) {
+            (None, None, None) => None,
+            (dp, tp, pp) => Some(dp.unwrap_or(2) * tp.unwrap_or(1) * pp.unwrap_or(1)),
         }
     }
 
@@ -412,6 +457,10 @@ impl Job for GptJob {
             }),
             Clash::check("--dp", r.dp.as_ref(), &s.dp(), num),
             Clash::check("--tp", r.tp.as_ref(), &s.tp, num),
+            Clash::check("--pp", r.pp.as_ref(), &s.pp, num),
+            Clash::check("--schedule", r.schedule.as_ref(), &s.schedule, |v| {
+                v.name().into()
+            }),
             Clash::check("--layers", r.layers.as_ref(), &s.layers, num),
             Clash::check("--heads", r.heads.as_ref(), &s.heads, num),
             Clash::check("--embd", r.embd.as_ref(), &s.embd, num),
@@ -496,6 +545,14 @@ impl Job for GptJob {
                 why: "the tensor-parallel size must divide the ranks",
             });
         }
+        let pp = r.pp.unwrap_or(1);
+        if !ranks.is_multiple_of(tp * pp) {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} in a job of {ranks} ranks"),
+                why: "the pipeline stages times the tensor-parallel size must divide the ranks",
+            });
+        }
         let context = r.context.unwrap_or(64);
         let vocab = vocabulary(&text, context)?;
         let steps = r.steps.unwrap_or(1200);
@@ -503,6 +560,8 @@ impl Job for GptJob {
             dataset,
             ranks,
             tp,
+            pp,
+            schedule: r.schedule.unwrap_or_default(),
             layers: r.layers.unwrap_or(4),
             heads: r.heads.unwrap_or(4),
             embd: r.embd.unwrap_or(128),

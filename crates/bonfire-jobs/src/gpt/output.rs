@@ -29,6 +29,12 @@ pub(super) fn start_line(
             "{} rank(s): {replicas} data-parallel replica(s) x {} tensor-parallel",
             c.ranks, c.tp
         )
+    } else if c.pp > 1 {
+        format!(
+            "{} rank(s): {replicas} data-parallel replica(s) x {} pipeline stages ({}, {} \
+             micro-batches per step)",
+            c.ranks, c.pp, c.schedule, c.grad_accum
+        )
     } else {
         format!("{} rank(s)", c.ranks)
     };
@@ -135,6 +141,23 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
             tp.gathers,
             tp.gather_bytes as f64 / (1 << 20) as f64,
             tp.fallback_total(),
+        ));
+    }
+    for st in report.pipeline.iter().flatten() {
+        let c = &state.config;
+        lines.push(format!(
+            "pipeline stage {} of {}: blocks {}..{}, {} parameters; idle {:.1}% of its pipeline \
+             steps (the bubble (p-1)/(m+p-1) is {:.1}%), {} micro-batch(es) and {:.2} MiB of \
+             activations held at most",
+            st.stage,
+            c.pp,
+            st.blocks.start,
+            st.blocks.end,
+            st.params,
+            100.0 * st.idle,
+            100.0 * bonfire::pipeline::bubble(c.pp, c.grad_accum),
+            st.held,
+            st.activation_bytes as f64 / (1 << 20) as f64,
         ));
     }
     lines.extend(crate::stragglers::report_line(

@@ -32,12 +32,12 @@ use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
 
-type Rec = BinBytesRecorder<FullPrecisionSettings>;
+pub(super) type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
 type Optim<A> = JobOptimizer<Adam, Gpt<A>, A>;
 
 /// Points on the training-loss curve per round.
-const CURVE_POINTS: usize = 10;
+pub(super) const CURVE_POINTS: usize = 10;
 /// Validation windows evaluated at once.
 const EVAL_BATCH: usize = 64;
 
@@ -46,7 +46,9 @@ pub(super) fn run<B: Backend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: B::Device,
 ) -> Result<(GptState, GptReport), JobError> {
-    if ctx.settings().config.tp > 1 {
+    if ctx.settings().config.pp > 1 {
+        super::pipeline::run::<Autodiff<DataParallel<B>>>(ctx, device)
+    } else if ctx.settings().config.tp > 1 {
         let group = ctx.world().tp_group().clone();
         let split = move |model| Ok(bonfire::tensor_parallel(model, &super::plan(), &group)?);
         run_on::<Autodiff<Hybrid<B>>>(ctx, device, &split)
@@ -161,6 +163,7 @@ fn run_on<A: AutodiffBackend>(
         tp_stats: (c.tp > 1)
             .then(bonfire::backend::tensor_parallel::stats)
             .flatten(),
+        pipeline: None,
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -223,7 +226,7 @@ struct Trained {
 
 /// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
 /// same in a resumed run as in an uninterrupted one.
-fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
+pub(super) fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
     mix64(
         seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
             ^ (micro as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)
@@ -233,7 +236,7 @@ fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
 }
 
 /// Windows `idx` of `windows` as input and target tensors `[rows, context]`.
-fn batch<B: Backend>(
+pub(super) fn batch<B: Backend>(
     windows: &Windows<'_>,
     idx: impl Iterator<Item = usize>,
     device: &B::Device,
@@ -341,7 +344,7 @@ fn train_round<A: AutodiffBackend>(
 /// The validation loss over the first `n` validation windows, each replica evaluating its share
 /// (the replicas are equal; the ranks of a tensor-parallel group evaluate theirs together):
 /// summed loss and windows, over all ranks.
-fn validate<A: AutodiffBackend>(
+pub(super) fn validate<A: AutodiffBackend>(
     ctx: &RankContext<'_, GptJob>,
     model: &Gpt<A>,
     val: &Windows<'_>,
@@ -363,7 +366,11 @@ fn validate<A: AutodiffBackend>(
 }
 
 /// `c.sample_chars` characters generated after a newline (or the vocabulary's first character).
-fn generate<B: Backend>(model: &Gpt<B>, c: &GptRunConfig, sampling: &Sampling) -> String {
+pub(super) fn generate<B: Backend>(
+    model: &Gpt<B>,
+    c: &GptRunConfig,
+    sampling: &Sampling,
+) -> String {
     let vocab = c.vocab();
     let start = vocab.id('\n').unwrap_or(0);
     let ids = model.generate_within(&[start], c.sample_chars, sampling, vocab.len());

@@ -1,0 +1,542 @@
+//! One rank of a pipeline-parallel GPT run (`--pp`): the model's blocks split into `pp`
+//! contiguous stages balanced by parameter count ([`bonfire::pipeline::partition`]), this rank
+//! holding only its stage (the embeddings on the first, the final norm and the head on the last,
+//! a tied head's embedding on both), and each step's `grad_accum` micro-batches flowing through
+//! the stages under the run's schedule ([`Pipeline::step`]).
+//!
+//! After a step's last backward the first and the last stage sum the tied embedding's gradient
+//! ([`Pipeline::sum_shared`]), and each stage averages its gradients over its data-parallel
+//! group (the ranks of its stage in the other replicas: [`average_gradients`], one all-reduce,
+//! not overlapped with backward) before Adam steps. The step is then the same as a
+//! data-parallel step with `grad_accum` micro-batches: the same batches, the same mean loss.
+//!
+//! At each evaluation the stages gather the whole model on every rank (as a checkpoint
+//! gathers a tensor-parallel one) to measure the validation loss, draw the sample, take the
+//! digest and write one whole checkpoint, which any mesh can resume; between evaluations a rank
+//! holds its stage only.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use bonfire::InOrder;
+use bonfire::collectives::Communicator;
+use bonfire::pipeline::{Pipeline, StageOutput, average_gradients, partition};
+use bonfire_datasets::RankShard;
+use bonfire_datasets::text::{CharCorpus, Windows};
+use bonfire_models::{Gpt, GptStage, GptStageRecord, Sampling};
+use burn::module::{AutodiffModule, Module, ParamId};
+use burn::optim::{Adam, AdamConfig};
+use burn::record::Recorder;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Int, Tensor};
+
+use super::train::{CURVE_POINTS, Rec, batch, draw, generate, validate};
+use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
+use crate::JobError;
+use crate::checkpoint::{self, State};
+use crate::data::param_digest;
+use crate::optim::{JobOptimizer, OptimRecord};
+use crate::progress::StepProgress;
+use crate::rank::RankContext;
+use crate::report::{Say, Throughput};
+use crate::stragglers::{EpochTimer, StepSplit};
+
+/// A stage's optimizer: Adam over its blocks.
+type Optim<A> = JobOptimizer<Adam, GptStage<A>, A>;
+
+/// What one stage of replica 0 measured over the run, for the end report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageSummary {
+    /// The stage, from 0.
+    pub stage: usize,
+    /// The blocks it held, as indices of the whole model's.
+    pub blocks: std::ops::Range<usize>,
+    /// Its parameters.
+    pub params: usize,
+    /// The part of its pipeline steps it waited for a neighbour (idle over wall, summed).
+    pub idle: f64,
+    /// The most micro-batches whose graphs it held at once.
+    pub held: usize,
+    /// The most activation bytes it held at once.
+    pub activation_bytes: usize,
+}
+
+/// Trains this rank's stage of the GPT on autodiff backend `A`.
+pub(super) fn run<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    device: A::Device,
+) -> Result<(GptState, GptReport), JobError> {
+    let s = ctx.settings().clone();
+    let c = &s.config;
+    let pp_group = ctx.world().pp_group().clone();
+    let dp_group = ctx.world().dp_group().clone();
+    let (replica, replicas) = (dp_group.rank(), c.dp());
+    let pipe = Pipeline::new(pp_group, c.schedule, c.grad_accum)?;
+    let text = c.dataset.text(&s.data_dir)?;
+    let corpus = CharCorpus::with_vocab(c.vocab(), &text, VAL_FRACTION)?;
+    drop(text);
+    let train = corpus.train_windows(c.context, 1)?;
+    let shard = train.shard(replica, replicas)?;
+    let val = corpus.val_windows(c.context, c.context)?;
+    A::seed(&device, c.seed);
+    // Burn draws a parameter's values when it is first used: every parameter is drawn now, in
+    // module order as one device's run draws them, before this stage keeps its own.
+    let whole: Gpt<A> = c.model().init(&device).map(&mut Materialise);
+    let ranges = partition(&whole.block_params(), pipe.stages());
+    let range = ranges[pipe.stage()].clone();
+    if ctx.is_main() {
+        let params = whole.num_params();
+        ctx.say(
+            Say::Start,
+            &output::start_line(&s, &corpus, params, shard.len(), replicas),
+        );
+    }
+    let optim = JobOptimizer::new(
+        AdamConfig::new().with_beta_2(0.99).init::<A, GptStage<A>>(),
+        None,
+    );
+    let mut state = State::new(c.clone(), s.epochs);
+    let (mut stage, mut optim) = resume(ctx, whole, range, optim, &mut state, &device)?;
+    let started = Instant::now();
+    let mut split = StepSplit::default();
+    let mut throughput = Throughput {
+        ranks: ctx.world_size(),
+        ..Throughput::default()
+    };
+    let mut measured = Measured::default();
+    for round in state.epochs_done..s.epochs {
+        let t0 = Instant::now();
+        let trained;
+        (stage, trained) = train_round(
+            ctx,
+            &pipe,
+            &dp_group,
+            stage,
+            &mut optim,
+            (&train, &shard),
+            round,
+            split.batches,
+            &mut measured,
+            &device,
+        )?;
+        let train_secs = t0.elapsed().as_secs_f64();
+        let ranks = ctx.epoch_times(trained.times)?;
+        throughput.items += trained.tokens * replicas;
+        throughput.seconds += train_secs;
+        throughput.add_steady(&trained.split, replicas);
+        split += trained.split;
+        // Only the last stages count losses and batches.
+        let totals = ctx.sum(
+            vec![trained.loss_sum, trained.batches as f64],
+            "summing the round's training loss",
+        )?;
+        let model = whole_model(pipe.group(), &stage, c, &device)?;
+        let v = validate(ctx, &model, &val, c.eval_windows, &device)?;
+        let sampling = Sampling {
+            temperature: c.temperature,
+            top_k: Some(c.top_k),
+            seed: c.seed.wrapping_add(round as u64),
+        };
+        let sample = generate(&model.valid(), c, &sampling);
+        state.history.push(EvalRecord {
+            eval: round + 1,
+            step: trained.last_step,
+            train_loss: totals[0] / totals[1],
+            val_loss: v[0] / v[1],
+            tokens_per_second: (trained.tokens * replicas) as f64 / train_secs,
+            seconds: t0.elapsed().as_secs_f64(),
+            curve: trained.curve,
+            sample,
+            param_digest: param_digest(&model),
+            ranks,
+        });
+        state.epochs_done = round + 1;
+        let optim_bytes = whole_optimizer(pipe.group(), &stage, &optim, &model, &device)?;
+        record_round(ctx, &state, &model, optim_bytes)?;
+        ctx.say_stragglers();
+    }
+    throughput.wall = started.elapsed();
+    let pipeline = Some(summaries(ctx, &pipe, &stage, &measured)?);
+    let report = GptReport {
+        memory: None,
+        split,
+        throughput,
+        stats: bonfire::total_stats(),
+        tp_stats: None,
+        pipeline,
+        checkpoint_dir: s.checkpoint_dir.clone(),
+    };
+    if ctx.is_main() {
+        for line in output::report_lines(&state, &report) {
+            ctx.say(Say::Report, &line);
+        }
+    }
+    Ok((state, report))
+}
+
+/// The stage of `whole` this rank holds, and its optimizer: from the checkpoint on a resumed
+/// run (the whole model and the whole optimizer state it holds, this stage's part kept),
+/// otherwise as they are.
+fn resume<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    whole: Gpt<A>,
+    range: std::ops::Range<usize>,
+    optim: Optim<A>,
+    state: &mut GptState,
+    device: &A::Device,
+) -> Result<(GptStage<A>, Optim<A>), JobError> {
+    let Some(loaded) = ctx.resume_checkpoint()? else {
+        return Ok((whole.into_stage(range), optim));
+    };
+    let whole = checkpoint::load_model(whole, &loaded.model, device, &loaded.dir)?;
+    let stage = whole.into_stage(range);
+    let record: InOrder<_> = checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
+        .map_err(|why| JobError::DamagedRecord {
+            dir: loaded.dir.clone(),
+            what: "optimizer state",
+            why,
+        })?;
+    let mine = param_ids(&stage);
+    let record: OptimRecord<Adam, GptStage<A>, A> = record
+        .0
+        .into_iter()
+        .filter(|(id, _)| mine.contains_key(id))
+        .collect();
+    let optim = optim.load_whole_record(record, &stage);
+    state.history = loaded.state.history;
+    state.epochs_done = loaded.state.epochs_done;
+    let step = state.history.last().map_or(0, |r| r.step);
+    let line = format!(
+        "resuming from {} (step {step} of {}, evaluation {} of {})",
+        loaded.dir.display(),
+        state.config.steps,
+        state.epochs_done,
+        state.epochs
+    );
+    ctx.say(Say::Resume, &line);
+    Ok((stage, optim))
+}
+
+/// Maps nothing: mapping a module draws every parameter that is still to be drawn.
+struct Materialise;
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Materialise {}
+
+/// A module's parameter ids, by their place in module order.
+fn param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
+    module: &M,
+) -> HashMap<ParamId, usize> {
+    struct Ids<B>(Vec<ParamId>, std::marker::PhantomData<B>);
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Ids<B> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids::<B>(Vec::new(), std::marker::PhantomData);
+    module.visit(&mut ids);
+    ids.0
+        .into_iter()
+        .enumerate()
+        .map(|(i, id)| (id, i))
+        .collect()
+}
+
+/// What a stage's pipeline steps measured over the run.
+#[derive(Default)]
+struct Measured {
+    idle: f64,
+    wall: f64,
+    held: usize,
+    bytes: usize,
+}
+
+/// What one rank's training in a round measured.
+struct Trained {
+    loss_sum: f64,
+    batches: usize,
+    tokens: usize,
+    last_step: usize,
+    curve: Vec<(f64, f64)>,
+    times: crate::stragglers::RankTimes,
+    split: StepSplit,
+}
+
+/// Trains one round's steps through the pipeline, after `before` steps trained by this
+/// process. Every stage of a replica draws the same micro-batches (the first reads their
+/// tokens, the last their targets).
+#[allow(clippy::too_many_arguments)]
+fn train_round<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    pipe: &Pipeline,
+    dp_group: &Communicator,
+    mut stage: GptStage<A>,
+    optim: &mut Optim<A>,
+    (train, shard): (&Windows<'_>, &RankShard),
+    round: usize,
+    before: u64,
+    measured: &mut Measured,
+    device: &A::Device,
+) -> Result<(GptStage<A>, Trained), JobError> {
+    let c = ctx.settings().config.clone();
+    let (replica, replicas, rounds) = (dp_group.rank(), c.dp(), ctx.settings().epochs);
+    let first = round * c.eval_every;
+    let end = ((round + 1) * c.eval_every).min(c.steps);
+    let steps = end - first;
+    let last_stage = pipe.stages() - 1;
+    let t0 = Instant::now();
+    let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
+    let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
+    let (mut shown_sum, mut shown_n) = (0.0f64, 0usize);
+    let mut curve = Vec::new();
+    let mut timer = EpochTimer::start_after(before);
+    let step_tokens = c.grad_accum * c.batch * c.context;
+    for (i, step) in (first..end).enumerate() {
+        let lr = c.lr_at(step);
+        let micro: Vec<(Tensor<A, 2, Int>, Tensor<A, 2, Int>)> = (0..c.grad_accum)
+            .map(|m| {
+                let rows = (0..c.batch).map(|row| {
+                    let k = draw(c.seed, step, m, replica, row) % shard.len() as u64;
+                    shard.position(k as usize)
+                });
+                batch::<A>(train, rows, device)
+            })
+            .collect();
+        timer.input_done();
+        timer.forward_done();
+        let (mut grads, report) = pipe.step(&stage, device, |st: &GptStage<A>, m, input| {
+            let (x, y) = &micro[m];
+            let tokens = st.is_first().then(|| x.clone());
+            let out = st.forward(tokens, input);
+            if st.is_last() {
+                StageOutput::Loss(st.loss(out, y.clone()))
+            } else {
+                StageOutput::Activation(out)
+            }
+        })?;
+        if let Some(tied) = stage.tied_embedding() {
+            pipe.sum_shared::<A, 2>(&mut grads, tied)?;
+        }
+        let grads = average_gradients(dp_group, &stage, grads)
+            .map_err(crate::JobError::collective("averaging a stage's gradients"))?;
+        timer.backward_done();
+        stage = optim.step(lr, stage, grads);
+        timer.step_done(step_tokens as u64);
+        measured.idle += report.idle.as_secs_f64();
+        measured.wall += report.wall.as_secs_f64();
+        measured.held = measured.held.max(report.max_in_flight);
+        measured.bytes = measured.bytes.max(report.max_activation_bytes);
+        // Every stage learns the step's loss from the last, for rank 0's progress line.
+        let loss = pipe
+            .group()
+            .broadcast(vec![report.loss.unwrap_or(0.0)], last_stage)
+            .wait()
+            .map_err(crate::JobError::collective(
+                "sending the step's loss to every stage",
+            ))?[0];
+        let l = f64::from(loss.elem::<f32>());
+        if pipe.is_last() {
+            loss_sum += l * c.grad_accum as f64;
+            batches += c.grad_accum;
+        }
+        tokens += step_tokens;
+        shown_sum += l;
+        shown_n += 1;
+        stretch_sum += l;
+        stretch_n += 1;
+        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
+            curve.push(((step + 1) as f64, stretch_sum / stretch_n as f64));
+            (stretch_sum, stretch_n) = (0.0, 0);
+        }
+        if ctx.is_main() {
+            let elapsed = t0.elapsed();
+            ctx.step(&StepProgress {
+                round: "eval",
+                epoch: round + 1,
+                epochs: rounds,
+                step: i + 1,
+                steps,
+                loss: shown_sum / shown_n as f64,
+                accuracy: None,
+                rate: (tokens * replicas) as f64 / elapsed.as_secs_f64(),
+                unit: "chars",
+                elapsed,
+                straggler: ctx.straggler(),
+            });
+        }
+    }
+    let trained = Trained {
+        loss_sum,
+        batches,
+        tokens,
+        last_step: end,
+        curve,
+        times: timer.times(),
+        split: timer.split(),
+    };
+    Ok((stage, trained))
+}
+
+/// Every stage's bytes (`mine` on this one), in stage order, on every stage.
+fn gather_bytes(
+    group: &Communicator,
+    mine: Vec<u8>,
+    during: &'static str,
+) -> Result<Vec<Vec<u8>>, JobError> {
+    let lens = group
+        .all_gather(vec![mine.len() as i64])
+        .wait()
+        .map_err(JobError::collective(during))?;
+    let counts: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
+    let all = group
+        .all_gather_uneven(mine, &counts)
+        .wait()
+        .map_err(JobError::collective(during))?;
+    let mut parts = Vec::with_capacity(counts.len());
+    let mut at = 0;
+    for n in counts {
+        parts.push(all[at..at + n].to_vec());
+        at += n;
+    }
+    Ok(parts)
+}
+
+/// The whole model on every rank of the pipeline: each stage's record gathered, put together
+/// in stage order, loaded into a model of the run's shape.
+fn whole_model<A: AutodiffBackend>(
+    group: &Communicator,
+    stage: &GptStage<A>,
+    c: &GptRunConfig,
+    device: &A::Device,
+) -> Result<Gpt<A>, JobError> {
+    let during = "gathering the stages into the whole model";
+    let rec = Rec::default();
+    let mine = rec
+        .record(stage.clone().into_record(), ())
+        .map_err(|source| JobError::EncodeRecord {
+            what: "model",
+            source,
+        })?;
+    let mut records: Vec<GptStageRecord<A>> = Vec::new();
+    for part in gather_bytes(group, mine, during)? {
+        records.push(
+            checkpoint::decode::<A, GptStageRecord<A>>(&part, device).map_err(|why| {
+                JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
+                    stage: records.len(),
+                    stages: group.size(),
+                    micro: 0,
+                    problem: format!("its record could not be read: {why}"),
+                })
+            })?,
+        );
+    }
+    Ok(c.model()
+        .init::<A>(device)
+        .load_record(GptStage::assemble(records)))
+}
+
+/// The whole optimizer state as one device's run records it, encoded in `whole`'s parameter
+/// order: every stage's state gathered (the last stage's copy of a tied embedding, whose state
+/// is the first stage's, left out). Every rank of the pipeline calls it.
+fn whole_optimizer<A: AutodiffBackend>(
+    group: &Communicator,
+    stage: &GptStage<A>,
+    optim: &Optim<A>,
+    whole: &Gpt<A>,
+    device: &A::Device,
+) -> Result<Vec<u8>, JobError> {
+    let during = "gathering the stages' optimizer state";
+    let rec = Rec::default();
+    let encode = |source| JobError::EncodeRecord {
+        what: "optimizer state",
+        source,
+    };
+    let mine = rec
+        .record(InOrder::new(optim.whole_record(device), stage), ())
+        .map_err(encode)?;
+    let ids = param_ids(whole);
+    let mut merged: Vec<(ParamId, _)> = Vec::new();
+    for part in gather_bytes(group, mine, during)? {
+        let InOrder(entries) =
+            checkpoint::decode::<A, InOrder<_>>(&part, device).map_err(|why| {
+                JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
+                    stage: 0,
+                    stages: group.size(),
+                    micro: 0,
+                    problem: format!("a stage's optimizer state could not be read: {why}"),
+                })
+            })?;
+        merged.extend(entries.into_iter().filter(|(id, _)| ids.contains_key(id)));
+    }
+    let record: OptimRecord<Adam, Gpt<A>, A> = merged.into_iter().collect();
+    rec.record(InOrder::new(record, whole), ()).map_err(encode)
+}
+
+/// Rank 0 writes the round's checkpoint (the whole model and optimizer state) and the plot and
+/// says its lines.
+fn record_round<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    state: &GptState,
+    model: &Gpt<A>,
+    optim_bytes: Vec<u8>,
+) -> Result<(), JobError> {
+    let model_bytes = Rec::default()
+        .record(model.clone().into_record(), ())
+        .map_err(|source| JobError::EncodeRecord {
+            what: "model",
+            source,
+        })?;
+    let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
+    let Some(dir) = saved else {
+        return Ok(());
+    };
+    let root = &ctx.settings().checkpoint_dir;
+    output::write_plot(root, state, ctx.settings().log_loss).map_err(|source| JobError::Plots {
+        dir: root.clone(),
+        source,
+    })?;
+    let r = state.history.last().expect("just recorded");
+    for line in output::eval_lines(r, state, &dir) {
+        ctx.say(Say::Epoch, &line);
+    }
+    Ok(())
+}
+
+/// Every stage's figures, gathered over the world (every rank calls it); replica 0's stages
+/// are reported.
+fn summaries<A: AutodiffBackend>(
+    ctx: &RankContext<'_, GptJob>,
+    pipe: &Pipeline,
+    stage: &GptStage<A>,
+    m: &Measured,
+) -> Result<Vec<StageSummary>, JobError> {
+    let blocks = stage.blocks();
+    let mine = vec![
+        pipe.stage() as f64,
+        blocks.start as f64,
+        blocks.end as f64,
+        stage.num_params() as f64,
+        if m.wall > 0.0 { m.idle / m.wall } else { 0.0 },
+        m.held as f64,
+        m.bytes as f64,
+    ];
+    let all = ctx
+        .world()
+        .comm()
+        .all_gather(mine)
+        .wait()
+        .map_err(JobError::collective("gathering the stages' figures"))?;
+    let replica0 = ctx.world().mesh();
+    Ok(all
+        .chunks(7)
+        .enumerate()
+        .filter(|(rank, _)| replica0.coords(bonfire::topology::Rank::from(*rank)) == (0, 0))
+        .map(|(_, v)| StageSummary {
+            stage: v[0] as usize,
+            blocks: v[1] as usize..v[2] as usize,
+            params: v[3] as usize,
+            idle: v[4],
+            held: v[5] as usize,
+            activation_bytes: v[6] as usize,
+        })
+        .collect())
+}

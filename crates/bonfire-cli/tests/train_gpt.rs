@@ -623,7 +623,7 @@ fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
 /// and the last stage, not per micro-batch, so the bits may differ). The report names the
 /// stages against the bubble. A run killed after its first checkpoint resumes bit for bit; its
 /// checkpoint is the whole model (`--sample` reads it); `--pp` more than the blocks, `--pp` with
-/// `--tp`, and `--zero` with `--pp` are refused with exit code 2.
+/// `--tp`, and `--zero` with `--pp` are refused with exit code 2. A run resumes at another `--pp`.
 #[test]
 fn pipeline_stages_train_as_one_device() {
     let dir = scratch("gpt-pipeline");
@@ -724,6 +724,34 @@ fn pipeline_stages_train_as_one_device() {
         "{log}"
     );
     assert_eq!(digests(&killed, 2), digests(&dir.join("pp"), 2));
+    // The checkpoint is the whole model: the same run resumes on one rank (`--pp 1`) and ends
+    // where the pipeline does, within rounding.
+    let moved = dir.join("moved");
+    let mut cmd = bonfire(&dir, &tiny);
+    cmd.args([
+        "--steps",
+        "8",
+        "--micro-batches",
+        "4",
+        "--dp",
+        "1",
+        "--pp",
+        "2",
+    ])
+    .arg("--checkpoint-dir")
+    .arg(&moved);
+    assert_eq!(kill_after_first_checkpoint(&mut cmd, &moved), "epoch-1");
+    let out = bonfire(
+        &dir,
+        &["train", "gpt", "--resume", "--pp", "1", "--checkpoint-dir"],
+    )
+    .arg(&moved)
+    .output()
+    .unwrap();
+    let log = text(&out);
+    assert!(out.status.success() && log.contains("1 rank(s)"), "{log}");
+    assert_eq!(state(&moved, 2)["config"]["pp"], 1);
+    close("moved", "pp");
     let sample = bonfire(
         &dir,
         &["train", "gpt", "--sample", "ROMEO:", "--checkpoint-dir"],

@@ -85,6 +85,17 @@ pub trait Job {
     /// the order the message lists them. A resume proceeds only when there are none.
     fn clashes(&self, request: &Self::Request, saved: &Self::Config) -> Vec<Clash>;
 
+    /// Resuming a run made with `saved` (after [`Job::clashes`] found none): the settings the
+    /// resumed run trains with. The request may change settings that do not decide the result
+    /// (how the ranks lay the model out); by default it changes none.
+    fn resumed_config(
+        &self,
+        _request: &Self::Request,
+        saved: Self::Config,
+    ) -> Result<Self::Config, JobError> {
+        Ok(saved)
+    }
+
     /// Makes ready what a run with `config` reads (fetches its data set into `data_dir`).
     fn prepare(&self, config: &Self::Config, data_dir: &Path) -> Result<(), JobError>;
 

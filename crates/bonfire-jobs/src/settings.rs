@@ -237,7 +237,7 @@ fn settle_resumed<J: Job>(
     let data_dir = data_dir(options);
     job.prepare(&loaded.state.config, &data_dir)?;
     Ok(Settings {
-        config: loaded.state.config,
+        config: job.resumed_config(request, loaded.state.config)?,
         epochs,
         checkpoint_dir: dir,
         resume: true,

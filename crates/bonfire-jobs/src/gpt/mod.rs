@@ -457,10 +457,6 @@ impl Job for GptJob {
             }),
             Clash::check("--dp", r.dp.as_ref(), &s.dp(), num),
             Clash::check("--tp", r.tp.as_ref(), &s.tp, num),
-            Clash::check("--pp", r.pp.as_ref(), &s.pp, num),
-            Clash::check("--schedule", r.schedule.as_ref(), &s.schedule, |v| {
-                v.name().into()
-            }),
             Clash::check("--layers", r.layers.as_ref(), &s.layers, num),
             Clash::check("--heads", r.heads.as_ref(), &s.heads, num),
             Clash::check("--embd", r.embd.as_ref(), &s.embd, num),
@@ -498,6 +494,46 @@ impl Job for GptJob {
         .into_iter()
         .flatten()
         .collect()
+    }
+
+    /// The pipeline's stages and schedule may change on resume: a checkpoint holds the whole
+    /// model and the whole optimizer state whatever the stages, and they decide no result (the
+    /// same steps, within rounding: see the pipeline chapter). The data-parallel replicas, which
+    /// decide the batches, stay.
+    fn resumed_config(
+        &self,
+        r: &GptRequest,
+        saved: GptRunConfig,
+    ) -> Result<GptRunConfig, JobError> {
+        let pp = r.pp.unwrap_or(saved.pp);
+        if pp > saved.layers {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} for a model of {} blocks", saved.layers),
+                why: "each pipeline stage holds at least one block",
+            });
+        }
+        if pp > 1 && saved.tp > 1 {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} for a run with --tp {}", saved.tp),
+                why: "the GPT job runs a pipeline over data-parallel replicas (--dp), not over \
+                      tensor-parallel ones",
+            });
+        }
+        if pp > 1 && saved.bf16 {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!("{pp} for a run with --bf16-comm"),
+                why: "a pipeline's stages average their gradients in f32",
+            });
+        }
+        Ok(GptRunConfig {
+            ranks: saved.dp() * saved.tp * pp,
+            pp,
+            schedule: r.schedule.unwrap_or(saved.schedule),
+            ..saved
+        })
     }
 
     fn prepare(&self, config: &GptRunConfig, data_dir: &Path) -> Result<(), JobError> {

@@ -52,6 +52,9 @@ pub(crate) enum CliError {
     /// A tensor-parallel plan did not apply.
     #[error(transparent)]
     Plan(#[from] bonfire::PlanError),
+    /// A pipeline step failed (the message names the stage, the micro-batch and the peer).
+    #[error(transparent)]
+    Pipeline(#[from] bonfire::pipeline::PipelineError),
     /// A benchmark's result file could not be written or read.
     #[error("{}: {source}", path.display())]
     ResultFile {

@@ -1183,6 +1183,7 @@ variants!(
         CliError::Io { .. },
         CliError::Quic(..),
         CliError::Plan(..),
+        CliError::Pipeline(..),
         CliError::ResultFile { .. },
         CliError::ResultJson { .. },
         CliError::Mesh { .. },
@@ -1216,6 +1217,7 @@ fn cli_examples() -> Vec<CliError> {
         },
         CliError::Quic(BenchError::NoConnection),
         CliError::Plan(PlanError::OtherGroup { given: 7, bound: 9 }),
+        CliError::Pipeline(PipelineError::NoMicroBatches),
         CliError::ResultFile {
             path: "bench/tp-1.json".into(),
             source: io_error(),

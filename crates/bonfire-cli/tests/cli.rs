@@ -407,3 +407,68 @@ fn the_kernel_bench_compares_fused_kernels_with_burn_ops() {
         assert!(speed > 0.0, "{line}");
     }
 }
+
+/// `bonfire bench pp` on a tiny model: one row per (stages, schedule, micro-batches), the first
+/// step's loss the same in every row (one process and two stages compute the same step), each
+/// stage's idle time and what it held (1F1B: 2 and 1 micro-batches over 2 stages; GPipe: all
+/// of them); a micro-batch count that does not divide the batch exits 2 with a message.
+#[test]
+fn bench_pp_splits_the_gpt_into_stages_with_the_same_loss() {
+    let tiny = [
+        "bench",
+        "pp",
+        "--layers",
+        "2",
+        "--embd",
+        "32",
+        "--heads",
+        "2",
+        "--context",
+        "16",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--pp",
+        "1,2",
+        "--micro-batches",
+        "4",
+    ];
+    let out = bonfire(&tiny);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    // pp 1 (one schedule), pp 2 under 1F1B and GPipe.
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert_eq!((rows[0][0], rows[1][1], rows[2][1]), ("1", "1f1b", "gpipe"));
+    let loss = |r: &Vec<&str>| r.last().unwrap().parse::<f32>().unwrap();
+    for r in &rows {
+        assert_eq!(loss(r), loss(&rows[0]), "{stdout}");
+        assert!(loss(r) > 3.5 && loss(r) < 5.0, "{stdout}");
+    }
+    // held: "2 / 1" under 1F1B, "4 / 4" under GPipe.
+    assert!(rows[1].join(" ").contains("2 / 1"), "{stdout}");
+    assert!(rows[2].join(" ").contains("4 / 4"), "{stdout}");
+    let bad = bonfire(&[
+        "bench",
+        "pp",
+        "--layers",
+        "2",
+        "--batch",
+        "8",
+        "--micro-batches",
+        "3",
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad.stderr).contains("--micro-batches 3: must divide a replica's 8 sequences"),
+        "{}",
+        text(&bad.stderr)
+    );
+}

@@ -3,6 +3,7 @@
 mod collectives;
 mod kernels;
 mod link;
+mod pp;
 mod tp;
 
 use clap::Subcommand;
@@ -23,6 +24,10 @@ pub(crate) enum Bench {
     /// Train the bundled GPT split over 1, 2, 4 ... tensor-parallel ranks of this host: step
     /// time, memory per rank, and communication against Megatron-LM's for the same shapes.
     Tp(tp::Args),
+    /// Train the bundled GPT split into 1, 2, 4 ... pipeline stages on this host, under each
+    /// schedule and number of micro-batches: step time, each stage's idle time against the
+    /// bubble's formula, what it held, and the first step's loss.
+    Pp(pp::Args),
 }
 
 impl Bench {
@@ -32,6 +37,7 @@ impl Bench {
             Bench::Link(args) => link::run(args),
             Bench::Kernels(args) => kernels::run(args),
             Bench::Tp(args) => tp::run(args),
+            Bench::Pp(args) => pp::run(args),
         }
     }
 }

@@ -455,14 +455,14 @@ fn whole_optimizer<A: AutodiffBackend>(
         .map_err(encode)?;
     let ids = param_ids(whole);
     let mut merged: Vec<(ParamId, _)> = Vec::new();
-    for part in gather_bytes(group, mine, during)? {
+    for (stage, part) in gather_bytes(group, mine, during)?.into_iter().enumerate() {
         let InOrder(entries) =
             checkpoint::decode::<A, InOrder<_>>(&part, device).map_err(|why| {
                 JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
-                    stage: 0,
+                    stage,
                     stages: group.size(),
                     micro: 0,
-                    problem: format!("a stage's optimizer state could not be read: {why}"),
+                    problem: format!("its optimizer state could not be read: {why}"),
                 })
             })?;
         merged.extend(entries.into_iter().filter(|(id, _)| ids.contains_key(id)));

@@ -3,7 +3,7 @@
 # characters per step: `--pp 2` (one replica of two stages, 1F1B and GPipe, M micro-batches),
 # `--dp 2` (two replicas of M/2 micro-batches each) and `--dp 1` (M micro-batches), the default
 # model on the embedded plays, in alternating rounds. Prints each run's steady rate (after the
-# first 10 steps) and, for the pipelines, each stage's idle time against the bubble's formula.
+# first 10 micro-batches; a pipeline step counts from the one they end in) and, for the pipelines, each stage's idle time against the bubble's formula.
 #
 #   bash benches/pp_gpt.sh                        # M=8, 40 steps, 2 rounds
 #   M=16 STEPS=30 ROUNDS=1 bash benches/pp_gpt.sh

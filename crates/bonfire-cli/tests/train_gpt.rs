@@ -697,60 +697,44 @@ fn pipeline_stages_train_as_one_device() {
     // The schedule changes the order of the work, not the arithmetic.
     assert_eq!(digests(&dir.join("pp"), 2), digests(&dir.join("gpipe"), 2));
 
-    // Killed after its first checkpoint and resumed: the same bits as the uninterrupted run.
-    let killed = dir.join("killed");
-    let mut cmd = bonfire(&dir, &tiny);
-    cmd.args([
-        "--steps",
-        "8",
-        "--micro-batches",
-        "4",
-        "--dp",
-        "1",
-        "--pp",
-        "2",
-    ])
-    .arg("--checkpoint-dir")
-    .arg(&killed);
-    let done = kill_after_first_checkpoint(&mut cmd, &killed);
-    assert_eq!(done, "epoch-1", "the job finished before it was killed");
-    let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
-        .arg(&killed)
-        .output()
-        .unwrap();
-    let log = text(&out);
-    assert!(
-        out.status.success() && log.contains("resuming from"),
-        "{log}"
-    );
-    assert_eq!(digests(&killed, 2), digests(&dir.join("pp"), 2));
+    // `--pp 2` killed after its first checkpoint, then resumed with `extra`: its output.
+    let kill_and_resume = |name: &str, extra: &[&str]| -> String {
+        let run = dir.join(name);
+        let mut cmd = bonfire(&dir, &tiny);
+        cmd.args([
+            "--steps",
+            "8",
+            "--micro-batches",
+            "4",
+            "--dp",
+            "1",
+            "--pp",
+            "2",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(&run);
+        let done = kill_after_first_checkpoint(&mut cmd, &run);
+        assert_eq!(done, "epoch-1", "the job finished before it was killed");
+        let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
+            .arg(&run)
+            .args(extra)
+            .output()
+            .unwrap();
+        let log = text(&out);
+        assert!(
+            out.status.success() && log.contains("resuming from"),
+            "{log}"
+        );
+        log
+    };
+    // Resumed: the same bits as the uninterrupted run.
+    kill_and_resume("killed", &[]);
+    assert_eq!(digests(&dir.join("killed"), 2), digests(&dir.join("pp"), 2));
     // The checkpoint is the whole model: the same run resumes on one rank (`--pp 1`) and ends
     // where the pipeline does, within rounding.
-    let moved = dir.join("moved");
-    let mut cmd = bonfire(&dir, &tiny);
-    cmd.args([
-        "--steps",
-        "8",
-        "--micro-batches",
-        "4",
-        "--dp",
-        "1",
-        "--pp",
-        "2",
-    ])
-    .arg("--checkpoint-dir")
-    .arg(&moved);
-    assert_eq!(kill_after_first_checkpoint(&mut cmd, &moved), "epoch-1");
-    let out = bonfire(
-        &dir,
-        &["train", "gpt", "--resume", "--pp", "1", "--checkpoint-dir"],
-    )
-    .arg(&moved)
-    .output()
-    .unwrap();
-    let log = text(&out);
-    assert!(out.status.success() && log.contains("1 rank(s)"), "{log}");
-    assert_eq!(state(&moved, 2)["config"]["pp"], 1);
+    let log = kill_and_resume("moved", &["--pp", "1"]);
+    assert!(log.contains("1 rank(s)"), "{log}");
+    assert_eq!(state(&dir.join("moved"), 2)["config"]["pp"], 1);
     close("moved", "pp");
     let sample = bonfire(
         &dir,

@@ -136,8 +136,11 @@ pub fn settle<J: Job>(
                   2 (the gradients too)",
         });
     }
+    // A resumed run's ranks are the checkpoint's (with what the request may change): checked
+    // once it is settled.
     if let (Some(world), Some(ranks)) = (world_size, job.requested_ranks(request))
         && world != ranks
+        && !options.resume
     {
         return Err(JobError::RanksMismatch { ranks, world });
     }
@@ -148,20 +151,29 @@ pub fn settle<J: Job>(
     } else {
         settle_fresh(job, request, options, world_size, reporter)
     }?;
-    let stages = settings.config.pipeline_stages();
-    if let Some(zero) = options.zero.filter(|_| stages > 1) {
-        if !settings.resume {
-            // The directory this call made, still empty: nothing to keep.
-            let _ = std::fs::remove_dir(&settings.checkpoint_dir);
-        }
-        return Err(JobError::Invalid {
+    if let Some(world) = world_size
+        && world != settings.config.ranks()
+    {
+        return Err(JobError::RanksMismatch {
+            ranks: settings.config.ranks(),
+            world,
+        });
+    }
+    Ok(settings)
+}
+
+/// `--zero` with pipeline stages: refused (a fresh run refuses it before making its directory).
+fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
+    let stages = config.pipeline_stages();
+    match options.zero.filter(|_| stages > 1) {
+        Some(zero) => Err(JobError::Invalid {
             flag: "--zero",
             given: format!("{zero} with --pp {stages}"),
             why: "a pipeline's stages keep their own optimizer state already; ZeRO shards it \
                   over data-parallel replicas without stages",
-        });
+        }),
+        None => Ok(()),
     }
-    Ok(settings)
 }
 
 /// A fresh run started again by the launcher after a failure (`BONFIRE_RESTART_ROUND` above
@@ -236,8 +248,10 @@ fn settle_resumed<J: Job>(
     }
     let data_dir = data_dir(options);
     job.prepare(&loaded.state.config, &data_dir)?;
+    let config = job.resumed_config(request, loaded.state.config)?;
+    zero_with_stages(options, &config)?;
     Ok(Settings {
-        config: job.resumed_config(request, loaded.state.config)?,
+        config,
         epochs,
         checkpoint_dir: dir,
         resume: true,
@@ -270,10 +284,12 @@ fn settle_fresh<J: Job>(
         }
         None => runs(Path::new(RUNS_DIR), J::NAME).1,
     };
-    std::fs::create_dir_all(&checkpoint_dir).map_err(JobError::io(&checkpoint_dir))?;
     let ranks = world_size.unwrap_or(job.requested_ranks(request).unwrap_or(J::DEFAULT_RANKS));
     let data_dir = data_dir(options);
     let config = job.configure(request, ranks, &data_dir, reporter)?;
+    zero_with_stages(options, &config)?;
+    // Made once the settings hold: a refused run leaves no directory behind.
+    std::fs::create_dir_all(&checkpoint_dir).map_err(JobError::io(&checkpoint_dir))?;
     let epochs = options
         .epochs
         .or_else(|| job.rounds(&config))

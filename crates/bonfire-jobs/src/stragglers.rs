@@ -279,9 +279,16 @@ impl EpochTimer {
     /// The step is done (forward, backward, the optimizer), on `items` of this rank's (images,
     /// tokens).
     pub fn step_done(&mut self, items: u64) {
+        self.steps_done(1, items);
+    }
+
+    /// A step of `batches` micro-batches that ran together is done (a pipeline step: its
+    /// forwards and backwards interleave), on `items`: it counts as that many batches, and into
+    /// the steady rate when it ends after the process's first [`WARM_UP_BATCHES`].
+    pub fn steps_done(&mut self, batches: u64, items: u64) {
         let lap = self.lap();
         self.split.optimizer += lap;
-        self.split.batches += 1;
+        self.split.batches += batches;
         if self.before + self.split.batches > WARM_UP_BATCHES {
             self.split.steady += self.mark - self.step_began;
             self.split.steady_items += items;

@@ -348,7 +348,13 @@ fn pp_from_env(world_size: usize, tp: usize) -> Result<usize, InitError> {
         return Ok(1);
     };
     match value.trim().parse::<usize>() {
-        Ok(p) if p > 0 && world_size.is_multiple_of(p * tp) => Ok(p),
+        Ok(p)
+            if p > 0
+                && p.checked_mul(tp)
+                    .is_some_and(|n| world_size.is_multiple_of(n)) =>
+        {
+            Ok(p)
+        }
         _ => Err(InitError::PipelineSize {
             value,
             tp,

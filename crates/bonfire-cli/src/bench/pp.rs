@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use bonfire::DataParallel;
 use bonfire::models::{Gpt, GptConfig, GptStage};
-use bonfire::pipeline::{Pipeline, Schedule, StageOutput, average_gradients, bubble, partition};
+use bonfire::pipeline::{Pipeline, Schedule, average_gradients, bubble, partition};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::{Module, ModuleMapper};
@@ -201,6 +201,15 @@ fn check(args: &Args, pp: usize, m: usize) -> Result<(), CliError> {
             args.dp, args.batch
         ));
     }
+    if args.batch == 0 || args.vocab == 0 || args.context == 0 {
+        return bad("--batch, --vocab and --context must be at least 1".to_string());
+    }
+    if args.heads == 0 || !args.embd.is_multiple_of(args.heads) {
+        return bad(format!(
+            "--heads {}: must be at least 1 and divide --embd {}",
+            args.heads, args.embd
+        ));
+    }
     let share = args.batch / args.dp;
     if m == 0 || !share.is_multiple_of(m) {
         return bad(format!(
@@ -303,26 +312,20 @@ fn rank(args: &Args, run: &str, result: &Path) -> Result<(), CliError> {
     let params = stage.num_params() as u64;
     let mut optim = AdamConfig::new().init::<B, GptStage<B>>();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let (replica, dp) = (world.dp_group(), world.dp_group().clone());
-    let replica = replica.rank();
+    let dp = world.dp_group().clone();
+    let replica = dp.rank();
     let (mut times, mut idle, mut wall, mut held, mut bytes) = (Vec::new(), 0.0, 0.0, 0, 0);
     let mut first_loss = f32::NAN;
     for step in 0..args.warmup + args.steps {
         let micro = micro_batches(&mut rng, args, replica, m, &device);
         let start = Instant::now();
-        let (mut grads, report) = pipe.step(&stage, &device, |st: &GptStage<B>, i, input| {
-            let (x, y) = &micro[i];
-            let out = st.forward(st.is_first().then(|| x.clone()), input);
-            if st.is_last() {
-                StageOutput::Loss(st.loss(out, y.clone()))
-            } else {
-                StageOutput::Activation(out)
-            }
+        let (grads, report) = pipe.step(&stage, &device, |st: &GptStage<B>, i, input| {
+            bonfire_jobs::gpt::stage_output(st, &micro[i], input)
         })?;
+        let mut grads = average_gradients(&dp, &stage, grads)?;
         if let Some(tied) = stage.tied_embedding() {
             pipe.sum_shared::<B, 2>(&mut grads, tied)?;
         }
-        let grads = average_gradients(&dp, &stage, grads)?;
         stage = optim.step(1e-3, stage, grads);
         let elapsed = start.elapsed().as_secs_f64();
         if step == 0 {

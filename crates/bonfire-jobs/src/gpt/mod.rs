@@ -46,6 +46,7 @@ use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
 use crate::{Clash, Finished, JobError, RunOptions, Runner};
 
+pub use pipeline::stage_output;
 pub use plan::plan;
 pub use sample::{SampleRequest, sample};
 
@@ -334,6 +335,15 @@ pub fn run(request: &GptRequest, options: &RunOptions) -> Result<Finished<GptJob
     Runner::new(&GptJob, request, options).run()
 }
 
+/// `--pp` above the model's blocks.
+fn stages_exceed_blocks(pp: usize, layers: usize) -> JobError {
+    JobError::Invalid {
+        flag: "--pp",
+        given: format!("{pp} with --layers {layers}"),
+        why: "each pipeline stage holds at least one block",
+    }
+}
+
 /// The text's vocabulary, and that it has the windows the run needs.
 fn vocabulary(text: &str, context: usize) -> Result<Vocab, JobError> {
     let corpus = bonfire_datasets::text::CharCorpus::new(text, VAL_FRACTION)?;
@@ -386,13 +396,11 @@ impl Job for GptJob {
                 why: "the tensor-parallel size must divide the heads (the plan splits attention by heads)",
             });
         }
-        let (pp, layers) = (r.pp.unwrap_or(1), r.layers.unwrap_or(4));
-        if pp > layers {
-            return Err(JobError::Invalid {
-                flag: "--pp",
-                given: format!("{pp} with --layers {layers}"),
-                why: "each pipeline stage holds at least one block",
-            });
+        // Against the layers given (a fresh run's default is checked in `configure`, a resumed
+        // run's saved layers in `resumed_config`).
+        let pp = r.pp.unwrap_or(1);
+        if let Some(layers) = r.layers.filter(|&l| pp > l) {
+            return Err(stages_exceed_blocks(pp, layers));
         }
         if pp > 1 && tp > 1 {
             return Err(JobError::Invalid {
@@ -507,11 +515,7 @@ impl Job for GptJob {
     ) -> Result<GptRunConfig, JobError> {
         let pp = r.pp.unwrap_or(saved.pp);
         if pp > saved.layers {
-            return Err(JobError::Invalid {
-                flag: "--pp",
-                given: format!("{pp} for a model of {} blocks", saved.layers),
-                why: "each pipeline stage holds at least one block",
-            });
+            return Err(stages_exceed_blocks(pp, saved.layers));
         }
         if pp > 1 && saved.tp > 1 {
             return Err(JobError::Invalid {
@@ -582,6 +586,10 @@ impl Job for GptJob {
             });
         }
         let pp = r.pp.unwrap_or(1);
+        let layers = r.layers.unwrap_or(4);
+        if pp > layers {
+            return Err(stages_exceed_blocks(pp, layers));
+        }
         if !ranks.is_multiple_of(tp * pp) {
             return Err(JobError::Invalid {
                 flag: "--pp",

@@ -1,5 +1,5 @@
 //! One rank of a pipeline-parallel GPT run (`--pp`): the model's blocks split into `pp`
-//! contiguous stages balanced by parameter count ([`bonfire::pipeline::partition`]), this rank
+//! contiguous stages balanced by the blocks' parameter counts ([`bonfire::pipeline::partition`]), this rank
 //! holding only its stage (the embeddings on the first, the final norm and the head on the last,
 //! a tied head's embedding on both), and each step's `grad_accum` micro-batches flowing through
 //! the stages under the run's schedule ([`Pipeline::step`]).
@@ -30,13 +30,12 @@ use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor};
 
-use super::train::{CURVE_POINTS, Rec, batch, draw, generate, validate};
+use super::train::{Rec, RoundLog, batch, draw, generate, validate, write_round};
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::data::param_digest;
 use crate::optim::{JobOptimizer, OptimRecord};
-use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, StepSplit};
@@ -283,11 +282,8 @@ fn train_round<A: AutodiffBackend>(
     let end = ((round + 1) * c.eval_every).min(c.steps);
     let steps = end - first;
     let last_stage = pipe.stages() - 1;
-    let t0 = Instant::now();
+    let mut log = RoundLog::new(round, rounds, steps, replicas);
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
-    let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
-    let (mut shown_sum, mut shown_n) = (0.0f64, 0usize);
-    let mut curve = Vec::new();
     let mut timer = EpochTimer::start_after(before);
     let step_tokens = c.grad_accum * c.batch * c.context;
     for (i, step) in (first..end).enumerate() {
@@ -303,24 +299,19 @@ fn train_round<A: AutodiffBackend>(
             .collect();
         timer.input_done();
         timer.forward_done();
-        let (mut grads, report) = pipe.step(&stage, device, |st: &GptStage<A>, m, input| {
-            let (x, y) = &micro[m];
-            let tokens = st.is_first().then(|| x.clone());
-            let out = st.forward(tokens, input);
-            if st.is_last() {
-                StageOutput::Loss(st.loss(out, y.clone()))
-            } else {
-                StageOutput::Activation(out)
-            }
+        let (grads, report) = pipe.step(&stage, device, |st: &GptStage<A>, m, input| {
+            stage_output(st, &micro[m], input)
         })?;
+        // Averaged over the replicas first, then the tied embedding's two copies summed: both
+        // stages add the same two averaged tensors in the same order, whatever the all-reduce.
+        let mut grads = average_gradients(dp_group, &stage, grads)
+            .map_err(crate::JobError::collective("averaging a stage's gradients"))?;
         if let Some(tied) = stage.tied_embedding() {
             pipe.sum_shared::<A, 2>(&mut grads, tied)?;
         }
-        let grads = average_gradients(dp_group, &stage, grads)
-            .map_err(crate::JobError::collective("averaging a stage's gradients"))?;
         timer.backward_done();
         stage = optim.step(lr, stage, grads);
-        timer.step_done(step_tokens as u64);
+        timer.steps_done(c.grad_accum as u64, step_tokens as u64);
         measured.idle += report.idle.as_secs_f64();
         measured.wall += report.wall.as_secs_f64();
         measured.held = measured.held.max(report.max_in_flight);
@@ -339,41 +330,36 @@ fn train_round<A: AutodiffBackend>(
             batches += c.grad_accum;
         }
         tokens += step_tokens;
-        shown_sum += l;
-        shown_n += 1;
-        stretch_sum += l;
-        stretch_n += 1;
-        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
-            curve.push(((step + 1) as f64, stretch_sum / stretch_n as f64));
-            (stretch_sum, stretch_n) = (0.0, 0);
-        }
-        if ctx.is_main() {
-            let elapsed = t0.elapsed();
-            ctx.step(&StepProgress {
-                round: "eval",
-                epoch: round + 1,
-                epochs: rounds,
-                step: i + 1,
-                steps,
-                loss: shown_sum / shown_n as f64,
-                accuracy: None,
-                rate: (tokens * replicas) as f64 / elapsed.as_secs_f64(),
-                unit: "chars",
-                elapsed,
-                straggler: ctx.straggler(),
-            });
-        }
+        log.add(l);
+        log.step_done(ctx, i, step, tokens);
     }
     let trained = Trained {
         loss_sum,
         batches,
         tokens,
         last_step: end,
-        curve,
+        curve: log.curve,
         times: timer.times(),
         split: timer.split(),
     };
     Ok((stage, trained))
+}
+
+/// A GPT stage's forward of one micro-batch `(tokens, targets)` in a pipeline step: from the
+/// tokens on the first stage, else from the previous stage's `input`, through the stage's
+/// blocks; the loss against the targets on the last stage, the activation elsewhere. The
+/// closure [`Pipeline::step`] takes, for `bonfire train gpt --pp` and `bonfire bench pp`.
+pub fn stage_output<A: AutodiffBackend>(
+    stage: &GptStage<A>,
+    (tokens, targets): &(Tensor<A, 2, Int>, Tensor<A, 2, Int>),
+    input: Option<Tensor<A, 3>>,
+) -> StageOutput<A, 3> {
+    let out = stage.forward(stage.is_first().then(|| tokens.clone()), input);
+    if stage.is_last() {
+        StageOutput::Loss(stage.loss(out, targets.clone()))
+    } else {
+        StageOutput::Activation(out)
+    }
 }
 
 /// Every stage's bytes (`mine` on this one), in stage order, on every stage.
@@ -436,7 +422,8 @@ fn whole_model<A: AutodiffBackend>(
 
 /// The whole optimizer state as one device's run records it, encoded in `whole`'s parameter
 /// order: every stage's state gathered (the last stage's copy of a tied embedding, whose state
-/// is the first stage's, left out). Every rank of the pipeline calls it.
+/// is the first stage's, left out: on a fresh run its id is not the whole model's, on a resumed
+/// one it is, and the first stage's entry is kept). Every rank of the pipeline calls it.
 fn whole_optimizer<A: AutodiffBackend>(
     group: &Communicator,
     stage: &GptStage<A>,
@@ -465,14 +452,20 @@ fn whole_optimizer<A: AutodiffBackend>(
                     problem: format!("its optimizer state could not be read: {why}"),
                 })
             })?;
-        merged.extend(entries.into_iter().filter(|(id, _)| ids.contains_key(id)));
+        // A tied embedding's copy on the last stage has the first stage's id after a resume
+        // (and its state, bit for bit): the first stage's entry is kept.
+        for (id, state) in entries {
+            if ids.contains_key(&id) && !merged.iter().any(|(seen, _)| *seen == id) {
+                merged.push((id, state));
+            }
+        }
     }
     let record: OptimRecord<Adam, Gpt<A>, A> = merged.into_iter().collect();
     rec.record(InOrder::new(record, whole), ()).map_err(encode)
 }
 
-/// Rank 0 writes the round's checkpoint (the whole model and optimizer state) and the plot and
-/// says its lines.
+/// The round's checkpoint: the whole model's record and the whole optimizer state (every rank
+/// has both), written by rank 0 with the plot and the round's lines.
 fn record_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     state: &GptState,
@@ -485,20 +478,7 @@ fn record_round<A: AutodiffBackend>(
             what: "model",
             source,
         })?;
-    let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
-    let Some(dir) = saved else {
-        return Ok(());
-    };
-    let root = &ctx.settings().checkpoint_dir;
-    output::write_plot(root, state, ctx.settings().log_loss).map_err(|source| JobError::Plots {
-        dir: root.clone(),
-        source,
-    })?;
-    let r = state.history.last().expect("just recorded");
-    for line in output::eval_lines(r, state, &dir) {
-        ctx.say(Say::Epoch, &line);
-    }
-    Ok(())
+    write_round(ctx, state, model_bytes, optim_bytes)
 }
 
 /// Every stage's figures, gathered over the world (every rank calls it); replica 0's stages

@@ -37,7 +37,7 @@ pub(super) type Rec = BinBytesRecorder<FullPrecisionSettings>;
 type Optim<A> = JobOptimizer<Adam, Gpt<A>, A>;
 
 /// Points on the training-loss curve per round.
-pub(super) const CURVE_POINTS: usize = 10;
+const CURVE_POINTS: usize = 10;
 /// Validation windows evaluated at once.
 const EVAL_BATCH: usize = 64;
 
@@ -274,10 +274,8 @@ fn train_round<A: AutodiffBackend>(
     let first = round * c.eval_every;
     let end = ((round + 1) * c.eval_every).min(c.steps);
     let steps = end - first;
-    let t0 = Instant::now();
+    let mut log = RoundLog::new(round, rounds, steps, replicas);
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
-    let (mut stretch_sum, mut stretch_n) = (0.0f64, 0usize);
-    let mut curve = Vec::new();
     let mut timer = EpochTimer::start_after(before);
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
@@ -305,40 +303,95 @@ fn train_round<A: AutodiffBackend>(
             loss_sum += l;
             batches += 1;
             tokens += c.batch * c.context;
-            stretch_sum += l;
-            stretch_n += 1;
+            log.add(l);
         }
-        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
-            curve.push(((step + 1) as f64, stretch_sum / stretch_n as f64));
-            (stretch_sum, stretch_n) = (0.0, 0);
-        }
-        if ctx.is_main() {
-            let elapsed = t0.elapsed();
-            ctx.step(&StepProgress {
-                round: "eval",
-                epoch: round + 1,
-                epochs: rounds,
-                step: i + 1,
-                steps,
-                loss: loss_sum / batches as f64,
-                accuracy: None,
-                rate: (tokens * replicas) as f64 / elapsed.as_secs_f64(),
-                unit: "chars",
-                elapsed,
-                straggler: ctx.straggler(),
-            });
-        }
+        log.step_done(ctx, i, step, tokens);
     }
     let trained = Trained {
         loss_sum,
         batches,
         tokens,
         last_step: end,
-        curve,
+        curve: log.curve,
         times: timer.times(),
         split: timer.split(),
     };
     Ok((model, trained))
+}
+
+/// A round's running account for rank 0's progress line and the training-loss curve: the mean
+/// of the losses added so far, and a point of the curve at each tenth of the round.
+pub(super) struct RoundLog {
+    t0: Instant,
+    round: usize,
+    rounds: usize,
+    steps: usize,
+    replicas: usize,
+    sum: f64,
+    n: usize,
+    stretch_sum: f64,
+    stretch_n: usize,
+    /// (step, mean loss) over each stretch of the round.
+    pub(super) curve: Vec<(f64, f64)>,
+}
+
+impl RoundLog {
+    /// The account of round `round` (from 0) of `rounds`, of `steps` steps, over `replicas`.
+    pub(super) fn new(round: usize, rounds: usize, steps: usize, replicas: usize) -> RoundLog {
+        RoundLog {
+            t0: Instant::now(),
+            round,
+            rounds,
+            steps,
+            replicas,
+            sum: 0.0,
+            n: 0,
+            stretch_sum: 0.0,
+            stretch_n: 0,
+            curve: Vec::new(),
+        }
+    }
+
+    /// A loss of the round (a micro-batch's, or a step's mean over equal micro-batches).
+    pub(super) fn add(&mut self, loss: f64) {
+        self.sum += loss;
+        self.n += 1;
+        self.stretch_sum += loss;
+        self.stretch_n += 1;
+    }
+
+    /// Step `i` of the round (global step `step`) is done, `tokens` trained by this replica in
+    /// the round so far: the curve's point when a stretch ends, and rank 0's progress line.
+    pub(super) fn step_done(
+        &mut self,
+        ctx: &mut RankContext<'_, GptJob>,
+        i: usize,
+        step: usize,
+        tokens: usize,
+    ) {
+        let steps = self.steps;
+        if (i + 1) * CURVE_POINTS / steps != i * CURVE_POINTS / steps || i + 1 == steps {
+            let mean = self.stretch_sum / self.stretch_n.max(1) as f64;
+            self.curve.push(((step + 1) as f64, mean));
+            (self.stretch_sum, self.stretch_n) = (0.0, 0);
+        }
+        if ctx.is_main() {
+            let elapsed = self.t0.elapsed();
+            ctx.step(&StepProgress {
+                round: "eval",
+                epoch: self.round + 1,
+                epochs: self.rounds,
+                step: i + 1,
+                steps,
+                loss: self.sum / self.n.max(1) as f64,
+                accuracy: None,
+                rate: (tokens * self.replicas) as f64 / elapsed.as_secs_f64(),
+                unit: "chars",
+                elapsed,
+                straggler: ctx.straggler(),
+            });
+        }
+    }
 }
 
 /// The validation loss over the first `n` validation windows, each replica evaluating its share
@@ -395,6 +448,17 @@ fn record_round<A: AutodiffBackend>(
     let optim_bytes = recorder
         .record(InOrder::new(optim.whole_record(device), model), ())
         .map_err(encode("optimizer state"))?;
+    write_round(ctx, state, model_bytes, optim_bytes)
+}
+
+/// Rank 0 writes the round's checkpoint of the model's and the optimizer's encoded records
+/// and the plot, and says the round's lines.
+pub(super) fn write_round(
+    ctx: &mut RankContext<'_, GptJob>,
+    state: &GptState,
+    model_bytes: Vec<u8>,
+    optim_bytes: Vec<u8>,
+) -> Result<(), JobError> {
     let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
     let Some(dir) = saved else {
         return Ok(());

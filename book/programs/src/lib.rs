@@ -5,20 +5,14 @@
 
 pub mod text;
 
-use burn::module::{AutodiffModule, Module, ModuleMapper};
+use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 
-/// `module` with every parameter initialised now. Burn initialises a parameter lazily, when it is
-/// first used, from whatever the random generator holds then; a program that seeds the
-/// generator and builds a part of a model materialises it at once, so that the part's values are
-/// the seed's wherever and whenever it is built.
-pub fn materialised<B: Backend, M: Module<B>>(module: M) -> M {
-    struct Now;
-    impl<B: Backend> ModuleMapper<B> for Now {}
-    module.map(&mut Now)
-}
+/// `module` with every parameter initialised now (Burn initialises a parameter lazily, when it
+/// is first used, from whatever the random generator holds then): `bonfire::pipeline`'s.
+pub use bonfire::pipeline::materialised;
 
 // ANCHOR: accumulate
 /// One optimizer step over `micro_batches`: PyTorch's

@@ -340,13 +340,16 @@ impl Pipeline {
         let device = mine.device();
         let dims = mine.shape().dims::<D>();
         let values = f32_values(&mine).map_err(|e| self.problem(0, e))?;
-        let sent = self.group.send(values.clone(), other);
+        let len = values.len();
+        let sent = self.group.send(values, other);
         let theirs = self
             .group
-            .recv(vec![0f32; values.len()], other)
+            .recv(vec![0f32; len], other)
             .wait()
             .map_err(|source| self.transfer(what, 0, source))?;
-        sent.wait()
+        // The send gives its buffer back once the other stage has taken it.
+        let values = sent
+            .wait()
             .map_err(|source| self.transfer(what, 0, source))?;
         let (first, last) = if stage == 0 {
             (&values, &theirs)
@@ -554,12 +557,7 @@ impl Pipeline {
     ) -> Result<Vec<(Pending, usize, &'static str)>, PipelineError> {
         let dims = t.shape().dims::<D>();
         let shape: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
-        let values: Vec<f32> = t
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map_err(|e| self.problem(micro, format!("cannot read the tensor to send: {e:?}")))?;
+        let values = f32_values(t).map_err(|e| self.problem(micro, e))?;
         let mut sends = Vec::with_capacity(2);
         if with_shape {
             sends.push((Pending::Shape(self.group.send(shape, to)), micro, what));
@@ -709,6 +707,16 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     Ok(put.grads)
 }
 
+/// `module` with every parameter drawn now. Burn draws a parameter's values lazily, when it is
+/// first used, from whatever the backend's generator holds then; a stage that builds the whole
+/// model from a seed and keeps its own blocks calls this first, so that its blocks have the
+/// values one process building the whole model draws (in module order).
+pub fn materialised<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(module: M) -> M {
+    struct Now;
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Now {}
+    module.map(&mut Now)
+}
+
 /// A tensor's values as f32.
 fn f32_values<B: burn::tensor::backend::Backend, const D: usize>(
     t: &Tensor<B, D>,
@@ -717,7 +725,7 @@ fn f32_values<B: burn::tensor::backend::Backend, const D: usize>(
         .into_data()
         .convert::<f32>()
         .into_vec::<f32>()
-        .map_err(|e| format!("cannot read a gradient: {e:?}"))
+        .map_err(|e| format!("cannot read a tensor's values: {e:?}"))
 }
 
 /// `module` with each parameter a new leaf over the same values (same parameter ids, no copy):

@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use bonfire::DataParallel;
 use bonfire::models::{Gpt, GptConfig, GptStage};
-use bonfire::pipeline::{Pipeline, Schedule, average_gradients, bubble, partition};
+use bonfire::pipeline::{Pipeline, Schedule, average_gradients, bubble, materialised, partition};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
-use burn::module::{Module, ModuleMapper};
+use burn::module::Module;
 use burn::optim::{AdamConfig, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
@@ -248,12 +248,6 @@ fn rank_args(args: &Args, run: &str, result: &Path) -> Vec<String> {
     v
 }
 
-/// Maps nothing: mapping a module draws every parameter that is still to be drawn (in module
-/// order, as one process drawing the whole model does).
-struct Materialise;
-
-impl ModuleMapper<B> for Materialise {}
-
 /// Replica `replica`'s micro-batches of the next global batch (every rank draws the whole batch
 /// from the same generator).
 fn micro_batches(
@@ -305,8 +299,8 @@ fn rank(args: &Args, run: &str, result: &Path) -> Result<(), CliError> {
         .with_layers(args.layers)
         .with_heads(args.heads)
         .with_embd(args.embd)
-        .init(&device)
-        .map(&mut Materialise);
+        .init(&device);
+    let whole = materialised(whole);
     let range = partition(&whole.block_params(), pipe.stages())[pipe.stage()].clone();
     let mut stage: GptStage<B> = whole.into_stage(range);
     let params = stage.num_params() as u64;

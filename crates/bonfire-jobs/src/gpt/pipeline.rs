@@ -4,10 +4,10 @@
 //! a tied head's embedding on both), and each step's `grad_accum` micro-batches flowing through
 //! the stages under the run's schedule ([`Pipeline::step`]).
 //!
-//! After a step's last backward the first and the last stage sum the tied embedding's gradient
-//! ([`Pipeline::sum_shared`]), and each stage averages its gradients over its data-parallel
-//! group (the ranks of its stage in the other replicas: [`average_gradients`], one all-reduce,
-//! not overlapped with backward) before Adam steps. The step is then the same as a
+//! After a step's last backward each stage averages its gradients over its data-parallel group
+//! (the ranks of its stage in the other replicas: [`average_gradients`], one all-reduce, not
+//! overlapped with backward), then the first and the last stage sum the tied embedding's
+//! averaged gradients ([`Pipeline::sum_shared`]), before Adam steps. The step is then the same as a
 //! data-parallel step with `grad_accum` micro-batches: the same batches, the same mean loss.
 //!
 //! At each evaluation the stages gather the whole model on every rank (as a checkpoint
@@ -15,26 +15,27 @@
 //! digest and write one whole checkpoint, which any mesh can resume; between evaluations a rank
 //! holds its stage only.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::time::Instant;
 
 use bonfire::InOrder;
 use bonfire::collectives::Communicator;
-use bonfire::pipeline::{Pipeline, StageOutput, average_gradients, partition};
+use bonfire::pipeline::{Pipeline, StageOutput, average_gradients, materialised, partition};
 use bonfire_datasets::RankShard;
 use bonfire_datasets::text::{CharCorpus, Windows};
-use bonfire_models::{Gpt, GptStage, GptStageRecord, Sampling};
-use burn::module::{AutodiffModule, Module, ParamId};
+use bonfire_models::{Gpt, GptStage, GptStageRecord};
+use burn::module::{Module, ParamId};
 use burn::optim::{Adam, AdamConfig};
 use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor};
 
-use super::train::{Rec, RoundLog, batch, draw, generate, validate, write_round};
-use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
+use super::train::{
+    Account, Rec, RoundLog, Trained, evaluate, micro_batch, take_history, write_round,
+};
+use super::{GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
-use crate::data::param_digest;
 use crate::optim::{JobOptimizer, OptimRecord};
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
@@ -80,7 +81,7 @@ pub(super) fn run<A: AutodiffBackend>(
     A::seed(&device, c.seed);
     // Burn draws a parameter's values when it is first used: every parameter is drawn now, in
     // module order as one device's run draws them, before this stage keeps its own.
-    let whole: Gpt<A> = c.model().init(&device).map(&mut Materialise);
+    let whole: Gpt<A> = materialised(c.model().init(&device));
     let ranges = partition(&whole.block_params(), pipe.stages());
     let range = ranges[pipe.stage()].clone();
     if ctx.is_main() {
@@ -119,36 +120,15 @@ pub(super) fn run<A: AutodiffBackend>(
             &device,
         )?;
         let train_secs = t0.elapsed().as_secs_f64();
-        let ranks = ctx.epoch_times(trained.times)?;
-        throughput.items += trained.tokens * replicas;
-        throughput.seconds += train_secs;
-        throughput.add_steady(&trained.split, replicas);
-        split += trained.split;
-        // Only the last stages count losses and batches.
-        let totals = ctx.sum(
-            vec![trained.loss_sum, trained.batches as f64],
-            "summing the round's training loss",
-        )?;
         let model = whole_model(pipe.group(), &stage, c, &device)?;
-        let v = validate(ctx, &model, &val, c.eval_windows, &device)?;
-        let sampling = Sampling {
-            temperature: c.temperature,
-            top_k: Some(c.top_k),
-            seed: c.seed.wrapping_add(round as u64),
+        let mut account = Account {
+            throughput: &mut throughput,
+            split: &mut split,
+            t0,
+            train_secs,
         };
-        let sample = generate(&model.valid(), c, &sampling);
-        state.history.push(EvalRecord {
-            eval: round + 1,
-            step: trained.last_step,
-            train_loss: totals[0] / totals[1],
-            val_loss: v[0] / v[1],
-            tokens_per_second: (trained.tokens * replicas) as f64 / train_secs,
-            seconds: t0.elapsed().as_secs_f64(),
-            curve: trained.curve,
-            sample,
-            param_digest: param_digest(&model),
-            ranks,
-        });
+        let record = evaluate(ctx, &mut account, &model, &val, round, trained, &device)?;
+        state.history.push(record);
         state.epochs_done = round + 1;
         let optim_bytes = whole_optimizer(pipe.group(), &stage, &optim, &model, &device)?;
         record_round(ctx, &state, &model, optim_bytes)?;
@@ -199,32 +179,15 @@ fn resume<A: AutodiffBackend>(
     let record: OptimRecord<Adam, GptStage<A>, A> = record
         .0
         .into_iter()
-        .filter(|(id, _)| mine.contains_key(id))
+        .filter(|(id, _)| mine.contains(id))
         .collect();
     let optim = optim.load_whole_record(record, &stage);
-    state.history = loaded.state.history;
-    state.epochs_done = loaded.state.epochs_done;
-    let step = state.history.last().map_or(0, |r| r.step);
-    let line = format!(
-        "resuming from {} (step {step} of {}, evaluation {} of {})",
-        loaded.dir.display(),
-        state.config.steps,
-        state.epochs_done,
-        state.epochs
-    );
-    ctx.say(Say::Resume, &line);
+    take_history(ctx, state, loaded);
     Ok((stage, optim))
 }
 
-/// Maps nothing: mapping a module draws every parameter that is still to be drawn.
-struct Materialise;
-
-impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for Materialise {}
-
-/// A module's parameter ids, by their place in module order.
-fn param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
-    module: &M,
-) -> HashMap<ParamId, usize> {
+/// A module's parameter ids.
+fn param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(module: &M) -> HashSet<ParamId> {
     struct Ids<B>(Vec<ParamId>, std::marker::PhantomData<B>);
     impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Ids<B> {
         fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
@@ -233,11 +196,7 @@ fn param_ids<B: burn::tensor::backend::Backend, M: Module<B>>(
     }
     let mut ids = Ids::<B>(Vec::new(), std::marker::PhantomData);
     module.visit(&mut ids);
-    ids.0
-        .into_iter()
-        .enumerate()
-        .map(|(i, id)| (id, i))
-        .collect()
+    ids.0.into_iter().collect()
 }
 
 /// What a stage's pipeline steps measured over the run.
@@ -247,17 +206,6 @@ struct Measured {
     wall: f64,
     held: usize,
     bytes: usize,
-}
-
-/// What one rank's training in a round measured.
-struct Trained {
-    loss_sum: f64,
-    batches: usize,
-    tokens: usize,
-    last_step: usize,
-    curve: Vec<(f64, f64)>,
-    times: crate::stragglers::RankTimes,
-    split: StepSplit,
 }
 
 /// Trains one round's steps through the pipeline, after `before` steps trained by this
@@ -289,13 +237,7 @@ fn train_round<A: AutodiffBackend>(
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
         let micro: Vec<(Tensor<A, 2, Int>, Tensor<A, 2, Int>)> = (0..c.grad_accum)
-            .map(|m| {
-                let rows = (0..c.batch).map(|row| {
-                    let k = draw(c.seed, step, m, replica, row) % shard.len() as u64;
-                    shard.position(k as usize)
-                });
-                batch::<A>(train, rows, device)
-            })
+            .map(|m| micro_batch::<A>(&c, train, shard, step, m, replica, device))
             .collect();
         timer.input_done();
         timer.forward_done();
@@ -455,7 +397,7 @@ fn whole_optimizer<A: AutodiffBackend>(
         // A tied embedding's copy on the last stage has the first stage's id after a resume
         // (and its state, bit for bit): the first stage's entry is kept.
         for (id, state) in entries {
-            if ids.contains_key(&id) && !merged.iter().any(|(seen, _)| *seen == id) {
+            if ids.contains(&id) && !merged.iter().any(|(seen, _)| *seen == id) {
                 merged.push((id, state));
             }
         }

@@ -111,38 +111,14 @@ fn run_on<A: AutodiffBackend>(
             &device,
         )?;
         let train_secs = t0.elapsed().as_secs_f64();
-        let ranks = ctx.epoch_times(trained.times)?;
-        throughput.items += trained.tokens * replicas;
-        throughput.seconds += train_secs;
-        throughput.add_steady(&trained.split, replicas);
-        split += trained.split;
-        // The ranks of a tensor-parallel group count the same batches: the sums over all
-        // ranks are `tp` times the replicas', which the means cancel.
-        let totals = ctx.sum(
-            vec![trained.loss_sum, trained.batches as f64],
-            "summing the round's training loss",
-        )?;
-        let v = validate(ctx, &model, &val, c.eval_windows, &device)?;
-        // Every rank draws the same sample (same seed, same gathered logits); rank 0 keeps it.
-        // Under tensor parallelism the forward passes need every rank of the group.
-        let sampling = Sampling {
-            temperature: c.temperature,
-            top_k: Some(c.top_k),
-            seed: c.seed.wrapping_add(round as u64),
+        let mut account = Account {
+            throughput: &mut throughput,
+            split: &mut split,
+            t0,
+            train_secs,
         };
-        let sample = generate(&model.valid(), c, &sampling);
-        state.history.push(EvalRecord {
-            eval: round + 1,
-            step: trained.last_step,
-            train_loss: totals[0] / totals[1],
-            val_loss: v[0] / v[1],
-            tokens_per_second: (trained.tokens * replicas) as f64 / train_secs,
-            seconds: t0.elapsed().as_secs_f64(),
-            curve: trained.curve,
-            sample,
-            param_digest: param_digest(&model),
-            ranks,
-        });
+        let record = evaluate(ctx, &mut account, &model, &val, round, trained, &device)?;
+        state.history.push(record);
         state.epochs_done = round + 1;
         record_round(ctx, &state, &model, &optim, &device)?;
         ctx.say_stragglers();
@@ -199,6 +175,16 @@ fn resume<A: AutodiffBackend>(
             .collect(),
         &model,
     );
+    take_history(ctx, state, loaded);
+    Ok((model, optim))
+}
+
+/// A resumed run takes the checkpoint's history; rank 0 says where it resumes.
+pub(super) fn take_history(
+    ctx: &mut RankContext<'_, GptJob>,
+    state: &mut GptState,
+    loaded: crate::job::JobCheckpoint<GptJob>,
+) {
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
     let step = state.history.last().map_or(0, |r| r.step);
@@ -210,23 +196,103 @@ fn resume<A: AutodiffBackend>(
         state.epochs
     );
     ctx.say(Say::Resume, &line);
-    Ok((model, optim))
 }
 
 /// What one rank's training in a round measured.
-struct Trained {
-    loss_sum: f64,
-    batches: usize,
-    tokens: usize,
-    last_step: usize,
-    curve: Vec<(f64, f64)>,
-    times: RankTimes,
-    split: StepSplit,
+pub(super) struct Trained {
+    /// The sum of the round's micro-batch losses this rank counts, and their number.
+    pub(super) loss_sum: f64,
+    pub(super) batches: usize,
+    /// Characters this replica trained on in the round.
+    pub(super) tokens: usize,
+    /// Optimizer steps done at the round's end.
+    pub(super) last_step: usize,
+    pub(super) curve: Vec<(f64, f64)>,
+    pub(super) times: RankTimes,
+    pub(super) split: StepSplit,
+}
+
+/// The run's running totals a round adds to, and the round's clock.
+pub(super) struct Account<'a> {
+    pub(super) throughput: &'a mut Throughput,
+    pub(super) split: &'a mut StepSplit,
+    /// When the round began, and its training's seconds.
+    pub(super) t0: Instant,
+    pub(super) train_secs: f64,
+}
+
+/// The record of round `round` once trained: every rank's times gathered, the throughput and
+/// step split added to the run's, the training loss summed over the ranks that count it, the
+/// validation loss, the sample and the digest of `model` (the whole model, on every rank; under
+/// tensor parallelism its parts, which these gather). Every rank calls it.
+pub(super) fn evaluate<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, GptJob>,
+    account: &mut Account<'_>,
+    model: &Gpt<A>,
+    val: &Windows<'_>,
+    round: usize,
+    trained: Trained,
+    device: &A::Device,
+) -> Result<EvalRecord, JobError> {
+    let c = ctx.settings().config.clone();
+    let replicas = c.dp();
+    let ranks = ctx.epoch_times(trained.times)?;
+    account.throughput.items += trained.tokens * replicas;
+    account.throughput.seconds += account.train_secs;
+    account.throughput.add_steady(&trained.split, replicas);
+    *account.split += trained.split;
+    // The ranks of a tensor-parallel group count the same batches: the sums over all ranks are
+    // `tp` times the replicas', which the means cancel. Of a pipeline, only the last stages
+    // count them.
+    let totals = ctx.sum(
+        vec![trained.loss_sum, trained.batches as f64],
+        "summing the round's training loss",
+    )?;
+    let v = validate(ctx, model, val, c.eval_windows, device)?;
+    // Every rank draws the same sample (same seed, same gathered logits); rank 0 keeps it.
+    // Under tensor parallelism the forward passes need every rank of the group.
+    let sampling = Sampling {
+        temperature: c.temperature,
+        top_k: Some(c.top_k),
+        seed: c.seed.wrapping_add(round as u64),
+    };
+    let sample = generate(&model.valid(), &c, &sampling);
+    Ok(EvalRecord {
+        eval: round + 1,
+        step: trained.last_step,
+        train_loss: totals[0] / totals[1],
+        val_loss: v[0] / v[1],
+        tokens_per_second: (trained.tokens * replicas) as f64 / account.train_secs,
+        seconds: account.t0.elapsed().as_secs_f64(),
+        curve: trained.curve,
+        sample,
+        param_digest: param_digest(model),
+        ranks,
+    })
+}
+
+/// Micro-batch `micro` of step `step` of replica `replica`: windows of its `shard` of `train`
+/// at the positions [`draw`] fixes.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn micro_batch<B: Backend>(
+    c: &GptRunConfig,
+    train: &Windows<'_>,
+    shard: &RankShard,
+    step: usize,
+    micro: usize,
+    replica: usize,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let rows = (0..c.batch).map(|row| {
+        let k = draw(c.seed, step, micro, replica, row) % shard.len() as u64;
+        shard.position(k as usize)
+    });
+    batch::<B>(train, rows, device)
 }
 
 /// A draw fixed by (seed, step, micro-batch, rank, row): the windows a rank trains on are the
 /// same in a resumed run as in an uninterrupted one.
-pub(super) fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
+fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize) -> u64 {
     mix64(
         seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
             ^ (micro as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)
@@ -236,7 +302,7 @@ pub(super) fn draw(seed: u64, step: usize, micro: usize, rank: usize, row: usize
 }
 
 /// Windows `idx` of `windows` as input and target tensors `[rows, context]`.
-pub(super) fn batch<B: Backend>(
+fn batch<B: Backend>(
     windows: &Windows<'_>,
     idx: impl Iterator<Item = usize>,
     device: &B::Device,
@@ -280,11 +346,7 @@ fn train_round<A: AutodiffBackend>(
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
         for micro in 0..c.grad_accum {
-            let rows = (0..c.batch).map(|row| {
-                let k = draw(c.seed, step, micro, replica, row) % shard.len() as u64;
-                shard.position(k as usize)
-            });
-            let (x, y) = batch::<A>(train, rows, device);
+            let (x, y) = micro_batch::<A>(&c, train, shard, step, micro, replica, device);
             timer.input_done();
             let loss = model.loss(x, y);
             let l: f64 = loss.clone().into_scalar().elem();
@@ -397,7 +459,7 @@ impl RoundLog {
 /// The validation loss over the first `n` validation windows, each replica evaluating its share
 /// (the replicas are equal; the ranks of a tensor-parallel group evaluate theirs together):
 /// summed loss and windows, over all ranks.
-pub(super) fn validate<A: AutodiffBackend>(
+fn validate<A: AutodiffBackend>(
     ctx: &RankContext<'_, GptJob>,
     model: &Gpt<A>,
     val: &Windows<'_>,
@@ -419,11 +481,7 @@ pub(super) fn validate<A: AutodiffBackend>(
 }
 
 /// `c.sample_chars` characters generated after a newline (or the vocabulary's first character).
-pub(super) fn generate<B: Backend>(
-    model: &Gpt<B>,
-    c: &GptRunConfig,
-    sampling: &Sampling,
-) -> String {
+fn generate<B: Backend>(model: &Gpt<B>, c: &GptRunConfig, sampling: &Sampling) -> String {
     let vocab = c.vocab();
     let start = vocab.id('\n').unwrap_or(0);
     let ids = model.generate_within(&[start], c.sample_chars, sampling, vocab.len());

@@ -239,6 +239,7 @@ variants!(
         SyncError::ExplicitAllReduce { .. },
         SyncError::Buffer { .. },
         SyncError::Sharded { .. },
+        SyncError::Outer { .. },
         SyncError::Broadcast { .. },
     ]
 );
@@ -314,6 +315,18 @@ fn sync_examples() -> Vec<SyncError> {
         SyncError::Sharded {
             what: "all-gather of 2 parameters (1024 elements)".into(),
             source: Some(peer_lost()),
+        },
+        SyncError::Outer {
+            what: "all-reduce of the parameter deltas at meeting 3 (1024 elements in f32, after \
+                   50 local steps)"
+                .into(),
+            source: Some(peer_lost()),
+        },
+        SyncError::Outer {
+            what: "ranks [1] start from other parameters than rank 0 (elements per rank: [8, 8]). \
+                   Build every replica's model from the same seed or checkpoint"
+                .into(),
+            source: None,
         },
         SyncError::Broadcast {
             param: "fc.weight".into(),

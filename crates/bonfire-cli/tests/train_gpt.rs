@@ -777,3 +777,126 @@ fn pipeline_stages_train_as_one_device() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--strategy diloco` and `local-sgd`: the replicas step on their own gradients and meet every
+/// `--sync-every` steps and at each evaluation; the report counts the meetings and the bytes
+/// they sent. DiLoCo learns (with accumulation); a run killed after its first checkpoint and
+/// resumed ends bit for bit where the uninterrupted one does (the checkpoint holds every
+/// replica's Adam state and the outer momentum); bf16 deltas send half the bytes; flags that do
+/// not go together are refused with exit code 2, and a resume that changes the strategy too.
+#[test]
+fn local_strategies_meet_learn_and_resume_exactly() {
+    let dir = scratch("gpt-strategy");
+    let diloco = [
+        "--strategy",
+        "diloco",
+        "--sync-every",
+        "4",
+        "--grad-accum",
+        "2",
+    ];
+    let straight = dir.join("straight");
+    let log = train_tiny(&dir, "60", &straight, &diloco);
+    // 60 steps: in each round of 10, meetings after 4 and 8 steps and at the evaluation (H is
+    // counted again from each meeting).
+    assert!(
+        log.contains("strategy diloco, meeting every 4 steps (outer Nesterov lr 0.7, momentum 0.9) over 2 replica(s): 60 steps, 18 meetings"),
+        "{log}"
+    );
+    let s = state(&straight, 6);
+    let h = s["history"].as_array().unwrap();
+    let (first, last) = (f(&h[0]["val_loss"]), f(&h[5]["val_loss"]));
+    assert!(
+        last < 3.6 && last < first,
+        "validation loss {first} then {last} (4.2 is a uniform guess)"
+    );
+    assert_eq!(s["config"]["strategy"]["kind"], "diloco");
+
+    let killed = dir.join("killed");
+    let done = kill_tiny(&dir, "60", &killed, &diloco);
+    assert_ne!(done, "epoch-6", "the job finished before it was killed");
+    let k = killed.to_str().unwrap();
+    assert_clean_failure(
+        &bonfire(
+            &dir,
+            &[
+                "train",
+                "gpt",
+                "--resume",
+                "--checkpoint-dir",
+                k,
+                "--sync-every",
+                "8",
+            ],
+        )
+        .output()
+        .unwrap(),
+        "--strategy diloco, meeting every 8 steps",
+    );
+    let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir", k])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(digests(&straight, 6), digests(&killed, 6));
+
+    // Local SGD, deltas in f32 and in bf16, meeting at every 2nd step: 10 meetings, bf16
+    // sending half the bytes.
+    let mut mib = Vec::new();
+    for (name, extra, meetings) in [
+        ("f32", &[][..], "20 steps, 10 meetings"),
+        ("bf16", &["--bf16-comm"][..], "20 steps, 10 meetings"),
+    ] {
+        let args = [&["--strategy", "local-sgd", "--sync-every", "2"][..], extra].concat();
+        let log = train_tiny(&dir, "20", &dir.join(name), &args);
+        let line = log
+            .lines()
+            .find(|l| l.starts_with("strategy local-sgd"))
+            .unwrap_or_else(|| panic!("{log}"));
+        assert!(line.contains(meetings), "{line}");
+        let kib: f64 = line
+            .split(" KiB per step")
+            .next()
+            .and_then(|l| l.rsplit('(').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        mib.push(kib);
+    }
+    let ratio = mib[1] / mib[0];
+    assert!(
+        (ratio - 0.5).abs() < 0.02,
+        "KiB per step: f32 {}, bf16 {}",
+        mib[0],
+        mib[1]
+    );
+
+    for (args, needle) in [
+        (
+            &["--sync-every", "5"][..],
+            "--sync-every with --strategy allreduce: only local-sgd and diloco meet",
+        ),
+        (
+            &["--strategy", "gossip"][..],
+            "must be allreduce, local-sgd or diloco",
+        ),
+        (
+            &["--strategy", "local-sgd", "--outer-lr", "0.5"][..],
+            "--outer-lr with --strategy local-sgd: only diloco has an outer optimizer",
+        ),
+        (
+            &["--strategy", "diloco", "--outer-momentum", "1"][..],
+            "--outer-momentum 1: must be at least 0 and below 1",
+        ),
+        (
+            &["--strategy", "diloco", "--tp", "2"][..],
+            "local-sgd and diloco run over data-parallel replicas of the whole model",
+        ),
+        (
+            &["--strategy", "diloco", "--zero", "1"][..],
+            "a local strategy's replicas keep their own optimizer state",
+        ),
+    ] {
+        let out = bonfire(&dir, &[&TINY[..], args].concat()).output().unwrap();
+        assert_clean_failure(&out, needle);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -30,6 +30,11 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn pipeline_stages(&self) -> usize {
         1
     }
+    /// Whether the replicas step on their own between meetings (`--strategy local-sgd` or
+    /// `diloco`) instead of averaging every step's gradients.
+    fn local_strategy(&self) -> bool {
+        false
+    }
 }
 
 /// The state of a run of job `J`, as its checkpoints hold it.

@@ -59,6 +59,7 @@ pub mod report;
 mod runner;
 pub mod settings;
 pub mod stragglers;
+pub mod strategy;
 pub mod vision;
 
 pub use backend::{BackendKind, CUDA_HINT, WGPU_HINT, open_gpu};

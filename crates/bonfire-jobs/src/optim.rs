@@ -5,7 +5,7 @@
 //! Checkpoints hold the whole optimizer state either way (a sharded run gathers it first), so a
 //! run saved with `--zero` resumes without it, at another stage, or the other way round.
 
-use bonfire::{Sharded, ZeroStage};
+use bonfire::{LocalSgd, OuterStats, Sharded, ZeroStage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, LearningRate, Optimizer, SimpleOptimizer};
@@ -42,6 +42,8 @@ where
 {
     Whole(OptimizerAdaptor<O, M, B>),
     Sharded(Sharded<OptimizerAdaptor<O, M, B>>),
+    /// Local SGD or DiLoCo (`--strategy`): each replica's own state.
+    Local(LocalSgd<OptimizerAdaptor<O, M, B>>),
 }
 
 impl<O, M, B> JobOptimizer<O, M, B>
@@ -62,13 +64,56 @@ where
         }
     }
 
-    /// One optimizer step (sharded, a collective: every rank calls it).
+    /// `optim` stepping on each replica's own gradients and meeting as `local` says.
+    pub(crate) fn local(local: LocalSgd<OptimizerAdaptor<O, M, B>>) -> Self {
+        JobOptimizer {
+            optim: Kind::Local(local),
+            gradients: 0,
+        }
+    }
+
+    /// One optimizer step (sharded, or a local strategy's meeting, a collective: every rank
+    /// calls it).
     pub(crate) fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
         self.gradients = bonfire::gradient_bytes(&module, &grads);
         match &mut self.optim {
             Kind::Whole(o) => o.step(lr, module, grads),
             Kind::Sharded(o) => o.step(lr, module, grads),
+            Kind::Local(o) => o.step(lr, module, grads),
         }
+    }
+
+    /// Under a local strategy, the replicas meet now if they stepped since they last did (a
+    /// collective); otherwise `module` unchanged.
+    pub(crate) fn meet(&mut self, module: M) -> M {
+        match &mut self.optim {
+            Kind::Local(o) => o.meet(module),
+            _ => module,
+        }
+    }
+
+    /// A local strategy's wrapper; `None` otherwise.
+    pub(crate) fn as_local(&self) -> Option<&LocalSgd<OptimizerAdaptor<O, M, B>>> {
+        match &self.optim {
+            Kind::Local(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// Under a local strategy, takes the outer state of a saved run; otherwise unchanged.
+    pub(crate) fn load_outer_state(self, state: bonfire::OuterState) -> Self {
+        match self.optim {
+            Kind::Local(o) => JobOptimizer {
+                optim: Kind::Local(o.with_outer_state(state)),
+                ..self
+            },
+            optim => JobOptimizer { optim, ..self },
+        }
+    }
+
+    /// A local strategy's communication on this rank.
+    pub(crate) fn outer_stats(&self) -> Option<OuterStats> {
+        self.as_local().map(LocalSgd::stats)
     }
 
     /// The whole state, as the unsharded optimizer records it; sharded, gathered from every
@@ -77,6 +122,7 @@ where
         match &self.optim {
             Kind::Whole(o) => o.to_record(),
             Kind::Sharded(o) => o.consolidated_record(device),
+            Kind::Local(o) => o.inner().to_record(),
         }
     }
 
@@ -86,6 +132,10 @@ where
         let optim = match self.optim {
             Kind::Whole(o) => Kind::Whole(o.load_record(record)),
             Kind::Sharded(o) => Kind::Sharded(o.load_consolidated_record(record, module)),
+            Kind::Local(o) => {
+                let inner = o.inner().clone().load_record(record);
+                Kind::Local(o.with_inner(inner))
+            }
         };
         JobOptimizer { optim, ..self }
     }
@@ -93,7 +143,7 @@ where
     /// The ZeRO stage it shards at; `None` for whole on every rank.
     pub(crate) fn zero_stage(&self) -> Option<ZeroStage> {
         match &self.optim {
-            Kind::Whole(_) => None,
+            Kind::Whole(_) | Kind::Local(_) => None,
             Kind::Sharded(o) => Some(o.zero_stage()),
         }
     }
@@ -103,6 +153,7 @@ where
         let record = match &self.optim {
             Kind::Whole(o) => o.to_record(),
             Kind::Sharded(o) => o.to_record(),
+            Kind::Local(o) => o.inner().to_record(),
         };
         let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
             .record(record, ())

@@ -162,7 +162,7 @@ pub fn settle<J: Job>(
     Ok(settings)
 }
 
-/// `--zero` with pipeline stages: refused (a fresh run refuses it before making its directory).
+/// `--zero` with pipeline stages or a local strategy: refused (a fresh run refuses it before making its directory).
 fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
     let stages = config.pipeline_stages();
     match options.zero.filter(|_| stages > 1) {
@@ -171,6 +171,12 @@ fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<()
             given: format!("{zero} with --pp {stages}"),
             why: "a pipeline's stages keep their own optimizer state already; ZeRO shards it \
                   over data-parallel replicas without stages",
+        }),
+        None if options.zero.is_some() && config.local_strategy() => Err(JobError::Invalid {
+            flag: "--zero",
+            given: "with --strategy local-sgd or diloco".into(),
+            why: "a local strategy's replicas keep their own optimizer state, which ZeRO would \
+                  shard as if it were one",
         }),
         None => Ok(()),
     }

@@ -64,10 +64,11 @@ pub use world::{InitError, World, init, init_from, init_with, init_with_transpor
 pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
-    BucketTimes, BufferSync, DataParallel, DataParallelConfig, DistributedSampler, FailurePolicy,
-    GradDType, InOrder, LatePeer, NoSyncGuard, Overlap, Sharded, StepStats, ZeroStage, accumulate,
-    discard_kept_gradients, gradient_bytes, keep_gradients, last_step_stats, no_sync, replicate,
-    sharded, sync_buffers, total_stats,
+    BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, DistributedSampler,
+    FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord, NoSyncGuard, Outer,
+    OuterState, OuterStats, Overlap, Sharded, StepStats, ZeroStage, accumulate,
+    broadcast_parameters, diloco, discard_kept_gradients, gradient_bytes, keep_gradients,
+    last_step_stats, local_sgd, no_sync, replicate, sharded, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
@@ -183,6 +184,8 @@ pub mod book {
     pub struct Porting;
     #[doc = include_str!("../../../book/src/sharding.md")]
     pub struct Sharding;
+    #[doc = include_str!("../../../book/src/strategies.md")]
+    pub struct Strategies;
     #[doc = include_str!("../../../book/src/concepts.md")]
     pub struct Concepts;
     #[doc = include_str!("../../../book/src/troubleshooting.md")]

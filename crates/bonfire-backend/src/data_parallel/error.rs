@@ -187,6 +187,16 @@ pub enum SyncError {
         #[source]
         source: Option<CollectiveError>,
     },
+    /// A meeting of [`crate::LocalSgd`]'s replicas failed: its all-reduce, a model that changed,
+    /// or replicas that started apart.
+    #[error("local SGD / DiLoCo: {what}{}", source.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
+    Outer {
+        /// What failed, with the sizes.
+        what: String,
+        /// The collective's error, which names the peer.
+        #[source]
+        source: Option<CollectiveError>,
+    },
     /// Broadcasting rank 0's parameters (`replicate`) failed.
     #[error("broadcasting parameter {param} ({what}): {source}")]
     Broadcast {

@@ -21,6 +21,7 @@ mod error;
 mod lane;
 mod local;
 mod ops;
+mod outer;
 mod replicate;
 mod sampler;
 mod scatter;
@@ -40,7 +41,12 @@ pub use error::SyncError;
 #[cfg(feature = "cuda")]
 pub use lane::{CommCross, CommLink, NodeLane};
 pub use local::{LocalParts, register as register_local_parts};
-pub use replicate::{accumulate, discard_kept_gradients, keep_gradients, replicate};
+pub use outer::{
+    DILOCO_OUTER, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco, local_sgd,
+};
+pub use replicate::{
+    accumulate, broadcast_parameters, discard_kept_gradients, keep_gradients, replicate,
+};
 pub use sampler::DistributedSampler;
 pub use sharded::{InOrder, Sharded, ZeroStage, gradient_bytes, sharded};
 pub use stats::{BucketTimes, LatePeer, StepStats};

@@ -39,12 +39,33 @@ where
         params: Vec::new(),
         path: Vec::new(),
         broadcast: true,
+        mark: true,
     };
     let module = module.map(&mut mapper);
     if let Some(rep) = mapper.rep {
         rep.state().set_params(mapper.params);
     }
     module
+}
+
+/// Makes `module` a copy of rank 0's, as Horovod's `broadcast_parameters`: every float
+/// parameter's values and id are broadcast from rank 0, and nothing is marked for gradient
+/// averaging, so backward keeps each rank's own gradients. For replicas that average something
+/// other than every step's gradients ([`crate::local_sgd`], [`crate::diloco`]): they then start
+/// from the same parameters, and each parameter has the same id on every rank (the key of an
+/// optimizer's state in its record). Call it on every rank, after `bonfire::init`.
+pub fn broadcast_parameters<B, M>(module: M) -> M
+where
+    B: AutodiffBackend,
+    M: Module<B>,
+{
+    module.map(&mut Replicator {
+        rep: None,
+        params: Vec::new(),
+        path: Vec::new(),
+        broadcast: true,
+        mark: false,
+    })
 }
 
 /// Gradient accumulation without synchronisation, as PyTorch DDP's `no_sync()`: runs
@@ -84,6 +105,7 @@ where
         params: Vec::new(),
         path: Vec::new(),
         broadcast: false,
+        mark: true,
     };
     module.map(&mut mapper)
 }
@@ -154,6 +176,8 @@ struct Replicator {
     path: Vec<String>,
     /// Broadcast rank 0's values and ids (`replicate`), or only mark again (`accumulate`).
     broadcast: bool,
+    /// Mark the parameters for gradient averaging (not `broadcast_parameters`).
+    mark: bool,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
@@ -228,7 +252,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
         // At world size 1 the parameters stay unmarked: Burn's hook machinery costs time in
         // every backward, and there is nothing to average (`accumulate` marks them if needed),
         // unless the configuration asks for the whole path (`sync_alone`, to measure it).
-        let tensor = if rep.synchronises() {
+        let tensor = if self.mark && rep.synchronises() {
             tensor.set_distributed(DistributedParamId::from(id.val()))
         } else {
             tensor

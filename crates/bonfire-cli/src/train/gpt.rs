@@ -74,9 +74,26 @@ pub(crate) struct GptArgs {
     /// Steps of linear warmup [default: 100, at most a tenth of --steps]
     #[arg(long)]
     warmup: Option<u32>,
-    /// Send gradients as bf16, with error feedback
+    /// Send gradients as bf16, with error feedback (under --strategy local-sgd or diloco, the
+    /// replicas' deltas)
     #[arg(long, visible_alias = "bf16")]
     bf16_comm: bool,
+    /// How the data-parallel replicas stay together: allreduce (every step's gradients
+    /// averaged in backward), local-sgd (each replica steps on its own gradients and the
+    /// replicas average their parameters every --sync-every steps) or diloco (the same, the
+    /// mean change applied by an outer Nesterov SGD) [default: allreduce]
+    #[arg(long, value_name = "NAME")]
+    strategy: Option<String>,
+    /// Steps between the replicas' meetings under local-sgd or diloco; they also meet at each
+    /// evaluation [default: 50]
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    sync_every: Option<u32>,
+    /// diloco's outer learning rate [default: 0.7]
+    #[arg(long, value_parser = positive)]
+    outer_lr: Option<f64>,
+    /// diloco's outer Nesterov momentum, at least 0 and below 1 [default: 0.9]
+    #[arg(long)]
+    outer_momentum: Option<f64>,
     /// Seed of the weights, of the batches and of the samples [default: 42]
     #[arg(long)]
     seed: Option<u64>,
@@ -155,6 +172,12 @@ impl GptArgs {
             lr: self.lr,
             warmup: n(self.warmup),
             bf16: self.bf16_comm,
+            strategy: bonfire_jobs::strategy::StrategyRequest {
+                kind: self.strategy.as_deref().map(str::parse).transpose()?,
+                every: n(self.sync_every),
+                outer_lr: self.outer_lr,
+                outer_momentum: self.outer_momentum,
+            },
             seed: self.seed,
             temperature: self.temperature,
             top_k: n(self.top_k),

@@ -44,6 +44,7 @@ use crate::error::positive;
 use crate::job::{Job, JobConfig, JobState};
 use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
+use crate::strategy::{Strategy, StrategyKind, StrategyRequest};
 use crate::{Clash, Finished, JobError, RunOptions, Runner};
 
 pub use pipeline::stage_output;
@@ -146,8 +147,10 @@ pub struct GptRequest {
     pub lr: Option<f64>,
     /// Steps of linear warmup (default: 100, at most a tenth of the steps).
     pub warmup: Option<usize>,
-    /// Send gradients as bf16, with error feedback.
+    /// Send gradients as bf16, with error feedback (under a local strategy, the deltas).
     pub bf16: bool,
+    /// How the replicas stay together (default: every step's gradients all-reduced).
+    pub strategy: StrategyRequest,
     /// Seed of the weights, of the batches and of the samples (default: 42).
     pub seed: Option<u64>,
     /// Sampling temperature of the evaluations' samples (default: 0.8).
@@ -202,6 +205,9 @@ pub struct GptRunConfig {
     pub seed: u64,
     /// Gradients travel as bf16.
     pub bf16: bool,
+    /// How the replicas stay together.
+    #[serde(default)]
+    pub strategy: Strategy,
     /// Sampling temperature of the evaluations' samples.
     pub temperature: f64,
     /// The samples draw among this many most likely characters (0: all).
@@ -277,6 +283,10 @@ impl JobConfig for GptRunConfig {
     fn pipeline_stages(&self) -> usize {
         self.pp
     }
+
+    fn local_strategy(&self) -> bool {
+        self.strategy.is_local()
+    }
 }
 
 /// What one round of a GPT run measured (an entry of `state.json`'s `history`).
@@ -325,6 +335,8 @@ pub struct GptReport {
     pub tp_stats: Option<bonfire::backend::tensor_parallel::TpStats>,
     /// What each stage of replica 0 measured, in a pipeline-parallel run.
     pub pipeline: Option<Vec<pipeline::StageSummary>>,
+    /// A local strategy, and what this rank's meetings sent.
+    pub outer: Option<(Strategy, bonfire::OuterStats)>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -418,6 +430,18 @@ impl Job for GptJob {
                 why: "a pipeline's stages average their gradients in f32",
             });
         }
+        r.strategy.check()?;
+        if r.strategy
+            .kind
+            .is_some_and(|k| k != StrategyKind::AllReduce)
+            && (tp > 1 || pp > 1)
+        {
+            return Err(JobError::Invalid {
+                flag: "--strategy",
+                given: format!("with --tp {tp} --pp {pp}"),
+                why: "local-sgd and diloco run over data-parallel replicas of the whole model",
+            });
+        }
         if let Some(v) = r.lr.filter(|v| !(*v > 0.0 && v.is_finite())) {
             return Err(JobError::Invalid {
                 flag: "--lr",
@@ -486,6 +510,15 @@ impl Job for GptJob {
                 if *on { "on" } else { "f32 gradients" }.into()
             }),
             Clash::check(
+                "--strategy",
+                r.strategy
+                    .given()
+                    .then(|| r.strategy.resolve_over(&s.strategy))
+                    .as_ref(),
+                &s.strategy,
+                Strategy::describe,
+            ),
+            Clash::check(
                 "--temperature",
                 r.temperature.as_ref(),
                 &s.temperature,
@@ -530,6 +563,18 @@ impl Job for GptJob {
                 flag: "--pp",
                 given: format!("{pp} for a run with --bf16-comm"),
                 why: "a pipeline's stages average their gradients in f32",
+            });
+        }
+        r.strategy
+            .fits(r.strategy.resolve_over(&saved.strategy).kind())?;
+        if pp > 1 && saved.strategy.is_local() {
+            return Err(JobError::Invalid {
+                flag: "--pp",
+                given: format!(
+                    "{pp} for a run with --strategy {}",
+                    saved.strategy.describe()
+                ),
+                why: "local-sgd and diloco run over data-parallel replicas of the whole model",
             });
         }
         Ok(GptRunConfig {
@@ -597,6 +642,8 @@ impl Job for GptJob {
                 why: "the pipeline stages times the tensor-parallel size must divide the ranks",
             });
         }
+        r.strategy
+            .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         let context = r.context.unwrap_or(64);
         let vocab = vocabulary(&text, context)?;
         let steps = r.steps.unwrap_or(1200);
@@ -619,6 +666,7 @@ impl Job for GptJob {
             warmup: r.warmup.unwrap_or((steps / 10).min(100)),
             seed: r.seed.unwrap_or(42),
             bf16: r.bf16,
+            strategy: r.strategy.resolve(),
             temperature: r.temperature.unwrap_or(0.8),
             top_k: r.top_k.unwrap_or(20),
             sample_chars: r.sample_chars.unwrap_or(200),

@@ -143,6 +143,7 @@ pub(super) fn run<A: AutodiffBackend>(
         stats: bonfire::total_stats(),
         tp_stats: None,
         pipeline,
+        outer: None,
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -304,8 +305,9 @@ pub fn stage_output<A: AutodiffBackend>(
     }
 }
 
-/// Every stage's bytes (`mine` on this one), in stage order, on every stage.
-fn gather_bytes(
+/// Every rank's bytes of `group` (`mine` on this one), in the group's rank order, on every
+/// rank of it.
+pub(crate) fn gather_bytes(
     group: &Communicator,
     mine: Vec<u8>,
     during: &'static str,

@@ -11,17 +11,18 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, Hybrid, InOrder};
+use bonfire::{DataParallel, GradDType, Hybrid, InOrder, OuterState};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
-use burn::optim::{Adam, AdamConfig, GradientsParams};
+use burn::optim::{Adam, AdamConfig, GradientsAccumulator, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
+use super::pipeline::gather_bytes;
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
@@ -31,6 +32,7 @@ use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
+use crate::strategy::{LocalOptimizers, ReplicaState};
 
 pub(super) type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
@@ -84,13 +86,26 @@ fn run_on<A: AutodiffBackend>(
             &output::start_line(&s, &corpus, params, shard.len(), replicas),
         );
     }
-    let optim = JobOptimizer::new(
-        AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>(),
-        s.zero_stage(),
-    );
+    let adam = AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>();
+    let deltas = if c.bf16 {
+        GradDType::Bf16
+    } else {
+        GradDType::F32
+    };
+    let optim = match c.strategy.wrap(adam, deltas) {
+        Ok(local) => JobOptimizer::local(local),
+        Err(adam) => JobOptimizer::new(adam, s.zero_stage()),
+    };
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
-    let mut model = bonfire::replicate(split(model)?);
+    // A local strategy's replicas start from rank 0's parameters, with its parameter ids (the
+    // keys of each replica's optimizer state in the checkpoint), and average nothing in
+    // backward.
+    let mut model = if c.strategy.is_local() {
+        bonfire::broadcast_parameters(split(model)?)
+    } else {
+        bonfire::replicate(split(model)?)
+    };
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -110,6 +125,8 @@ fn run_on<A: AutodiffBackend>(
             split.batches,
             &device,
         )?;
+        // A local strategy's replicas agree on one model before it is evaluated and saved.
+        model = optim.meet(model);
         let train_secs = t0.elapsed().as_secs_f64();
         let mut account = Account {
             throughput: &mut throughput,
@@ -140,6 +157,7 @@ fn run_on<A: AutodiffBackend>(
             .then(bonfire::backend::tensor_parallel::stats)
             .flatten(),
         pipeline: None,
+        outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -167,14 +185,45 @@ fn resume<A: AutodiffBackend>(
         move |why| JobError::DamagedRecord { dir, what, why }
     };
     let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
-    let optim = optim.load_whole_record(
-        checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
-            .map_err(bad("optimizer state"))?
-            .0
-            .into_iter()
-            .collect(),
-        &model,
-    );
+    let optim = if ctx.settings().config.strategy.is_local() {
+        // Every replica's own inner state, and the outer state they share.
+        let file = LocalOptimizers::decode(&loaded.optimizer).map_err(bad("optimizer states"))?;
+        let replicas = ctx.settings().config.dp();
+        let replica = ctx.world().dp_group().rank();
+        if file.replicas.len() != replicas {
+            return Err(bad("optimizer states")(format!(
+                "it holds {} replicas' optimizer states where the run has {replicas}",
+                file.replicas.len()
+            )));
+        }
+        let Some(mine) = file.replicas.into_iter().nth(replica) else {
+            return Err(bad("optimizer states")(format!(
+                "it has no optimizer state for replica {replica}"
+            )));
+        };
+        optim
+            .load_whole_record(
+                checkpoint::decode::<A, InOrder<_>>(&mine.optimizer, device)
+                    .map_err(bad("optimizer state"))?
+                    .0
+                    .into_iter()
+                    .collect(),
+                &model,
+            )
+            .load_outer_state(OuterState {
+                residual: mine.residual,
+                ..file.outer
+            })
+    } else {
+        optim.load_whole_record(
+            checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
+                .map_err(bad("optimizer state"))?
+                .0
+                .into_iter()
+                .collect(),
+            &model,
+        )
+    };
     take_history(ctx, state, loaded);
     Ok((model, optim))
 }
@@ -343,6 +392,8 @@ fn train_round<A: AutodiffBackend>(
     let mut log = RoundLog::new(round, rounds, steps, replicas);
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
     let mut timer = EpochTimer::start_after(before);
+    let local = c.strategy.is_local();
+    let mut accumulated = GradientsAccumulator::new();
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
         for micro in 0..c.grad_accum {
@@ -352,7 +403,15 @@ fn train_round<A: AutodiffBackend>(
             let l: f64 = loss.clone().into_scalar().elem();
             timer.forward_done();
             let loss = loss / c.grad_accum as f32;
-            if micro + 1 < c.grad_accum {
+            if local {
+                // Each replica's own gradients, summed over its micro-batches.
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                timer.backward_done();
+                accumulated.accumulate(&model, grads);
+                if micro + 1 == c.grad_accum {
+                    model = optim.step(lr, model, accumulated.grads());
+                }
+            } else if micro + 1 < c.grad_accum {
                 model = bonfire::accumulate(model, loss);
                 timer.backward_done();
             } else {
@@ -506,6 +565,29 @@ fn record_round<A: AutodiffBackend>(
     let optim_bytes = recorder
         .record(InOrder::new(optim.whole_record(device), model), ())
         .map_err(encode("optimizer state"))?;
+    let optim_bytes = match optim.as_local() {
+        // Each replica's inner state and rounding error are its own: every one goes into the
+        // checkpoint.
+        Some(local) => {
+            let outer = local.outer_state().clone();
+            let mine = ReplicaState {
+                optimizer: optim_bytes,
+                residual: outer.residual.clone(),
+            }
+            .encode()?;
+            let during = "gathering the replicas' optimizer states";
+            let replicas = gather_bytes(ctx.world().dp_group(), mine, during)?
+                .iter()
+                .map(|b| ReplicaState::decode(b))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|why| JobError::EncodeRecord {
+                    what: "optimizer states",
+                    source: burn::record::RecorderError::Unknown(why),
+                })?;
+            LocalOptimizers { outer, replicas }.encode()?
+        }
+        None => optim_bytes,
+    };
     write_round(ctx, state, model_bytes, optim_bytes)
 }
 

@@ -1,0 +1,545 @@
+//! Local SGD and DiLoCo: replicas that take `H` optimizer steps each on their own gradients, then
+//! meet once and agree on one set of parameters.
+//!
+//! [`LocalSgd`] wraps any Burn optimizer. Between meetings backward averages nothing (the wrapper
+//! keeps the parameters free of `DataParallel`'s averaging marks), so a step costs no
+//! communication. Every `H`-th step, every replica sends how far it moved since the last meeting
+//! (its delta, `anchor - parameters`) in one all-reduce over the data-parallel group, and the
+//! replicas take the mean delta as an outer gradient: local SGD applies it as it is (the new
+//! parameters are the replicas' mean); DiLoCo (Douillard et al., 2023) applies it with an outer
+//! SGD with Nesterov momentum. One exchange every `H` steps sends `1/H` of the bytes that
+//! all-reducing every step's gradients does.
+
+use std::time::{Duration, Instant};
+
+use bonfire_kernels::reference::pack_with_feedback_reference;
+use bonfire_topology::ReduceOp;
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
+use burn::record::{PrecisionSettings, Record};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use half::bf16;
+use serde::{Deserialize, Serialize};
+
+use super::config::GradDType;
+use super::context::{self, Replica};
+use super::error::SyncError;
+use super::local;
+
+/// How the replicas apply their mean delta when they meet.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Outer {
+    /// Local SGD (model averaging): the new parameters are the replicas' mean.
+    Average,
+    /// DiLoCo's outer optimizer: SGD with Nesterov momentum over the mean delta, as PyTorch's
+    /// `SGD(lr, momentum, nesterov=True)` steps (`m = momentum * m + delta`,
+    /// `anchor -= lr * (delta + momentum * m)`). With `lr` 1 and `momentum` 0 it is
+    /// [`Outer::Average`], bit for bit.
+    Nesterov {
+        /// The outer learning rate (DiLoCo: 0.7).
+        lr: f32,
+        /// The outer momentum (DiLoCo: 0.9).
+        momentum: f32,
+    },
+}
+
+/// DiLoCo's outer learning rate and momentum (the paper's 0.7 and 0.9).
+pub const DILOCO_OUTER: Outer = Outer::Nesterov {
+    lr: 0.7,
+    momentum: 0.9,
+};
+
+/// Wraps any Burn optimizer so that each data-parallel replica trains on its own gradients for
+/// `H` steps, and the replicas then meet: local SGD ([`local_sgd`]) or DiLoCo ([`diloco`]).
+///
+/// ```ignore
+/// let mut model = bonfire::broadcast_parameters(model);          // not bonfire::replicate
+/// let mut optim = bonfire::diloco(AdamConfig::new().init(), 50); // was: AdamConfig::new().init()
+/// let grads = loss.backward();                                    // this replica's own
+/// model = optim.step(lr, model, GradientsParams::from_grads(grads, &model));
+/// ```
+///
+/// [`crate::broadcast_parameters`] starts every replica from rank 0's parameters, unmarked for
+/// gradient averaging; replicas built from the same seed may skip it (the first step checks
+/// that every replica starts from the same values, and names the ranks that do not). After
+/// [`crate::replicate`] instead, the first backward still averages its gradients; the wrapper
+/// drops the marks in its first step.
+///
+/// Every rank must call [`Optimizer::step`] the same number of times: the meeting every `H`-th
+/// step is a collective. [`LocalSgd::meet`] makes the replicas meet now (before evaluating or
+/// saving the model, so that every replica holds the same parameters). The wrapped optimizer's
+/// state (Adam's moments) stays each replica's own, as in DiLoCo.
+///
+/// Between meetings the replicas differ, and so do their records. After a meeting the
+/// parameters and the outer state are equal on every rank, but for the bf16 rounding error;
+/// the wrapped optimizer's state is each replica's own. Save the record on every rank and load
+/// each rank its own (the bundled GPT job gathers every replica's into its checkpoint).
+///
+/// With [`LocalSgd::exchange_dtype`]`(`[`GradDType::Bf16`]`)` deltas travel in bfloat16 with
+/// error feedback (each rank keeps its rounding error and adds it to its next delta).
+#[derive(Clone)]
+pub struct LocalSgd<O> {
+    inner: O,
+    every: usize,
+    outer: Outer,
+    dtype: GradDType,
+    state: OuterState,
+    stats: OuterStats,
+}
+
+/// The part of [`LocalSgd`]'s state that is not the wrapped optimizer's.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OuterState {
+    /// Steps since the replicas last met.
+    pub since: usize,
+    /// The parameters at the last meeting, in module order (kept only between meetings: right
+    /// after one they are the module's parameters).
+    pub anchor: Option<Vec<f32>>,
+    /// The outer optimizer's momentum ([`Outer::Nesterov`]), equal on every rank.
+    pub momentum: Option<Vec<f32>>,
+    /// This rank's rounding error of bfloat16 deltas, added to its next delta.
+    pub residual: Option<Vec<f32>>,
+    /// Meetings so far.
+    pub meetings: u64,
+}
+
+/// What [`LocalSgd`] communicated on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OuterStats {
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Meetings (one all-reduce each).
+    pub meetings: u64,
+    /// Elements all-reduced, over all meetings.
+    pub elements: u64,
+    /// Bytes all-reduced (in the exchanged dtype), over all meetings.
+    pub bytes: u64,
+    /// Time spent meeting: reading the parameters, the all-reduce, writing them back.
+    pub time: Duration,
+}
+
+/// Local SGD over the data-parallel replicas: `every` steps of `optimizer` each, then the mean
+/// of the replicas' parameters. See [`LocalSgd`].
+pub fn local_sgd<O>(optimizer: O, every: usize) -> LocalSgd<O> {
+    LocalSgd {
+        inner: optimizer,
+        every: every.max(1),
+        outer: Outer::Average,
+        dtype: GradDType::F32,
+        state: OuterState::default(),
+        stats: OuterStats::default(),
+    }
+}
+
+/// DiLoCo over the data-parallel replicas: `every` steps of `optimizer` each, then an outer SGD
+/// step with Nesterov momentum ([`DILOCO_OUTER`]) over the mean delta. See [`LocalSgd`].
+pub fn diloco<O>(optimizer: O, every: usize) -> LocalSgd<O> {
+    local_sgd(optimizer, every).outer(DILOCO_OUTER)
+}
+
+impl<O> LocalSgd<O> {
+    /// How the replicas apply their mean delta.
+    pub fn outer(self, outer: Outer) -> Self {
+        LocalSgd { outer, ..self }
+    }
+
+    /// The dtype deltas travel in ([`GradDType::Bf16`]: half the bytes, with error feedback).
+    pub fn exchange_dtype(self, dtype: GradDType) -> Self {
+        LocalSgd { dtype, ..self }
+    }
+
+    /// Steps between meetings.
+    pub fn every(&self) -> usize {
+        self.every
+    }
+
+    /// What this rank communicated so far.
+    pub fn stats(&self) -> OuterStats {
+        self.stats
+    }
+
+    /// The outer state (steps since the last meeting, anchor, momentum, residual).
+    pub fn outer_state(&self) -> &OuterState {
+        &self.state
+    }
+
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// Replaces the wrapped optimizer (to load its state), keeping the outer state.
+    pub fn with_inner(self, inner: O) -> Self {
+        LocalSgd { inner, ..self }
+    }
+
+    /// Replaces the outer state (from [`LocalSgd::outer_state`] of a saved run).
+    pub fn with_outer_state(self, state: OuterState) -> Self {
+        LocalSgd { state, ..self }
+    }
+
+    /// Makes the replicas meet now if they stepped since the last meeting (a collective: every
+    /// rank calls it at the same point), before evaluating or saving the model. Returns the
+    /// module with the agreed parameters. Under bf16 deltas each rank still holds its own
+    /// rounding error afterwards ([`OuterState::residual`]): save it per rank.
+    pub fn meet<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        if self.state.since == 0 {
+            return module;
+        }
+        self.exchange(module)
+    }
+
+    /// Counts a step and meets when it is the `every`-th.
+    fn after_step<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let module = module.map(&mut Unmark);
+        self.stats.steps += 1;
+        self.state.since += 1;
+        if self.state.since >= self.every {
+            self.exchange(module)
+        } else {
+            module
+        }
+    }
+
+    /// Takes the anchor from the module before the first step after a meeting; on the first
+    /// step of all, checks that every replica starts from the same parameters.
+    fn before_step<M, B>(&mut self, module: &M)
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        if self.state.anchor.is_some() {
+            return;
+        }
+        let (rep, values) = read(module);
+        if self.state.meetings == 0
+            && self.stats.steps == 0
+            && let Some(rep) = &rep
+        {
+            check_same_start(rep, &values);
+        }
+        self.state.anchor = Some(values);
+    }
+
+    /// One meeting: the mean delta all-reduced, the outer step, the parameters written back.
+    fn exchange<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let t0 = Instant::now();
+        let (rep, mut params) = read(&module);
+        let Some(rep) = rep else {
+            return module;
+        };
+        let anchor = self
+            .state
+            .anchor
+            .take()
+            .expect("an anchor is taken before each step");
+        if anchor.len() != params.len() {
+            rep.fail(SyncError::Outer {
+                what: format!(
+                    "the model has {} elements where it had {} at the last meeting",
+                    params.len(),
+                    anchor.len()
+                ),
+                source: None,
+            });
+        }
+        let ranks = rep.comm.size();
+        if ranks == 1 && self.outer == Outer::Average {
+            // The mean of one replica is itself.
+            self.stats.meetings += 1;
+            self.state.meetings += 1;
+            self.state.since = 0;
+            return module;
+        }
+        let scale = 1.0 / ranks as f32;
+        let delta: Vec<f32> = anchor.iter().zip(&params).map(|(a, p)| a - p).collect();
+        let n = delta.len();
+        let what = |dtype: &str| {
+            format!(
+                "all-reduce of the parameter deltas at meeting {} ({n} elements in {dtype}, after \
+                 {} local steps)",
+                self.state.meetings + 1,
+                self.state.since
+            )
+        };
+        for (what, held) in [
+            ("momentum", &self.state.momentum),
+            ("bf16 rounding error", &self.state.residual),
+        ] {
+            if let Some(held) = held.as_ref().filter(|h| h.len() != n) {
+                rep.fail(SyncError::Outer {
+                    what: format!(
+                        "the outer state's {what} has {} elements where the model has {n} (a \
+                         record of another model?)",
+                        held.len()
+                    ),
+                    source: None,
+                });
+            }
+        }
+        let dtype = self.dtype;
+        let mean: Vec<f32> = match (dtype, ranks) {
+            (_, 1) => delta,
+            (GradDType::F32, _) => {
+                let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
+                rep.comm
+                    .all_reduce(scaled, ReduceOp::Sum)
+                    .wait()
+                    .unwrap_or_else(|source| {
+                        rep.fail(SyncError::Outer {
+                            what: what("f32"),
+                            source: Some(source),
+                        })
+                    })
+            }
+            (GradDType::Bf16, _) => {
+                let residual = self.state.residual.get_or_insert_with(|| vec![0.0; n]);
+                let packed: Vec<bf16> =
+                    pack_with_feedback_reference::<f32, bf16>(&[&delta], residual, scale);
+                rep.comm
+                    .all_reduce(packed, ReduceOp::Sum)
+                    .wait()
+                    .unwrap_or_else(|source| {
+                        rep.fail(SyncError::Outer {
+                            what: what("bf16"),
+                            source: Some(source),
+                        })
+                    })
+                    .into_iter()
+                    .map(f32::from)
+                    .collect()
+            }
+        };
+        match self.outer {
+            Outer::Average => {
+                for ((p, a), d) in params.iter_mut().zip(&anchor).zip(&mean) {
+                    *p = a - d;
+                }
+            }
+            Outer::Nesterov { lr, momentum } => {
+                let m = self.state.momentum.get_or_insert_with(|| vec![0.0; n]);
+                for (((p, a), d), m) in params.iter_mut().zip(&anchor).zip(&mean).zip(m) {
+                    *m = momentum * *m + d;
+                    *p = a - lr * (d + momentum * *m);
+                }
+            }
+        }
+        let module = module.map(&mut Write {
+            values: &params,
+            at: 0,
+        });
+        let size = match dtype {
+            GradDType::F32 => 4,
+            GradDType::Bf16 => 2,
+        };
+        if ranks > 1 {
+            self.stats.elements += n as u64;
+            self.stats.bytes += (n * size) as u64;
+        }
+        self.stats.meetings += 1;
+        self.state.meetings += 1;
+        self.state.since = 0;
+        self.stats.time += t0.elapsed();
+        module
+    }
+}
+
+impl<O, M, B> Optimizer<M, B> for LocalSgd<O>
+where
+    O: Optimizer<M, B>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    type Record = LocalSgdRecord<O::Record>;
+
+    fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        self.before_step(&module);
+        let module = self.inner.step(lr, module, grads);
+        self.after_step(module)
+    }
+
+    fn step_multi(&mut self, lr: LearningRate, module: M, grads: MultiGradientsParams) -> M {
+        self.before_step(&module);
+        let module = self.inner.step_multi(lr, module, grads);
+        self.after_step(module)
+    }
+
+    fn to_record(&self) -> Self::Record {
+        LocalSgdRecord {
+            inner: self.inner.to_record(),
+            outer: self.state.clone(),
+        }
+    }
+
+    fn load_record(self, record: Self::Record) -> Self {
+        LocalSgd {
+            inner: self.inner.load_record(record.inner),
+            state: record.outer,
+            ..self
+        }
+    }
+}
+
+/// [`LocalSgd`]'s record: the wrapped optimizer's and the outer state.
+#[derive(Clone, Debug)]
+pub struct LocalSgdRecord<R> {
+    /// The wrapped optimizer's record.
+    pub inner: R,
+    /// Steps since the last meeting, anchor, momentum and residual.
+    pub outer: OuterState,
+}
+
+impl<B: burn::tensor::backend::Backend, R: Record<B>> Record<B> for LocalSgdRecord<R> {
+    type Item<S: PrecisionSettings> = (R::Item<S>, OuterState);
+
+    fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
+        (self.inner.into_item(), self.outer)
+    }
+
+    fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
+        LocalSgdRecord {
+            inner: R::from_item(item.0, device),
+            outer: item.1,
+        }
+    }
+}
+
+/// The module's float parameters as f32 in module order (this rank's parts of them), and the
+/// rank's replica (`None` for a module without parameters).
+fn read<M, B>(module: &M) -> (Option<std::sync::Arc<Replica>>, Vec<f32>)
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    let mut reader = Read::<B> {
+        rep: None,
+        values: Vec::new(),
+        _backend: std::marker::PhantomData,
+    };
+    module.visit(&mut reader);
+    (reader.rep, reader.values)
+}
+
+struct Read<B> {
+    rep: Option<std::sync::Arc<Replica>>,
+    values: Vec<f32>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        let rep = self
+            .rep
+            .get_or_insert_with(|| context::for_device(&t.device()))
+            .clone();
+        let inner = t.inner().into_primitive().tensor();
+        let data = local::read::<B::InnerBackend>(inner).unwrap_or_else(|e| {
+            rep.fail(SyncError::Read {
+                what: format!("parameter {}", param.id),
+                reason: e.to_string(),
+            })
+        });
+        let data = data.convert::<f32>();
+        self.values.extend_from_slice(
+            data.as_slice::<f32>()
+                .expect("a tensor converted to f32 holds f32"),
+        );
+    }
+}
+
+/// Writes `values` (module order) into the module's float parameters, unmarked.
+struct Write<'a> {
+    values: &'a [f32],
+    at: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let inner = tensor.clone().inner().into_primitive().tensor();
+        let shape = local::shape::<B::InnerBackend>(&inner);
+        let n = shape.num_elements();
+        let data = TensorData::new(self.values[self.at..self.at + n].to_vec(), shape)
+            .convert_dtype(tensor.dtype());
+        self.at += n;
+        let device = tensor.device();
+        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
+        let mut fresh: Tensor<B, D> =
+            Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed)));
+        if tensor.is_require_grad() {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Drops `DataParallel`'s averaging marks (set by `replicate`, renewed by Burn's optimizers), so
+/// that the next backward keeps this replica's gradients.
+struct Unmark;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if !tensor.is_distributed() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let require_grad = tensor.is_require_grad();
+        let mut fresh = Tensor::from_inner(tensor.inner());
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Fails on every rank, naming the ranks, when the replicas do not start from rank 0's
+/// parameters.
+fn check_same_start(rep: &Replica, values: &[f32]) {
+    if rep.comm.size() == 1 {
+        return;
+    }
+    let digest = values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+    });
+    let all = rep
+        .comm
+        .all_gather(vec![digest as i64, values.len() as i64])
+        .wait()
+        .unwrap_or_else(|source| {
+            rep.fail(SyncError::Outer {
+                what: format!(
+                    "checking that every replica starts from the same parameters ({} elements \
+                     here)",
+                    values.len()
+                ),
+                source: Some(source),
+            })
+        });
+    let ranks: Vec<usize> = (0..all.len() / 2)
+        .filter(|&r| all[2 * r..2 * r + 2] != all[..2])
+        .collect();
+    if !ranks.is_empty() {
+        let sizes: Vec<i64> = all.iter().skip(1).step_by(2).copied().collect();
+        rep.fail(SyncError::Outer {
+            what: format!(
+                "ranks {ranks:?} start from other parameters than rank 0 (elements per rank: \
+                 {sizes:?}). Build every replica's model from the same seed or checkpoint"
+            ),
+            source: None,
+        });
+    }
+}

@@ -1,0 +1,296 @@
+//! How a job's data-parallel replicas stay together (`--strategy`): every step's gradients
+//! all-reduced (the default), or each replica stepping on its own and meeting every `H` steps
+//! ([`bonfire::local_sgd`], [`bonfire::diloco`]).
+//!
+//! A local strategy's replicas meet at the end of every round too (when they stepped since the
+//! last meeting), so that the model evaluated and saved is the one they agreed on. Each
+//! replica's inner optimizer state and bf16 rounding error are its own, so a checkpoint holds
+//! every replica's (all-gathered over the replicas, [`LocalOptimizers`]) with the outer state,
+//! and a resumed run continues bit for bit at the same `--dp`.
+
+use bonfire::{GradDType, Outer, OuterState};
+use serde::{Deserialize, Serialize};
+
+use crate::JobError;
+
+/// The strategy a run trains with (`state.json`'s `config.strategy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Every step's gradients averaged over the replicas in backward (DDP).
+    #[default]
+    #[serde(rename = "allreduce")]
+    AllReduce,
+    /// Local SGD: `every` steps each, then the replicas' mean.
+    LocalSgd {
+        /// Steps between meetings.
+        every: usize,
+    },
+    /// DiLoCo: `every` steps each, then an outer Nesterov step over the mean delta.
+    Diloco {
+        /// Steps between meetings.
+        every: usize,
+        /// The outer learning rate.
+        outer_lr: f32,
+        /// The outer momentum.
+        outer_momentum: f32,
+    },
+}
+
+/// The strategies by `--strategy` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrategyKind {
+    /// `allreduce`.
+    AllReduce,
+    /// `local-sgd`.
+    LocalSgd,
+    /// `diloco`.
+    Diloco,
+}
+
+impl std::str::FromStr for StrategyKind {
+    type Err = JobError;
+
+    fn from_str(s: &str) -> Result<Self, JobError> {
+        match s {
+            "allreduce" => Ok(StrategyKind::AllReduce),
+            "local-sgd" => Ok(StrategyKind::LocalSgd),
+            "diloco" => Ok(StrategyKind::Diloco),
+            _ => Err(JobError::Invalid {
+                flag: "--strategy",
+                given: s.to_string(),
+                why: "must be allreduce, local-sgd or diloco",
+            }),
+        }
+    }
+}
+
+/// What a caller asks of the strategy; `None` where left to the default.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StrategyRequest {
+    /// The strategy (default: allreduce).
+    pub kind: Option<StrategyKind>,
+    /// Steps between meetings of a local strategy (default: 50).
+    pub every: Option<usize>,
+    /// DiLoCo's outer learning rate (default: 0.7).
+    pub outer_lr: Option<f64>,
+    /// DiLoCo's outer momentum (default: 0.9).
+    pub outer_momentum: Option<f64>,
+}
+
+/// Steps between meetings when `--sync-every` is left out.
+pub const DEFAULT_EVERY: usize = 50;
+
+impl StrategyRequest {
+    /// Checks the values given, and that the flags go with the strategy when it is named (a
+    /// fresh run's default and a resumed run's saved one are checked with [`Self::fits`]).
+    pub fn check(&self) -> Result<(), JobError> {
+        crate::error::positive("--sync-every", self.every)?;
+        if let Some(v) = self
+            .outer_lr
+            .filter(|v| !(*v as f32 > 0.0 && (*v as f32).is_finite()))
+        {
+            return Err(JobError::Invalid {
+                flag: "--outer-lr",
+                given: v.to_string(),
+                why: "must be a positive number",
+            });
+        }
+        if let Some(v) = self.outer_momentum.filter(|v| !(*v >= 0.0 && *v < 1.0)) {
+            return Err(JobError::Invalid {
+                flag: "--outer-momentum",
+                given: v.to_string(),
+                why: "must be at least 0 and below 1",
+            });
+        }
+        match self.kind {
+            Some(kind) => self.fits(kind),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that the flags given go with strategy `kind`.
+    pub fn fits(&self, kind: StrategyKind) -> Result<(), JobError> {
+        if kind == StrategyKind::AllReduce && self.every.is_some() {
+            return Err(JobError::Invalid {
+                flag: "--sync-every",
+                given: "with --strategy allreduce".into(),
+                why: "only local-sgd and diloco meet every H steps; allreduce averages every step",
+            });
+        }
+        for (flag, v) in [
+            ("--outer-lr", self.outer_lr),
+            ("--outer-momentum", self.outer_momentum),
+        ] {
+            if v.is_some() && kind != StrategyKind::Diloco {
+                return Err(JobError::Invalid {
+                    flag,
+                    given: format!("with --strategy {}", kind_name(kind)),
+                    why: "only diloco has an outer optimizer",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The strategy, defaults filled in.
+    pub fn resolve(&self) -> Strategy {
+        let every = self.every.unwrap_or(DEFAULT_EVERY);
+        match self.kind.unwrap_or(StrategyKind::AllReduce) {
+            StrategyKind::AllReduce => Strategy::AllReduce,
+            StrategyKind::LocalSgd => Strategy::LocalSgd { every },
+            StrategyKind::Diloco => {
+                let (lr, momentum) = match bonfire::DILOCO_OUTER {
+                    Outer::Nesterov { lr, momentum } => (lr, momentum),
+                    Outer::Average => (1.0, 0.0),
+                };
+                Strategy::Diloco {
+                    every,
+                    outer_lr: self.outer_lr.map_or(lr, |v| v as f32),
+                    outer_momentum: self.outer_momentum.map_or(momentum, |v| v as f32),
+                }
+            }
+        }
+    }
+
+    /// The strategy a resumed run asks for: what is given, the rest the checkpoint's `saved`.
+    pub fn resolve_over(&self, saved: &Strategy) -> Strategy {
+        let (kind, every, lr, momentum) = match *saved {
+            Strategy::AllReduce => (StrategyKind::AllReduce, None, None, None),
+            Strategy::LocalSgd { every } => (StrategyKind::LocalSgd, Some(every), None, None),
+            Strategy::Diloco {
+                every,
+                outer_lr,
+                outer_momentum,
+            } => (
+                StrategyKind::Diloco,
+                Some(every),
+                Some(f64::from(outer_lr)),
+                Some(f64::from(outer_momentum)),
+            ),
+        };
+        StrategyRequest {
+            kind: Some(self.kind.unwrap_or(kind)),
+            every: self.every.or(every),
+            outer_lr: self.outer_lr.or(lr),
+            outer_momentum: self.outer_momentum.or(momentum),
+        }
+        .resolve()
+    }
+
+    /// Whether anything was asked (a resumed run must then ask for what it saved).
+    pub fn given(&self) -> bool {
+        *self != StrategyRequest::default()
+    }
+}
+
+fn kind_name(kind: StrategyKind) -> &'static str {
+    match kind {
+        StrategyKind::AllReduce => "allreduce",
+        StrategyKind::LocalSgd => "local-sgd",
+        StrategyKind::Diloco => "diloco",
+    }
+}
+
+impl Strategy {
+    /// Its `--strategy` name.
+    pub fn kind(&self) -> StrategyKind {
+        match self {
+            Strategy::AllReduce => StrategyKind::AllReduce,
+            Strategy::LocalSgd { .. } => StrategyKind::LocalSgd,
+            Strategy::Diloco { .. } => StrategyKind::Diloco,
+        }
+    }
+
+    /// Whether the replicas step on their own between meetings.
+    pub fn is_local(&self) -> bool {
+        !matches!(self, Strategy::AllReduce)
+    }
+
+    /// `optim` wrapped for this strategy, deltas in `dtype`; all-reduce hands it back.
+    pub(crate) fn wrap<O>(&self, optim: O, dtype: GradDType) -> Result<bonfire::LocalSgd<O>, O> {
+        let wrapped = match *self {
+            Strategy::AllReduce => return Err(optim),
+            Strategy::LocalSgd { every } => bonfire::local_sgd(optim, every),
+            Strategy::Diloco {
+                every,
+                outer_lr,
+                outer_momentum,
+            } => bonfire::diloco(optim, every).outer(Outer::Nesterov {
+                lr: outer_lr,
+                momentum: outer_momentum,
+            }),
+        };
+        Ok(wrapped.exchange_dtype(dtype))
+    }
+
+    /// How the strategy is written on the command line and in the report.
+    pub fn describe(&self) -> String {
+        match *self {
+            Strategy::AllReduce => "allreduce".into(),
+            Strategy::LocalSgd { every } => format!("local-sgd, meeting every {every} steps"),
+            Strategy::Diloco {
+                every,
+                outer_lr,
+                outer_momentum,
+            } => format!(
+                "diloco, meeting every {every} steps (outer Nesterov lr {outer_lr}, momentum \
+                 {outer_momentum})"
+            ),
+        }
+    }
+}
+
+/// A local strategy's optimizer file: the outer state (equal on every rank after the round's
+/// meeting, but for the bf16 rounding error) and each replica's own part, by replica.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct LocalOptimizers {
+    pub(crate) outer: OuterState,
+    pub(crate) replicas: Vec<ReplicaState>,
+}
+
+/// What one replica keeps of its own: its inner optimizer's encoded record and its bf16
+/// rounding error.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ReplicaState {
+    pub(crate) optimizer: Vec<u8>,
+    pub(crate) residual: Option<Vec<f32>>,
+}
+
+impl LocalOptimizers {
+    pub(crate) fn encode(&self) -> Result<Vec<u8>, JobError> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard()).map_err(|e| {
+            JobError::EncodeRecord {
+                what: "optimizer states",
+                source: burn::record::RecorderError::Unknown(e.to_string()),
+            }
+        })
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<LocalOptimizers, String> {
+        decode(bytes)
+    }
+}
+
+impl ReplicaState {
+    pub(crate) fn encode(&self) -> Result<Vec<u8>, JobError> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard()).map_err(|e| {
+            JobError::EncodeRecord {
+                what: "optimizer state",
+                source: burn::record::RecorderError::Unknown(e.to_string()),
+            }
+        })
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<ReplicaState, String> {
+        decode(bytes)
+    }
+}
+
+/// `T` from `bytes`, allocating at most 16 GiB whatever a damaged length says.
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    let config = bincode::config::standard().with_limit::<{ 1 << 34 }>();
+    bincode::serde::decode_from_slice(bytes, config)
+        .map(|(v, _)| v)
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,377 @@
+//! `bonfire::local_sgd` and `bonfire::diloco` against references: ranks as threads of this
+//! process, the same model and batches.
+//!
+//! - Local SGD that meets after every step, over plain SGD, is data parallelism: the mean of the
+//!   replicas' steps is the step on the mean gradient (within rounding, 1e-6 after 20 steps).
+//! - DiLoCo over Adam equals a sequential oracle: the replicas trained one after the other in one
+//!   thread, their deltas averaged and the Nesterov step taken by hand.
+//! - DiLoCo with outer lr 1 and momentum 0 is local SGD, bit for bit; bf16 deltas halve the bytes.
+//! - A record saved between meetings resumes bit for bit; replicas that start apart are named.
+
+use std::time::Duration;
+
+use bonfire::{GradDType, LocalSgd, Outer};
+use bonfire_testkit::nets::{
+    Batch, DpFlex, Net, SmallCnn, loss, parameters, random_batches, seeded,
+};
+use bonfire_testkit::{RankModels, bind_rank, in_process_ranks, run_ranks};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+
+type Device = burn::backend::flex::FlexDevice;
+type Net2 = SmallCnn<DpFlex>;
+type Params = Vec<Vec<f32>>;
+type AdamOf = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Net2, DpFlex>;
+
+const LR: f64 = 1e-2;
+
+fn batches(seed: u64, steps: usize, rows: usize) -> Vec<Batch> {
+    random_batches(seed, steps, rows, Net2::FEATURES, Net2::CLASSES)
+}
+
+/// One step of `optim` on this rank's slice of `batch` (its own gradients unless the model is
+/// replicated).
+fn step<O: Optimizer<Net2, DpFlex>>(
+    model: Net2,
+    optim: &mut O,
+    batch: &Batch,
+    rank: usize,
+    world: usize,
+) -> Net2 {
+    let n = batch.rows() / world;
+    let l = loss(&model, &batch.slice(rank * n, n), 1.0, &Device::default());
+    let grads = GradientsParams::from_grads(l.backward(), &model);
+    optim.step(LR, model, grads)
+}
+
+/// Every rank's parameters after training on `batches` with the optimizer `make` gives, from
+/// the same seeded model (replicated first when `replicate`).
+fn run<O, F>(world: usize, batches: &[Batch], replicate: bool, make: F) -> Vec<(Params, O)>
+where
+    O: Optimizer<Net2, DpFlex> + 'static,
+    F: Fn() -> O + Send + Sync + 'static,
+{
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..world)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let batches = batches.to_vec();
+    let comms = in_process_ranks(world, Duration::from_secs(20));
+    run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let (r, world) = (comm.rank(), comm.size());
+        let mut model = models.take(r);
+        let _bind = bind_rank(comm);
+        if replicate {
+            model = bonfire::replicate(model);
+        }
+        let mut optim = make();
+        for b in &batches {
+            model = step(model, &mut optim, b, r, world);
+        }
+        (parameters(&model), optim)
+    })
+}
+
+fn max_difference(a: &Params, b: &Params) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
+
+fn assert_replicas_equal<O>(ranks: &[(Params, O)], what: &str) {
+    for (r, (p, _)) in ranks.iter().enumerate() {
+        assert!(
+            *p == ranks[0].0,
+            "{what}: rank {r}'s parameters differ from rank 0's"
+        );
+    }
+}
+
+#[test]
+fn local_sgd_meeting_every_step_over_sgd_is_data_parallelism() {
+    let b = batches(21, 20, 8);
+    let ddp = run(2, &b, true, || SgdConfig::new().init::<DpFlex, Net2>());
+    let local = run(2, &b, false, || {
+        bonfire::local_sgd(SgdConfig::new().init::<DpFlex, Net2>(), 1)
+    });
+    assert_replicas_equal(&local, "local SGD");
+    let diff = max_difference(&ddp[0].0, &local[0].0);
+    assert!(
+        diff <= 1e-6,
+        "local SGD with H = 1 is {diff:e} from DDP after 20 SGD steps"
+    );
+    let start = parameters(&seeded::<DpFlex, _>(7, &Device::default(), SmallCnn::new));
+    assert!(
+        max_difference(&start, &local[0].0) > 1e-3,
+        "training moved the parameters"
+    );
+    let stats = local[0].1.stats();
+    let elements: usize = start.iter().map(Vec::len).sum();
+    assert_eq!((stats.steps, stats.meetings), (20, 20));
+    assert_eq!(
+        stats.bytes,
+        20 * 4 * elements as u64,
+        "f32 deltas, 20 meetings"
+    );
+}
+
+/// Writes `values` (module order) into a model's parameters.
+struct Put<'a>(&'a [f32], usize);
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Put<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, t, mapper) = param.consume();
+        let shape = t.shape();
+        let n = shape.num_elements();
+        let fresh = Tensor::from_data(
+            TensorData::new(self.0[self.1..self.1 + n].to_vec(), shape),
+            &t.device(),
+        )
+        .require_grad();
+        self.1 += n;
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+fn flat(p: &Params) -> Vec<f32> {
+    p.concat()
+}
+
+/// DiLoCo by hand: `world` replicas, each with its own Adam, trained one after the other on this
+/// thread (a group of one: `DataParallel` passes through), meeting every `h` steps with the
+/// mean delta and an outer Nesterov step done here.
+fn diloco_oracle(world: usize, h: usize, batches: &[Batch], lr: f32, momentum: f32) -> Vec<f32> {
+    let device = Device::default();
+    let comms = in_process_ranks(1, Duration::from_secs(20));
+    let batches = batches.to_vec();
+    let out = run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let _bind = bind_rank(comm);
+        let start = seeded::<DpFlex, _>(7, &device, SmallCnn::new);
+        let mut anchor = flat(&parameters(&start));
+        let mut m = vec![0.0f32; anchor.len()];
+        let mut replicas: Vec<(Net2, _)> = (0..world)
+            .map(|_| (start.clone(), AdamConfig::new().init::<DpFlex, Net2>()))
+            .collect();
+        for window in batches.chunks(h) {
+            let mut mean = vec![0.0f32; anchor.len()];
+            for (r, (model, adam)) in replicas.iter_mut().enumerate() {
+                let mut mdl = model.clone().map(&mut Put(&anchor, 0));
+                for b in window {
+                    mdl = step(mdl, adam, b, r, world);
+                }
+                for (s, (a, p)) in mean
+                    .iter_mut()
+                    .zip(anchor.iter().zip(flat(&parameters(&mdl))))
+                {
+                    *s += (a - p) * (1.0 / world as f32);
+                }
+                *model = mdl;
+            }
+            for ((a, d), m) in anchor.iter_mut().zip(&mean).zip(&mut m) {
+                *m = momentum * *m + d;
+                *a -= lr * (d + momentum * *m);
+            }
+        }
+        anchor
+    });
+    out.into_iter().next().expect("one rank")
+}
+
+#[test]
+fn diloco_over_adam_equals_the_sequential_oracle() {
+    let b = batches(22, 9, 8);
+    let diloco = run(2, &b, false, || {
+        bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3)
+    });
+    assert_replicas_equal(&diloco, "DiLoCo");
+    let oracle = diloco_oracle(2, 3, &b, 0.7, 0.9);
+    let got = flat(&diloco[0].0);
+    let diff = got
+        .iter()
+        .zip(&oracle)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        diff <= 1e-6,
+        "DiLoCo is {diff:e} from the oracle after 3 meetings"
+    );
+    assert_eq!(diloco[0].1.stats().meetings, 3);
+    let momentum = diloco[0]
+        .1
+        .outer_state()
+        .momentum
+        .as_ref()
+        .expect("momentum");
+    assert!(
+        momentum.iter().any(|&m| m != 0.0),
+        "the outer momentum moved"
+    );
+}
+
+#[test]
+fn diloco_with_lr_1_and_no_momentum_is_local_sgd_and_bf16_halves_the_bytes() {
+    let b = batches(23, 6, 8);
+    let adam = || AdamConfig::new().init::<DpFlex, Net2>();
+    let local = run(2, &b, false, move || bonfire::local_sgd(adam(), 3));
+    let plain = run(2, &b, false, move || {
+        bonfire::diloco(adam(), 3).outer(Outer::Nesterov {
+            lr: 1.0,
+            momentum: 0.0,
+        })
+    });
+    assert!(
+        local[0].0 == plain[0].0,
+        "DiLoCo (lr 1, momentum 0) differs from local SGD"
+    );
+    let bf16 = run(2, &b, false, move || {
+        bonfire::local_sgd(adam(), 3).exchange_dtype(GradDType::Bf16)
+    });
+    assert_replicas_equal(&bf16, "bf16 deltas");
+    let diff = max_difference(&local[0].0, &bf16[0].0);
+    assert!(
+        diff > 0.0 && diff < 1e-3,
+        "bf16 deltas are {diff:e} from f32's"
+    );
+    assert_eq!(2 * bf16[0].1.stats().bytes, local[0].1.stats().bytes);
+    let residual = bf16[0].1.outer_state().residual.as_ref().expect("residual");
+    assert!(
+        residual.iter().any(|&r| r != 0.0),
+        "the rounding error is kept"
+    );
+}
+
+#[test]
+fn a_record_saved_between_meetings_resumes_bit_for_bit() {
+    const WORLD: usize = 2;
+    let b = batches(24, 8, 8);
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..WORLD)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let comms = in_process_ranks(WORLD, Duration::from_secs(20));
+    run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let r = comm.rank();
+        let start = models.take(r);
+        let _bind = bind_rank(comm);
+        let make = || bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3);
+        let mut optim: LocalSgd<AdamOf> = make();
+        let mut model = start;
+        let (mut saved, mut at_save) = (None, None);
+        for (i, batch) in b.iter().enumerate() {
+            model = step(model, &mut optim, batch, r, WORLD);
+            if i == 4 {
+                // Mid-window: two steps since the meeting after step 3.
+                let rec = BinBytesRecorder::<FullPrecisionSettings>::default();
+                saved = Some(
+                    rec.record(Optimizer::<Net2, DpFlex>::to_record(&optim), ())
+                        .unwrap(),
+                );
+                at_save = Some(model.clone());
+            }
+        }
+        let uninterrupted = parameters(&model);
+        let bytes = saved.expect("saved at step 5");
+        let record = BinBytesRecorder::<FullPrecisionSettings>::default()
+            .load::<<LocalSgd<AdamOf> as Optimizer<Net2, DpFlex>>::Record>(bytes, &device)
+            .unwrap();
+        let mut resumed: LocalSgd<AdamOf> = Optimizer::<Net2, DpFlex>::load_record(make(), record);
+        assert_eq!(
+            resumed.outer_state().since,
+            2,
+            "steps since the last meeting"
+        );
+        let mut model = at_save.expect("saved");
+        for batch in &b[5..] {
+            model = step(model, &mut resumed, batch, r, WORLD);
+        }
+        assert!(
+            parameters(&model) == uninterrupted,
+            "rank {r}: resumed between meetings, training differs"
+        );
+    });
+}
+
+#[test]
+fn replicas_that_start_apart_are_named() {
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..2u64)
+            .map(|r| seeded::<DpFlex, _>(7 + r, &device, SmallCnn::new))
+            .collect(),
+    );
+    let b = batches(25, 1, 8);
+    let comms = in_process_ranks(2, Duration::from_secs(20));
+    let errors = run_ranks(comms, Duration::from_secs(120), move |comm| {
+        let r = comm.rank();
+        let model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut optim = bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 4);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            step(model, &mut optim, &b[0], r, 2);
+        }))
+        .err()
+        .and_then(|p| p.downcast_ref::<String>().cloned())
+    });
+    for (r, e) in errors.iter().enumerate() {
+        let e = e
+            .as_deref()
+            .unwrap_or_else(|| panic!("rank {r} did not fail"));
+        assert!(
+            e.contains("ranks [1] start from other parameters than rank 0"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
+/// The wrapper keeps the parameters free of `replicate`'s averaging marks: after it, backward
+/// gives each replica its own gradients (they differ between ranks on different batches).
+#[test]
+fn after_a_step_backward_keeps_each_replicas_own_gradients() {
+    let b = batches(26, 2, 8);
+    let comms = in_process_ranks(2, Duration::from_secs(20));
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..2)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let grads = run_ranks(comms, Duration::from_secs(120), move |comm| {
+        let r = comm.rank();
+        let _bind = bind_rank(comm);
+        let model = bonfire::replicate(models.take(r));
+        let mut optim = bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 10);
+        let model = step(model, &mut optim, &b[0], r, 2);
+        let l = loss(&model, &b[1].slice(r * 4, 4), 1.0, &Device::default());
+        let g = GradientsParams::from_grads(l.backward(), &model);
+        let mut values = Grads(&g, Vec::new());
+        model.visit(&mut values);
+        values.1
+    });
+    assert!(
+        grads[0] != grads[1],
+        "the second backward averaged the gradients"
+    );
+}
+
+/// Every parameter's gradient in `.0`, in module order.
+struct Grads<'a>(&'a GradientsParams, Vec<f32>);
+
+impl ModuleVisitor<DpFlex> for Grads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<DpFlex, D>>) {
+        if let Some(g) = self
+            .0
+            .get::<<DpFlex as AutodiffBackend>::InnerBackend, D>(param.id)
+        {
+            self.1
+                .extend(g.into_data().convert::<f32>().to_vec::<f32>().unwrap());
+        }
+    }
+}

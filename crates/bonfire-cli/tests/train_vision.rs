@@ -253,3 +253,79 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--strategy diloco` on the vision job: the replicas step on their own gradients and meet
+/// every 4 steps and at each epoch's end; the report counts the meetings; a run killed after its
+/// first checkpoint and resumed ends on the uninterrupted run's weights (the checkpoint holds
+/// both replicas' Adam states and the outer momentum); flags that do not go with the saved
+/// strategy are refused on resume.
+#[test]
+fn diloco_meets_learns_and_resumes_exactly() {
+    let dir = scratch("train-diloco");
+    let args = [
+        "train",
+        "vision",
+        "--dataset",
+        "embedded",
+        "--epochs",
+        "3",
+        "--train-limit",
+        "768",
+        "--test-limit",
+        "200",
+        "--strategy",
+        "diloco",
+        "--sync-every",
+        "4",
+        "--checkpoint-dir",
+    ];
+    let straight = dir.join("straight");
+    let out = bonfire(&dir, &args).arg(&straight).output().unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    // 384 images per rank, 64 per step: 6 steps an epoch, meetings after 4 and at the end.
+    assert!(
+        log.contains("over 2 replica(s): 18 steps, 6 meetings"),
+        "{log}"
+    );
+    let s = state(&straight, 3);
+    assert_eq!(s["config"]["strategy"]["kind"], "diloco");
+    let acc = f(&s["history"][2]["test_accuracy"]);
+    assert!(acc > 0.3, "test accuracy {acc} (chance is 0.1)");
+
+    let killed = dir.join("killed");
+    let done = kill_after_first_checkpoint(bonfire(&dir, &args).arg(&killed), &killed);
+    assert_ne!(done, "epoch-3", "the job finished before it was killed");
+    let resume = |extra: &[&str]| {
+        bonfire(
+            &dir,
+            &[&["train", "vision", "--resume"][..], extra].concat(),
+        )
+        .arg("--checkpoint-dir")
+        .arg(&killed)
+        .output()
+        .unwrap()
+    };
+    let out = resume(&["--strategy", "local-sgd"]);
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("--strategy local-sgd, meeting every 4 steps"),
+        "{log}"
+    );
+    let out = resume(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let (a, b) = (state(&straight, 3), state(&killed, 3));
+    for e in 0..3 {
+        assert_eq!(
+            a["history"][e]["param_digest"],
+            b["history"][e]["param_digest"],
+            "epoch {}",
+            e + 1
+        );
+        assert_eq!(
+            a["history"][e]["test_accuracy"],
+            b["history"][e]["test_accuracy"]
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

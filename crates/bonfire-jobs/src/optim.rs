@@ -161,7 +161,16 @@ where
                 what: "optimizer state",
                 source,
             })?;
-        Ok(bytes.len())
+        // A local strategy's outer state: the anchor between meetings, the outer momentum and
+        // the bf16 rounding error, f32 each.
+        let outer = self.as_local().map_or(0, |o| {
+            let s = o.outer_state();
+            [&s.anchor, &s.momentum, &s.residual]
+                .iter()
+                .map(|v| v.as_ref().map_or(0, |v| 4 * v.len()))
+                .sum()
+        });
+        Ok(bytes.len() + outer)
     }
 }
 

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bonfire::World;
+use bonfire::collectives::Communicator;
 use bonfire::topology::ReduceOp;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -379,4 +380,29 @@ impl<'a, J: Job> RankContext<'a, J> {
             .wait()
             .map_err(JobError::collective(during))
     }
+}
+
+/// Every rank's bytes of `group` (`mine` on this one), in the group's rank order, on every
+/// rank of it.
+pub(crate) fn gather_bytes(
+    group: &Communicator,
+    mine: Vec<u8>,
+    during: &'static str,
+) -> Result<Vec<Vec<u8>>, JobError> {
+    let lens = group
+        .all_gather(vec![mine.len() as i64])
+        .wait()
+        .map_err(JobError::collective(during))?;
+    let counts: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
+    let all = group
+        .all_gather_uneven(mine, &counts)
+        .wait()
+        .map_err(JobError::collective(during))?;
+    let mut parts = Vec::with_capacity(counts.len());
+    let mut at = 0;
+    for n in counts {
+        parts.push(all[at..at + n].to_vec());
+        at += n;
+    }
+    Ok(parts)
 }

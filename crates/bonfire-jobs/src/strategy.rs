@@ -8,10 +8,14 @@
 //! every replica's (all-gathered over the replicas, [`LocalOptimizers`]) with the outer state,
 //! and a resumed run continues bit for bit at the same `--dp`.
 
+use std::path::Path;
+
+use bonfire::collectives::Communicator;
 use bonfire::{GradDType, Outer, OuterState};
 use serde::{Deserialize, Serialize};
 
 use crate::JobError;
+use crate::rank::gather_bytes;
 
 /// The strategy a run trains with (`state.json`'s `config.strategy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -204,7 +208,12 @@ impl Strategy {
 
     /// Whether the replicas step on their own between meetings.
     pub fn is_local(&self) -> bool {
-        !matches!(self, Strategy::AllReduce)
+        !self.is_all_reduce()
+    }
+
+    /// Whether every step's gradients are all-reduced (the default).
+    pub fn is_all_reduce(&self) -> bool {
+        matches!(self, Strategy::AllReduce)
     }
 
     /// `optim` wrapped for this strategy, deltas in `dtype`; all-reduce hands it back.
@@ -239,6 +248,20 @@ impl Strategy {
             ),
         }
     }
+}
+
+/// A local strategy's report line: its meetings, and what they sent per rank.
+pub fn report_line(strategy: &Strategy, st: &bonfire::OuterStats, replicas: usize) -> String {
+    let mib = st.bytes as f64 / (1 << 20) as f64;
+    format!(
+        "strategy {} over {replicas} replica(s): {} steps, {} meetings, {mib:.2} MiB all-reduced \
+         per rank this run ({:.1} KiB per step), {:.2} s in meetings",
+        strategy.describe(),
+        st.steps,
+        st.meetings,
+        st.bytes as f64 / 1024.0 / st.steps.max(1) as f64,
+        st.time.as_secs_f64()
+    )
 }
 
 /// A local strategy's optimizer file: the outer state (equal on every rank after the round's
@@ -293,4 +316,177 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     bincode::serde::decode_from_slice(bytes, config)
         .map(|(v, _)| v)
         .map_err(|e| e.to_string())
+}
+
+/// What a job writes as its optimizer file: under a local strategy, this replica's encoded
+/// inner record `mine` and rounding error gathered with every other replica's over `replicas`
+/// (a collective: every rank calls it) into one [`LocalOptimizers`] with the outer `state`;
+/// otherwise `mine` as it is.
+pub(crate) fn optimizer_file(
+    replicas: &Communicator,
+    state: Option<&OuterState>,
+    mine: Vec<u8>,
+) -> Result<Vec<u8>, JobError> {
+    let Some(outer) = state else {
+        return Ok(mine);
+    };
+    let own = ReplicaState {
+        optimizer: mine,
+        residual: outer.residual.clone(),
+    }
+    .encode()?;
+    let during = "gathering the replicas' optimizer states";
+    let replicas = gather_bytes(replicas, own, during)?
+        .iter()
+        .map(|b| ReplicaState::decode(b))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|why| JobError::EncodeRecord {
+            what: "optimizer states",
+            source: burn::record::RecorderError::Unknown(why),
+        })?;
+    LocalOptimizers {
+        outer: outer.clone(),
+        replicas,
+    }
+    .encode()
+}
+
+/// The part of optimizer file `file` (of checkpoint `dir`) that replica `replica` of `replicas`
+/// loads: under a local strategy its own inner record and the outer state with its own
+/// rounding error; otherwise the whole file.
+pub(crate) fn optimizer_part(
+    file: &[u8],
+    local: bool,
+    replica: usize,
+    replicas: usize,
+    dir: &Path,
+) -> Result<(Vec<u8>, Option<OuterState>), JobError> {
+    if !local {
+        return Ok((file.to_vec(), None));
+    }
+    let bad = |why| JobError::DamagedRecord {
+        dir: dir.to_path_buf(),
+        what: "optimizer states",
+        why,
+    };
+    let file = LocalOptimizers::decode(file).map_err(bad)?;
+    if file.replicas.len() != replicas {
+        return Err(bad(format!(
+            "it holds {} replicas' optimizer states where the run has {replicas}",
+            file.replicas.len()
+        )));
+    }
+    let Some(mine) = file.replicas.into_iter().nth(replica) else {
+        return Err(bad(format!(
+            "it has no optimizer state for replica {replica}"
+        )));
+    };
+    let outer = OuterState {
+        residual: mine.residual,
+        ..file.outer
+    };
+    Ok((mine.optimizer, Some(outer)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(kind: Option<StrategyKind>, every: Option<usize>) -> StrategyRequest {
+        StrategyRequest {
+            kind,
+            every,
+            ..StrategyRequest::default()
+        }
+    }
+
+    #[test]
+    fn defaults_and_what_a_resume_keeps() {
+        assert_eq!(StrategyRequest::default().resolve(), Strategy::AllReduce);
+        assert_eq!(
+            ask(Some(StrategyKind::Diloco), None).resolve(),
+            Strategy::Diloco {
+                every: DEFAULT_EVERY,
+                outer_lr: 0.7,
+                outer_momentum: 0.9
+            }
+        );
+        let saved = Strategy::Diloco {
+            every: 20,
+            outer_lr: 0.5,
+            outer_momentum: 0.8,
+        };
+        // Left out on resume: the checkpoint's; given: the request's.
+        assert_eq!(StrategyRequest::default().resolve_over(&saved), saved);
+        assert_eq!(
+            ask(None, Some(8)).resolve_over(&saved),
+            Strategy::Diloco {
+                every: 8,
+                outer_lr: 0.5,
+                outer_momentum: 0.8
+            }
+        );
+        assert_eq!(
+            ask(Some(StrategyKind::LocalSgd), None).resolve_over(&saved),
+            Strategy::LocalSgd { every: 20 }
+        );
+    }
+
+    #[test]
+    fn flags_that_do_not_go_with_the_strategy_are_refused() {
+        assert!(
+            ask(None, Some(5)).check().is_ok(),
+            "checked against the default later"
+        );
+        assert!(ask(None, Some(5)).fits(StrategyKind::AllReduce).is_err());
+        assert!(ask(Some(StrategyKind::LocalSgd), Some(0)).check().is_err());
+        let lr = |v| StrategyRequest {
+            kind: Some(StrategyKind::Diloco),
+            outer_lr: Some(v),
+            ..StrategyRequest::default()
+        };
+        assert!(lr(0.5).check().is_ok());
+        assert!(lr(1e-50).check().is_err(), "0 as f32");
+        assert!(lr(1e39).check().is_err(), "infinite as f32");
+        let momentum = StrategyRequest {
+            kind: Some(StrategyKind::LocalSgd),
+            outer_momentum: Some(0.5),
+            ..StrategyRequest::default()
+        };
+        assert!(
+            momentum.check().is_err(),
+            "local SGD has no outer optimizer"
+        );
+    }
+
+    #[test]
+    fn a_config_saved_before_strategies_trains_with_allreduce() {
+        #[derive(Deserialize)]
+        struct Saved {
+            #[serde(default)]
+            strategy: Strategy,
+        }
+        let old: Saved = serde_json::from_str("{}").unwrap();
+        assert_eq!(old.strategy, Strategy::AllReduce);
+        for s in [
+            Strategy::AllReduce,
+            Strategy::LocalSgd { every: 3 },
+            Strategy::Diloco {
+                every: 4,
+                outer_lr: 0.7,
+                outer_momentum: 0.9,
+            },
+        ] {
+            let json = serde_json::to_string(&s).unwrap();
+            assert_eq!(
+                serde_json::from_str::<Strategy>(&json).unwrap(),
+                s,
+                "{json}"
+            );
+        }
+        assert_eq!(
+            serde_json::to_string(&Strategy::AllReduce).unwrap(),
+            r#"{"kind":"allreduce"}"#
+        );
+    }
 }

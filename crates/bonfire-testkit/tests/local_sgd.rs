@@ -375,3 +375,47 @@ impl ModuleVisitor<DpFlex> for Grads<'_> {
         }
     }
 }
+
+/// `broadcast_parameters` gives every rank rank 0's values and ids, and marks nothing for
+/// gradient averaging (a backward after it keeps each rank's own gradients).
+#[test]
+fn broadcast_parameters_copies_rank_0_and_marks_nothing() {
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..2u64)
+            .map(|r| seeded::<DpFlex, _>(30 + r, &device, SmallCnn::new))
+            .collect(),
+    );
+    let b = batches(27, 1, 8);
+    let comms = in_process_ranks(2, Duration::from_secs(20));
+    let out = run_ranks(comms, Duration::from_secs(120), move |comm| {
+        let r = comm.rank();
+        let _bind = bind_rank(comm);
+        let model = bonfire::broadcast_parameters(models.take(r));
+        struct Ids(Vec<String>, bool);
+        impl ModuleVisitor<DpFlex> for Ids {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<DpFlex, D>>) {
+                self.0.push(p.id.serialize());
+                self.1 |= p.val().is_distributed();
+            }
+        }
+        let mut ids = Ids(Vec::new(), false);
+        model.visit(&mut ids);
+        let l = loss(&model, &b[0].slice(r * 4, 4), 1.0, &Device::default());
+        let g = GradientsParams::from_grads(l.backward(), &model);
+        let mut grads = Grads(&g, Vec::new());
+        model.visit(&mut grads);
+        (parameters(&model), ids.0, ids.1, grads.1)
+    });
+    let rank0 = parameters(&seeded::<DpFlex, _>(30, &device, SmallCnn::new));
+    assert!(
+        out[0].0 == rank0 && out[1].0 == rank0,
+        "rank 0's values on both"
+    );
+    assert_eq!(out[0].1, out[1].1, "rank 0's ids on both");
+    assert!(
+        !out[0].2 && !out[1].2,
+        "no parameter is marked for averaging"
+    );
+    assert!(out[0].3 != out[1].3, "each rank keeps its own gradients");
+}

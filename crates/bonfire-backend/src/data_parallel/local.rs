@@ -74,3 +74,53 @@ pub(crate) fn write<B: Backend>(
         _ => B::float_from_data(data, device),
     }
 }
+
+/// This rank's part of parameter `id`'s value `t` as f32, in host memory; a failed read fails
+/// the rank through `rep`.
+pub(crate) fn param_values<B: burn::tensor::backend::AutodiffBackend, const D: usize>(
+    rep: &super::context::Replica,
+    id: burn::module::ParamId,
+    t: burn::tensor::Tensor<B, D>,
+) -> Vec<f32> {
+    let data = read::<B::InnerBackend>(t.inner().into_primitive().tensor()).unwrap_or_else(|e| {
+        rep.fail(super::error::SyncError::Read {
+            what: format!("parameter {id}"),
+            reason: e.to_string(),
+        })
+    });
+    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
+}
+
+/// Elements of this rank's part of `t`.
+pub(crate) fn param_len<B: burn::tensor::backend::AutodiffBackend, const D: usize>(
+    t: &burn::tensor::Tensor<B, D>,
+) -> usize {
+    shape::<B::InnerBackend>(&t.clone().inner().into_primitive().tensor()).num_elements()
+}
+
+/// Parameter `id`'s tensor `t` with this rank's part replaced by `values` (converted to its
+/// dtype): a leaf again, requiring gradients as `t` did, and marked for gradient averaging when
+/// `mark`.
+pub(crate) fn with_values<B: burn::tensor::backend::AutodiffBackend, const D: usize>(
+    t: burn::tensor::Tensor<B, D>,
+    values: &[f32],
+    id: burn::module::ParamId,
+    mark: bool,
+) -> burn::tensor::Tensor<B, D> {
+    let inner = t.clone().inner().into_primitive().tensor();
+    let shape = shape::<B::InnerBackend>(&inner);
+    let data = TensorData::new(values.to_vec(), shape).convert_dtype(t.dtype());
+    let placed = write::<B::InnerBackend>(Some(&inner), data, &t.device());
+    let mut fresh: burn::tensor::Tensor<B, D> = burn::tensor::Tensor::from_inner(
+        burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(placed)),
+    );
+    if t.is_require_grad() {
+        fresh = fresh.require_grad();
+    }
+    if mark {
+        fresh = fresh.set_distributed(burn_backend::distributed::DistributedParamId::from(
+            id.val(),
+        ));
+    }
+    fresh
+}

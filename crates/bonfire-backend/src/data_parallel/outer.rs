@@ -17,8 +17,8 @@ use bonfire_topology::ReduceOp;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::record::{PrecisionSettings, Record};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use half::bf16;
 use serde::{Deserialize, Serialize};
 
@@ -241,6 +241,10 @@ impl<O> LocalSgd<O> {
         let Some(rep) = rep else {
             return module;
         };
+        let ranks = rep.comm.size();
+        if ranks > 1 {
+            check_same_size(&rep, params.len(), self.state.meetings + 1);
+        }
         let anchor = self
             .state
             .anchor
@@ -256,7 +260,6 @@ impl<O> LocalSgd<O> {
                 source: None,
             });
         }
-        let ranks = rep.comm.size();
         if ranks == 1 && self.outer == Outer::Average {
             // The mean of one replica is itself.
             self.stats.meetings += 1;
@@ -446,18 +449,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
             .rep
             .get_or_insert_with(|| context::for_device(&t.device()))
             .clone();
-        let inner = t.inner().into_primitive().tensor();
-        let data = local::read::<B::InnerBackend>(inner).unwrap_or_else(|e| {
-            rep.fail(SyncError::Read {
-                what: format!("parameter {}", param.id),
-                reason: e.to_string(),
-            })
-        });
-        let data = data.convert::<f32>();
-        self.values.extend_from_slice(
-            data.as_slice::<f32>()
-                .expect("a tensor converted to f32 holds f32"),
-        );
+        self.values
+            .extend_from_slice(&local::param_values(&rep, param.id, t));
     }
 }
 
@@ -470,19 +463,9 @@ struct Write<'a> {
 impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let inner = tensor.clone().inner().into_primitive().tensor();
-        let shape = local::shape::<B::InnerBackend>(&inner);
-        let n = shape.num_elements();
-        let data = TensorData::new(self.values[self.at..self.at + n].to_vec(), shape)
-            .convert_dtype(tensor.dtype());
+        let n = local::param_len(&tensor);
+        let fresh = local::with_values(tensor, &self.values[self.at..self.at + n], id, false);
         self.at += n;
-        let device = tensor.device();
-        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
-        let mut fresh: Tensor<B, D> =
-            Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed)));
-        if tensor.is_require_grad() {
-            fresh = fresh.require_grad();
-        }
         Param::from_mapped_value(id, fresh, mapper)
     }
 }
@@ -503,6 +486,34 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
             fresh = fresh.require_grad();
         }
         Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Fails on every rank, naming the ranks and every rank's size, when the replicas' parameters
+/// are not all of rank 0's size at meeting `meeting`.
+fn check_same_size(rep: &Replica, elements: usize, meeting: u64) {
+    let all = rep
+        .comm
+        .all_gather(vec![elements as i64])
+        .wait()
+        .unwrap_or_else(|source| {
+            rep.fail(SyncError::Outer {
+                what: format!(
+                    "checking the replicas' sizes at meeting {meeting} ({elements} elements \
+                     here)"
+                ),
+                source: Some(source),
+            })
+        });
+    let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
+    if !ranks.is_empty() {
+        rep.fail(SyncError::Outer {
+            what: format!(
+                "ranks {ranks:?} hold models of other sizes than rank 0 at meeting {meeting} \
+                 (elements per rank: {all:?})"
+            ),
+            source: None,
+        });
     }
 }
 

@@ -18,9 +18,8 @@ use burn::optim::LearningRate;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SimpleOptimizer};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
-use burn_backend::distributed::DistributedParamId;
 
 use super::context::{self, Replica};
 use super::error::SyncError;
@@ -402,21 +401,10 @@ struct Mine<'a, B> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Mine<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.plan.owner.get(&param.id) != Some(&self.plan.rank) {
-            return;
+        if self.plan.owner.get(&param.id) == Some(&self.plan.rank) {
+            let values = local::param_values(self.rep, param.id, param.val());
+            self.values.extend_from_slice(&values);
         }
-        let inner = param.val().inner().into_primitive().tensor();
-        let data = local::read::<B::InnerBackend>(inner).unwrap_or_else(|e| {
-            self.rep.fail(SyncError::Read {
-                what: format!("parameter {}", param.id),
-                reason: e.to_string(),
-            })
-        });
-        let data = data.convert::<f32>();
-        self.values.extend_from_slice(
-            data.as_slice::<f32>()
-                .expect("a tensor converted to f32 holds f32"),
-        );
     }
 }
 
@@ -441,29 +429,14 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Theirs<'_> {
             })
         };
         let (id, tensor, mapper) = param.consume();
-        let inner = tensor.clone().inner().into_primitive().tensor();
-        let shape = local::shape::<B::InnerBackend>(&inner);
-        let numel = shape.num_elements();
+        let numel = local::param_len(&tensor);
         let from = self.at[owner];
         self.at[owner] += numel;
         if owner == self.plan.rank {
             return Param::from_mapped_value(id, tensor, mapper);
         }
-        let dtype: DType = tensor.dtype();
-        let data =
-            TensorData::new(self.all[from..from + numel].to_vec(), shape).convert_dtype(dtype);
-        let device = tensor.device();
-        let require_grad = tensor.is_require_grad();
-        let distributed = tensor.is_distributed();
-        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
-        let mut fresh: Tensor<B, D> =
-            Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed)));
-        if require_grad {
-            fresh = fresh.require_grad();
-        }
-        if distributed {
-            fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
-        }
+        let mark = tensor.is_distributed();
+        let fresh = local::with_values(tensor, &self.all[from..from + numel], id, mark);
         Param::from_mapped_value(id, fresh, mapper)
     }
 }

@@ -78,22 +78,8 @@ pub(crate) struct GptArgs {
     /// replicas' deltas)
     #[arg(long, visible_alias = "bf16")]
     bf16_comm: bool,
-    /// How the data-parallel replicas stay together: allreduce (every step's gradients
-    /// averaged in backward), local-sgd (each replica steps on its own gradients and the
-    /// replicas average their parameters every --sync-every steps) or diloco (the same, the
-    /// mean change applied by an outer Nesterov SGD) [default: allreduce]
-    #[arg(long, value_name = "NAME")]
-    strategy: Option<String>,
-    /// Steps between the replicas' meetings under local-sgd or diloco; they also meet at each
-    /// evaluation [default: 50]
-    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
-    sync_every: Option<u32>,
-    /// diloco's outer learning rate [default: 0.7]
-    #[arg(long, value_parser = positive)]
-    outer_lr: Option<f64>,
-    /// diloco's outer Nesterov momentum, at least 0 and below 1 [default: 0.9]
-    #[arg(long)]
-    outer_momentum: Option<f64>,
+    #[command(flatten)]
+    strategy: super::StrategyArgs,
     /// Seed of the weights, of the batches and of the samples [default: 42]
     #[arg(long)]
     seed: Option<u64>,
@@ -172,12 +158,7 @@ impl GptArgs {
             lr: self.lr,
             warmup: n(self.warmup),
             bf16: self.bf16_comm,
-            strategy: bonfire_jobs::strategy::StrategyRequest {
-                kind: self.strategy.as_deref().map(str::parse).transpose()?,
-                every: n(self.sync_every),
-                outer_lr: self.outer_lr,
-                outer_momentum: self.outer_momentum,
-            },
+            strategy: self.strategy.request()?,
             seed: self.seed,
             temperature: self.temperature,
             top_k: n(self.top_k),
@@ -231,6 +212,7 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--top-k", c.top_k.to_string());
     flag("--sample-chars", c.sample_chars.to_string());
     super::run_flags(&mut v, s);
+    super::strategy_flags(&mut v, &c.strategy);
     if c.bf16 {
         v.push("--bf16-comm".into());
     }

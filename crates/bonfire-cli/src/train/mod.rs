@@ -10,6 +10,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use bonfire_jobs::strategy::{Strategy, StrategyRequest};
 use bonfire_jobs::vision::{Vision, VisionConfig, VisionRequest};
 use bonfire_jobs::{RunOptions, Runner, Settings, under_launcher};
 
@@ -63,9 +64,12 @@ pub(crate) struct VisionArgs {
     /// Factor applied to the learning rate after each epoch [default: 0.4]
     #[arg(long, value_parser = positive)]
     lr_decay: Option<f64>,
-    /// Send gradients as bf16, with error feedback
+    /// Send gradients as bf16, with error feedback (under --strategy local-sgd or diloco, the
+    /// replicas' deltas)
     #[arg(long)]
     bf16: bool,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Channels of the ResNet's first stage [default: 8]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     width: Option<u32>,
@@ -118,6 +122,64 @@ pub(crate) struct VisionArgs {
     resolved: bool,
 }
 
+/// How a job's data-parallel replicas stay together (`--strategy` and its settings).
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct StrategyArgs {
+    /// How the data-parallel replicas stay together: allreduce (every step's gradients
+    /// averaged in backward), local-sgd (each replica steps on its own gradients and the
+    /// replicas average their parameters every --sync-every steps) or diloco (the same, the
+    /// mean change applied by an outer Nesterov SGD) [default: allreduce]
+    #[arg(long, value_name = "NAME")]
+    strategy: Option<String>,
+    /// Steps between the replicas' meetings under local-sgd or diloco; they also meet at each
+    /// evaluation (epoch end for vision) [default: 50]
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    sync_every: Option<u32>,
+    /// diloco's outer learning rate [default: 0.7]
+    #[arg(long, value_parser = positive)]
+    outer_lr: Option<f64>,
+    /// diloco's outer Nesterov momentum, at least 0 and below 1 [default: 0.9]
+    #[arg(long)]
+    outer_momentum: Option<f64>,
+}
+
+impl StrategyArgs {
+    /// The job's request of a strategy.
+    pub(crate) fn request(&self) -> Result<StrategyRequest, CliError> {
+        Ok(StrategyRequest {
+            kind: self.strategy.as_deref().map(str::parse).transpose()?,
+            every: self.sync_every.map(|n| n as usize),
+            outer_lr: self.outer_lr,
+            outer_momentum: self.outer_momentum,
+        })
+    }
+}
+
+/// The flags that give a rank the settled strategy.
+pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
+    let mut flag = |k: &str, val: String| {
+        v.push(k.into());
+        v.push(val.into());
+    };
+    match *strategy {
+        Strategy::AllReduce => {}
+        Strategy::LocalSgd { every } => {
+            flag("--strategy", "local-sgd".into());
+            flag("--sync-every", every.to_string());
+        }
+        Strategy::Diloco {
+            every,
+            outer_lr,
+            outer_momentum,
+        } => {
+            flag("--strategy", "diloco".into());
+            flag("--sync-every", every.to_string());
+            flag("--outer-lr", outer_lr.to_string());
+            flag("--outer-momentum", outer_momentum.to_string());
+        }
+    }
+}
+
 pub(crate) fn positive(s: &str) -> Result<f64, ArgError> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
@@ -135,6 +197,7 @@ impl VisionArgs {
             lr: self.lr,
             lr_decay: self.lr_decay,
             bf16: self.bf16,
+            strategy: self.strategy.request()?,
             width: self.width.map(|w| w as usize),
             seed: self.seed,
             train_limit: self.train_limit.map(|n| n as usize),
@@ -210,6 +273,7 @@ fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
         flag("--test-limit", n.to_string());
     }
     run_flags(&mut v, s);
+    strategy_flags(&mut v, &c.strategy);
     if c.bf16 {
         v.push("--bf16".into());
     }

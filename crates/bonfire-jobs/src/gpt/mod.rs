@@ -205,8 +205,8 @@ pub struct GptRunConfig {
     pub seed: u64,
     /// Gradients travel as bf16.
     pub bf16: bool,
-    /// How the replicas stay together.
-    #[serde(default)]
+    /// How the replicas stay together (left out of `state.json` for all-reduce, as before).
+    #[serde(default, skip_serializing_if = "Strategy::is_all_reduce")]
     pub strategy: Strategy,
     /// Sampling temperature of the evaluations' samples.
     pub temperature: f64,

@@ -130,7 +130,11 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
     ));
     lines.extend(report.split.line());
     if let Some((strategy, outer)) = &report.outer {
-        lines.push(outer_line(strategy, outer, state.config.dp()));
+        lines.push(crate::strategy::report_line(
+            strategy,
+            outer,
+            state.config.dp(),
+        ));
     }
     lines.extend(report.memory.as_ref().map(crate::report::ModelMemory::line));
     if let Some(tp) = &report.tp_stats {
@@ -217,23 +221,5 @@ pub(super) fn write_plot(dir: &Path, state: &GptState, log_loss: bool) -> std::i
                 dots: true,
             },
         ],
-    )
-}
-
-/// A local strategy's line: its meetings, and what they sent per rank.
-fn outer_line(
-    strategy: &crate::strategy::Strategy,
-    st: &bonfire::OuterStats,
-    replicas: usize,
-) -> String {
-    let mib = st.bytes as f64 / (1 << 20) as f64;
-    format!(
-        "strategy {} over {replicas} replica(s): {} steps, {} meetings, {mib:.2} MiB all-reduced \
-         per rank this run ({:.1} KiB per step), {:.2} s in meetings",
-        strategy.describe(),
-        st.steps,
-        st.meetings,
-        st.bytes as f64 / 1024.0 / st.steps.max(1) as f64,
-        st.time.as_secs_f64()
     )
 }

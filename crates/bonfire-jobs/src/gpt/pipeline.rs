@@ -38,6 +38,7 @@ use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::optim::{JobOptimizer, OptimRecord};
 use crate::rank::RankContext;
+use crate::rank::gather_bytes;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, StepSplit};
 
@@ -303,31 +304,6 @@ pub fn stage_output<A: AutodiffBackend>(
     } else {
         StageOutput::Activation(out)
     }
-}
-
-/// Every rank's bytes of `group` (`mine` on this one), in the group's rank order, on every
-/// rank of it.
-pub(crate) fn gather_bytes(
-    group: &Communicator,
-    mine: Vec<u8>,
-    during: &'static str,
-) -> Result<Vec<Vec<u8>>, JobError> {
-    let lens = group
-        .all_gather(vec![mine.len() as i64])
-        .wait()
-        .map_err(JobError::collective(during))?;
-    let counts: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
-    let all = group
-        .all_gather_uneven(mine, &counts)
-        .wait()
-        .map_err(JobError::collective(during))?;
-    let mut parts = Vec::with_capacity(counts.len());
-    let mut at = 0;
-    for n in counts {
-        parts.push(all[at..at + n].to_vec());
-        at += n;
-    }
-    Ok(parts)
 }
 
 /// The whole model on every rank of the pipeline: each stage's record gathered, put together

@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, GradDType, Hybrid, InOrder, OuterState};
+use bonfire::{DataParallel, GradDType, Hybrid, InOrder};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
@@ -22,7 +22,6 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
-use super::pipeline::gather_bytes;
 use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
@@ -32,7 +31,7 @@ use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
-use crate::strategy::{LocalOptimizers, ReplicaState};
+use crate::strategy::{optimizer_file, optimizer_part};
 
 pub(super) type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
@@ -185,44 +184,25 @@ fn resume<A: AutodiffBackend>(
         move |why| JobError::DamagedRecord { dir, what, why }
     };
     let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
-    let optim = if ctx.settings().config.strategy.is_local() {
-        // Every replica's own inner state, and the outer state they share.
-        let file = LocalOptimizers::decode(&loaded.optimizer).map_err(bad("optimizer states"))?;
-        let replicas = ctx.settings().config.dp();
-        let replica = ctx.world().dp_group().rank();
-        if file.replicas.len() != replicas {
-            return Err(bad("optimizer states")(format!(
-                "it holds {} replicas' optimizer states where the run has {replicas}",
-                file.replicas.len()
-            )));
-        }
-        let Some(mine) = file.replicas.into_iter().nth(replica) else {
-            return Err(bad("optimizer states")(format!(
-                "it has no optimizer state for replica {replica}"
-            )));
-        };
-        optim
-            .load_whole_record(
-                checkpoint::decode::<A, InOrder<_>>(&mine.optimizer, device)
-                    .map_err(bad("optimizer state"))?
-                    .0
-                    .into_iter()
-                    .collect(),
-                &model,
-            )
-            .load_outer_state(OuterState {
-                residual: mine.residual,
-                ..file.outer
-            })
-    } else {
-        optim.load_whole_record(
-            checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
-                .map_err(bad("optimizer state"))?
-                .0
-                .into_iter()
-                .collect(),
-            &model,
-        )
+    // Under a local strategy, this replica's own inner state and the outer state.
+    let (bytes, outer) = optimizer_part(
+        &loaded.optimizer,
+        ctx.settings().config.strategy.is_local(),
+        ctx.world().dp_group().rank(),
+        ctx.settings().config.dp(),
+        &loaded.dir,
+    )?;
+    let optim = optim.load_whole_record(
+        checkpoint::decode::<A, InOrder<_>>(&bytes, device)
+            .map_err(bad("optimizer state"))?
+            .0
+            .into_iter()
+            .collect(),
+        &model,
+    );
+    let optim = match outer {
+        Some(outer) => optim.load_outer_state(outer),
+        None => optim,
     };
     take_history(ctx, state, loaded);
     Ok((model, optim))
@@ -565,29 +545,9 @@ fn record_round<A: AutodiffBackend>(
     let optim_bytes = recorder
         .record(InOrder::new(optim.whole_record(device), model), ())
         .map_err(encode("optimizer state"))?;
-    let optim_bytes = match optim.as_local() {
-        // Each replica's inner state and rounding error are its own: every one goes into the
-        // checkpoint.
-        Some(local) => {
-            let outer = local.outer_state().clone();
-            let mine = ReplicaState {
-                optimizer: optim_bytes,
-                residual: outer.residual.clone(),
-            }
-            .encode()?;
-            let during = "gathering the replicas' optimizer states";
-            let replicas = gather_bytes(ctx.world().dp_group(), mine, during)?
-                .iter()
-                .map(|b| ReplicaState::decode(b))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|why| JobError::EncodeRecord {
-                    what: "optimizer states",
-                    source: burn::record::RecorderError::Unknown(why),
-                })?;
-            LocalOptimizers { outer, replicas }.encode()?
-        }
-        None => optim_bytes,
-    };
+    // A local strategy's replicas each add their own inner state and rounding error.
+    let outer = optim.as_local().map(|o| o.outer_state());
+    let optim_bytes = optimizer_file(ctx.world().dp_group(), outer, optim_bytes)?;
     write_round(ctx, state, model_bytes, optim_bytes)
 }
 

@@ -38,6 +38,7 @@ use crate::job::{Job, JobConfig, JobState};
 use crate::rank::RankContext;
 use crate::report::{Reporter, Say, Throughput};
 use crate::stragglers::RankTimes;
+use crate::strategy::{Strategy, StrategyKind, StrategyRequest};
 use crate::{Clash, Finished, JobError, RunOptions, Runner};
 
 /// The vision job, for [`Runner`].
@@ -116,8 +117,10 @@ pub struct VisionRequest {
     pub lr: Option<f64>,
     /// Factor applied to the learning rate after each epoch (default: 0.4).
     pub lr_decay: Option<f64>,
-    /// Send gradients as bf16, with error feedback.
+    /// Send gradients as bf16, with error feedback (under a local strategy, the deltas).
     pub bf16: bool,
+    /// How the replicas stay together (default: every step's gradients all-reduced).
+    pub strategy: StrategyRequest,
     /// Channels of the ResNet's first stage (default: 8).
     pub width: Option<usize>,
     /// Seed of the initial weights and of the shuffles (default: 42).
@@ -148,6 +151,9 @@ pub struct VisionConfig {
     pub seed: u64,
     /// Gradients travel as bf16.
     pub bf16: bool,
+    /// How the replicas stay together (left out of `state.json` for all-reduce, as before).
+    #[serde(default, skip_serializing_if = "Strategy::is_all_reduce")]
+    pub strategy: Strategy,
     /// Train on the first N training images only.
     pub train_limit: Option<usize>,
     /// Evaluate on the first N test images only.
@@ -161,6 +167,10 @@ impl JobConfig for VisionConfig {
 
     fn bf16_gradients(&self) -> bool {
         self.bf16
+    }
+
+    fn local_strategy(&self) -> bool {
+        self.strategy.is_local()
     }
 }
 
@@ -209,6 +219,8 @@ pub struct VisionReport {
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
     pub stats: Option<StepStats>,
+    /// A local strategy, and what this rank's meetings sent.
+    pub outer: Option<(Strategy, bonfire::OuterStats)>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -234,6 +246,7 @@ impl Job for Vision {
         positive("--width", r.width)?;
         positive("--train-limit", r.train_limit)?;
         positive("--test-limit", r.test_limit)?;
+        r.strategy.check()?;
         for (flag, v) in [("--lr", r.lr), ("--lr-decay", r.lr_decay)] {
             if let Some(v) = v.filter(|v| !(*v > 0.0 && v.is_finite())) {
                 return Err(JobError::Invalid {
@@ -270,12 +283,31 @@ impl Job for Vision {
             Clash::check("--bf16", r.bf16.then_some(&true), &s.bf16, |on| {
                 if *on { "on" } else { "f32 gradients" }.into()
             }),
+            Clash::check(
+                "--strategy",
+                r.strategy
+                    .given()
+                    .then(|| r.strategy.resolve_over(&s.strategy))
+                    .as_ref(),
+                &s.strategy,
+                Strategy::describe,
+            ),
             Clash::check("--train-limit", train_limit.as_ref(), &s.train_limit, limit),
             Clash::check("--test-limit", test_limit.as_ref(), &s.test_limit, limit),
         ]
         .into_iter()
         .flatten()
         .collect()
+    }
+
+    fn resumed_config(
+        &self,
+        r: &VisionRequest,
+        saved: VisionConfig,
+    ) -> Result<VisionConfig, JobError> {
+        r.strategy
+            .fits(r.strategy.resolve_over(&saved.strategy).kind())?;
+        Ok(saved)
     }
 
     fn prepare(&self, config: &VisionConfig, data_dir: &Path) -> Result<(), JobError> {
@@ -292,6 +324,8 @@ impl Job for Vision {
         data_dir: &Path,
         reporter: &mut dyn Reporter,
     ) -> Result<VisionConfig, JobError> {
+        r.strategy
+            .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         let dataset = match r.dataset {
             None => match VisionSet::Mnist.fetch(data_dir) {
                 Ok(_) => VisionData::Mnist,
@@ -323,6 +357,7 @@ impl Job for Vision {
             width: r.width.unwrap_or(8),
             seed: r.seed.unwrap_or(42),
             bf16: r.bf16,
+            strategy: r.strategy.resolve(),
             train_limit: r.train_limit,
             test_limit: r.test_limit,
         })
@@ -359,6 +394,7 @@ mod tests {
             width: 8,
             seed: 42,
             bf16: false,
+            strategy: Strategy::AllReduce,
             train_limit: Some(768),
             test_limit: None,
         }

@@ -93,6 +93,13 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.ranks,
     ));
     lines.extend(report.split.line());
+    if let Some((strategy, outer)) = &report.outer {
+        lines.push(crate::strategy::report_line(
+            strategy,
+            outer,
+            state.config.ranks,
+        ));
+    }
     lines.push(report.memory.line());
     lines.extend(crate::stragglers::report_line(
         state.history.iter().map(|r| (r.epoch, r.ranks.as_slice())),

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use bonfire::DataParallel;
+use bonfire::{DataParallel, GradDType};
 use bonfire_datasets::{ImageSet, Shard, Split};
 use bonfire_models::{ResNet, ResNetConfig};
 use burn::backend::Autodiff;
@@ -24,6 +24,7 @@ use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::settings::Settings;
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
+use crate::strategy::{optimizer_file, optimizer_part};
 
 use super::VisionConfig;
 
@@ -52,13 +53,24 @@ pub(super) fn run<B: Backend>(
     }
     <A<B> as Backend>::seed(&device, c.seed);
     let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
-    let optim = JobOptimizer::new(
-        AdamConfig::new().init::<A<B>, ResNet<A<B>>>(),
-        s.zero_stage(),
-    );
+    let adam = AdamConfig::new().init::<A<B>, ResNet<A<B>>>();
+    let deltas = if c.bf16 {
+        GradDType::Bf16
+    } else {
+        GradDType::F32
+    };
+    let optim = match c.strategy.wrap(adam, deltas) {
+        Ok(local) => JobOptimizer::local(local),
+        Err(adam) => JobOptimizer::new(adam, s.zero_stage()),
+    };
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
-    let mut model = bonfire::replicate(model);
+    // A local strategy's replicas start from rank 0's parameters and ids, unmarked.
+    let mut model = if c.strategy.is_local() {
+        bonfire::broadcast_parameters(model)
+    } else {
+        bonfire::replicate(model)
+    };
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -77,6 +89,8 @@ pub(super) fn run<B: Backend>(
             split.batches,
             &device,
         )?;
+        // A local strategy's replicas agree on one model before it is tested and saved.
+        model = optim.meet(model);
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times)?;
         throughput.items += trained.seen as usize * size;
@@ -117,6 +131,7 @@ pub(super) fn run<B: Backend>(
         split,
         throughput,
         stats: bonfire::total_stats(),
+        outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -171,10 +186,22 @@ fn resume<B: Backend>(
         move |why| JobError::DamagedRecord { dir, what, why }
     };
     let model = checkpoint::load_model(model, &loaded.model, device, &loaded.dir)?;
+    // Under a local strategy, this replica's own inner state and the outer state.
+    let (bytes, outer) = optimizer_part(
+        &loaded.optimizer,
+        ctx.settings().config.strategy.is_local(),
+        ctx.rank(),
+        ctx.world_size(),
+        &loaded.dir,
+    )?;
     let optim = optim.load_whole_record(
-        checkpoint::decode::<A<B>, _>(&loaded.optimizer, device).map_err(bad("optimizer state"))?,
+        checkpoint::decode::<A<B>, _>(&bytes, device).map_err(bad("optimizer state"))?,
         &model,
     );
+    let optim = match outer {
+        Some(outer) => optim.load_outer_state(outer),
+        None => optim,
+    };
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
     let line = format!(
@@ -333,8 +360,13 @@ fn record_epoch<B: Backend>(
     device: &B::Device,
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
-    let optim = optim.whole_record(device);
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
+    let optim_bytes = recorder
+        .record(optim.whole_record(device), ())
+        .map_err(encode("optimizer state"))?;
+    // A local strategy's replicas each add their own inner state and rounding error.
+    let outer = optim.as_local().map(|o| o.outer_state());
+    let optim_bytes = optimizer_file(ctx.world().dp_group(), outer, optim_bytes)?;
     let saved = ctx.save_checkpoint(
         state,
         || {
@@ -342,11 +374,7 @@ fn record_epoch<B: Backend>(
                 .record(model.clone().into_record(), ())
                 .map_err(encode("model"))
         },
-        || {
-            recorder
-                .record(optim, ())
-                .map_err(encode("optimizer state"))
-        },
+        || Ok(optim_bytes),
     )?;
     let Some(dir) = saved else {
         return Ok(());

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The bundled jobs' data-parallel strategies side by side: `--strategy allreduce`, `local-sgd`
+# and `diloco` (meeting every H steps), 2 ranks on this host, the same steps, batches and seed.
+# Prints, per strategy, the quality at each evaluation (GPT: validation loss in nats/char;
+# vision: test accuracy in %), the first evaluation at which it reached TARGET (or "-"), the
+# wall time, and what each rank all-reduced (the job's report: gradient buckets for allreduce,
+# the meetings' deltas for the others).
+#
+#   bash benches/strategies.sh                  # GPT, embedded plays, 400 steps, H=50
+#   STEPS=1200 EVAL_EVERY=200 bash benches/strategies.sh
+#   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
+#   BIN=/path/to/other/bonfire bash benches/strategies.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target="${CARGO_TARGET_DIR:-target}"
+bin="${BIN:-$target/release/bonfire}"
+job="${JOB:-gpt}"
+h="${H:-50}"
+if [ ! -x "$bin" ]; then
+    echo "no bonfire binary at $bin: build it with cargo build --release -p bonfire-cli" >&2
+    exit 2
+fi
+case "$job" in
+gpt)
+    steps="${STEPS:-400}"
+    every="${EVAL_EVERY:-100}"
+    goal="${TARGET:-2.35}"
+    args=(train gpt --dataset embedded --steps "$steps" --eval-every "$every")
+    # "at step S/N: ... validation loss L nats/char" -> S:L; reached when L <= goal.
+    quality='s/.*at step \([0-9]*\)\/.*validation loss \([0-9.]*\) nats.*/\1:\2/p'
+    reached='$2 != "" && $2 <= g'
+    ;;
+vision)
+    epochs="${EPOCHS:-3}"
+    goal="${TARGET:-98}"
+    args=(train vision --epochs "$epochs")
+    # "epoch E/N: ... test accuracy A% ..." -> E:A; reached when A >= goal.
+    quality='s/^epoch \([0-9]*\)\/.*test accuracy \([0-9.]*\)%.*/\1:\2/p'
+    reached='$2 != "" && $2 >= g'
+    ;;
+*)
+    echo "strategies.sh: JOB=$job is not gpt or vision" >&2
+    exit 2
+    ;;
+esac
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ) job=$job ${args[*]:2} H=$h target=$goal"
+for s in allreduce local-sgd diloco; do
+    extra=()
+    [ "$s" != allreduce ] && extra=(--strategy "$s" --sync-every "$h")
+    t0=$(date +%s.%N)
+    out="$("$bin" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
+        echo "$out" >&2
+        exit 1
+    }
+    t1=$(date +%s.%N)
+    points="$(echo "$out" | sed -n "$quality" | tr '\n' ' ')"
+    first="$(echo "$points" | tr ' ' '\n' | awk -F: -v g="$goal" "$reached {print \$1; exit}")"
+    sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*' | head -2 | tr '\n' ';')"
+    printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n' \
+        "$s" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" "$goal" "${first:--}" \
+        "$points" "$sent"
+done

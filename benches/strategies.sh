@@ -9,6 +9,7 @@
 #   bash benches/strategies.sh                  # GPT, embedded plays, 400 steps, H=50
 #   STEPS=1200 EVAL_EVERY=200 bash benches/strategies.sh
 #   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
+#   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ gpt)
 vision)
     epochs="${EPOCHS:-3}"
     goal="${TARGET:-98}"
-    args=(train vision --epochs "$epochs")
+    args=(train vision --dataset mnist --epochs "$epochs")
     # "epoch E/N: ... test accuracy A% ..." -> E:A; reached when A >= goal.
     quality='s/^epoch \([0-9]*\)\/.*test accuracy \([0-9.]*\)%.*/\1:\2/p'
     reached='$2 != "" && $2 >= g'
@@ -46,11 +47,19 @@ vision)
 esac
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+if [ "$job" = vision ]; then
+    # Fetched (or found in the cache) before any run is timed.
+    "$bin" train vision --dataset mnist --epochs 1 --train-limit 64 --test-limit 64 \
+        --checkpoint-dir "$work/fetch" >/dev/null
+fi
 
 echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ) job=$job ${args[*]:2} H=$h target=$goal"
-for s in allreduce local-sgd diloco; do
+# shellcheck disable=SC2086 # the list splits on spaces
+for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     extra=()
     [ "$s" != allreduce ] && extra=(--strategy "$s" --sync-every "$h")
+    # shellcheck disable=SC2206 # OUTER's flags split on spaces, as written
+    [ "$s" = diloco ] && extra+=(${OUTER:-})
     t0=$(date +%s.%N)
     out="$("$bin" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
         echo "$out" >&2
@@ -59,8 +68,9 @@ for s in allreduce local-sgd diloco; do
     t1=$(date +%s.%N)
     points="$(echo "$out" | sed -n "$quality" | tr '\n' ' ')"
     first="$(echo "$points" | tr ' ' '\n' | awk -F: -v g="$goal" "$reached {print \$1; exit}")"
-    sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*' | head -2 | tr '\n' ';')"
-    printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n' \
+    sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*|[0-9.]+ s in meetings|[0-9.]+ ms exposed' | tr '\n' ';' || true)"
+    rate="$(echo "$out" | grep -E '^throughput' | grep -oE '[0-9]+ [a-z]+/s after the first [0-9]+ batches' || true)"
+    printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n    steady: %s\n' \
         "$s" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" "$goal" "${first:--}" \
-        "$points" "$sent"
+        "$points" "$sent" "$rate"
 done

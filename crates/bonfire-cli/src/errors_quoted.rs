@@ -328,6 +328,18 @@ fn sync_examples() -> Vec<SyncError> {
                 .into(),
             source: None,
         },
+        SyncError::Outer {
+            what: "ranks [1] hold models or outer state of other sizes than rank 0's model at \
+                   meeting 1 (model elements per rank: [8, 6])"
+                .into(),
+            source: None,
+        },
+        SyncError::Outer {
+            what: "the model has 8 elements where this rank holds outer momentum: 6 (a record of \
+                   another model, or a model that changed)"
+                .into(),
+            source: None,
+        },
         SyncError::Broadcast {
             param: "fc.weight".into(),
             what: "its values, shape [4, 3]".into(),

@@ -11,11 +11,16 @@
 use std::path::Path;
 
 use bonfire::collectives::Communicator;
-use bonfire::{GradDType, Outer, OuterState};
+use bonfire::{GradDType, Outer, OuterState, ZeroStage};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::SimpleOptimizer;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
-use crate::JobError;
+use crate::optim::JobOptimizer;
 use crate::rank::gather_bytes;
+use crate::{Clash, JobError};
 
 /// The strategy a run trains with (`state.json`'s `config.strategy`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -100,7 +105,10 @@ impl StrategyRequest {
                 why: "must be a positive number",
             });
         }
-        if let Some(v) = self.outer_momentum.filter(|v| !(*v >= 0.0 && *v < 1.0)) {
+        if let Some(v) = self
+            .outer_momentum
+            .filter(|v| !(*v >= 0.0 && (*v as f32) < 1.0))
+        {
             return Err(JobError::Invalid {
                 flag: "--outer-momentum",
                 given: v.to_string(),
@@ -182,6 +190,16 @@ impl StrategyRequest {
         .resolve()
     }
 
+    /// What a resumed run's request changes of the checkpoint's strategy `saved`, if anything.
+    pub(crate) fn clash(&self, saved: &Strategy) -> Option<Clash> {
+        Clash::check(
+            "--strategy",
+            self.given().then(|| self.resolve_over(saved)).as_ref(),
+            saved,
+            Strategy::describe,
+        )
+    }
+
     /// Whether anything was asked (a resumed run must then ask for what it saved).
     pub fn given(&self) -> bool {
         *self != StrategyRequest::default()
@@ -214,6 +232,41 @@ impl Strategy {
     /// Whether every step's gradients are all-reduced (the default).
     pub fn is_all_reduce(&self) -> bool {
         matches!(self, Strategy::AllReduce)
+    }
+
+    /// `model` as a rank starts training it: a replica of rank 0's, marked for averaging every
+    /// step's gradients (`replicate`), or under a local strategy rank 0's values and ids,
+    /// unmarked (`broadcast_parameters`).
+    pub(crate) fn start<B: AutodiffBackend, M: Module<B>>(&self, model: M) -> M {
+        if self.is_local() {
+            bonfire::broadcast_parameters(model)
+        } else {
+            bonfire::replicate(model)
+        }
+    }
+
+    /// A job's optimizer `optim` for this strategy: wrapped for a local one (deltas in bf16
+    /// when `bf16`), otherwise whole or sharded at `zero`.
+    pub(crate) fn optimizer<O, M, B>(
+        &self,
+        optim: OptimizerAdaptor<O, M, B>,
+        bf16: bool,
+        zero: Option<ZeroStage>,
+    ) -> JobOptimizer<O, M, B>
+    where
+        O: SimpleOptimizer<B::InnerBackend>,
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let deltas = if bf16 {
+            GradDType::Bf16
+        } else {
+            GradDType::F32
+        };
+        match self.wrap(optim, deltas) {
+            Ok(local) => JobOptimizer::local(local),
+            Err(optim) => JobOptimizer::new(optim, zero),
+        }
     }
 
     /// `optim` wrapped for this strategy, deltas in `dtype`; all-reduce hands it back.
@@ -282,12 +335,7 @@ pub(crate) struct ReplicaState {
 
 impl LocalOptimizers {
     pub(crate) fn encode(&self) -> Result<Vec<u8>, JobError> {
-        bincode::serde::encode_to_vec(self, bincode::config::standard()).map_err(|e| {
-            JobError::EncodeRecord {
-                what: "optimizer states",
-                source: burn::record::RecorderError::Unknown(e.to_string()),
-            }
-        })
+        encode(self, "optimizer states")
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<LocalOptimizers, String> {
@@ -297,17 +345,22 @@ impl LocalOptimizers {
 
 impl ReplicaState {
     pub(crate) fn encode(&self) -> Result<Vec<u8>, JobError> {
-        bincode::serde::encode_to_vec(self, bincode::config::standard()).map_err(|e| {
-            JobError::EncodeRecord {
-                what: "optimizer state",
-                source: burn::record::RecorderError::Unknown(e.to_string()),
-            }
-        })
+        encode(self, "optimizer state")
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<ReplicaState, String> {
         decode(bytes)
     }
+}
+
+/// `value`'s bytes; `what` it is, in an error.
+fn encode<T: Serialize>(value: &T, what: &'static str) -> Result<Vec<u8>, JobError> {
+    bincode::serde::encode_to_vec(value, bincode::config::standard()).map_err(|e| {
+        JobError::EncodeRecord {
+            what,
+            source: burn::record::RecorderError::Unknown(e.to_string()),
+        }
+    })
 }
 
 /// `T` from `bytes`, allocating at most 16 GiB whatever a damaged length says.
@@ -320,8 +373,8 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 
 /// What a job writes as its optimizer file: under a local strategy, this replica's encoded
 /// inner record `mine` and rounding error gathered with every other replica's over `replicas`
-/// (a collective: every rank calls it) into one [`LocalOptimizers`] with the outer `state`;
-/// otherwise `mine` as it is.
+/// (a collective: every rank calls it) into one [`LocalOptimizers`] with the outer `state`, on
+/// the group's rank 0 (the others get nothing to write); otherwise `mine` as it is.
 pub(crate) fn optimizer_file(
     replicas: &Communicator,
     state: Option<&OuterState>,
@@ -336,7 +389,13 @@ pub(crate) fn optimizer_file(
     }
     .encode()?;
     let during = "gathering the replicas' optimizer states";
-    let replicas = gather_bytes(replicas, own, during)?
+    let first = replicas.rank() == 0;
+    let all = gather_bytes(replicas, own, during)?;
+    if !first {
+        // Only the first replica's process writes the checkpoint.
+        return Ok(Vec::new());
+    }
+    let replicas = all
         .iter()
         .map(|b| ReplicaState::decode(b))
         .collect::<Result<Vec<_>, _>>()
@@ -344,11 +403,12 @@ pub(crate) fn optimizer_file(
             what: "optimizer states",
             source: burn::record::RecorderError::Unknown(why),
         })?;
-    LocalOptimizers {
-        outer: outer.clone(),
-        replicas,
-    }
-    .encode()
+    // Each replica's rounding error is in its own part.
+    let outer = OuterState {
+        residual: None,
+        ..outer.clone()
+    };
+    LocalOptimizers { outer, replicas }.encode()
 }
 
 /// The part of optimizer file `file` (of checkpoint `dir`) that replica `replica` of `replicas`

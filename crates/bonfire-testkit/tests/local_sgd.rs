@@ -299,12 +299,17 @@ fn a_record_saved_between_meetings_resumes_bit_for_bit() {
     });
 }
 
-#[test]
-fn replicas_that_start_apart_are_named() {
+/// Two ranks, rank `r` starting from the model seeded with `seed(r)`, each taking one step of
+/// the optimizer `make(r)` gives: every rank must fail with a message containing `needle`.
+fn both_fail<O, F>(seed: fn(u64) -> u64, make: F, needle: &'static str)
+where
+    O: Optimizer<Net2, DpFlex>,
+    F: Fn(usize) -> O + Send + Sync + 'static,
+{
     let device = Device::default();
     let models = RankModels::new(
         (0..2u64)
-            .map(|r| seeded::<DpFlex, _>(7 + r, &device, SmallCnn::new))
+            .map(|r| seeded::<DpFlex, _>(seed(r), &device, SmallCnn::new))
             .collect(),
     );
     let b = batches(25, 1, 8);
@@ -313,7 +318,7 @@ fn replicas_that_start_apart_are_named() {
         let r = comm.rank();
         let model = models.take(r);
         let _bind = bind_rank(comm);
-        let mut optim = bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 4);
+        let mut optim = make(r);
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             step(model, &mut optim, &b[0], r, 2);
         }))
@@ -324,11 +329,17 @@ fn replicas_that_start_apart_are_named() {
         let e = e
             .as_deref()
             .unwrap_or_else(|| panic!("rank {r} did not fail"));
-        assert!(
-            e.contains("ranks [1] start from other parameters than rank 0"),
-            "rank {r}: {e}"
-        );
+        assert!(e.contains(needle), "rank {r}: {e}");
     }
+}
+
+#[test]
+fn replicas_that_start_apart_are_named() {
+    both_fail(
+        |r| 7 + r,
+        |_| bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 4),
+        "ranks [1] start from other parameters than rank 0",
+    );
 }
 
 /// The wrapper keeps the parameters free of `replicate`'s averaging marks: after it, backward
@@ -418,4 +429,24 @@ fn broadcast_parameters_copies_rank_0_and_marks_nothing() {
         "no parameter is marked for averaging"
     );
     assert!(out[0].3 != out[1].3, "each rank keeps its own gradients");
+}
+
+/// A rank that loaded outer state of another model's size fails every rank at the first
+/// meeting, naming it, instead of leaving the others in the all-reduce until the timeout.
+#[test]
+fn outer_state_of_another_size_is_named_on_every_rank() {
+    both_fail(
+        |_| 7,
+        |r| {
+            let optim = bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 1);
+            if r == 0 {
+                return optim;
+            }
+            optim.with_outer_state(bonfire::OuterState {
+                momentum: Some(vec![0.0; 3]),
+                ..bonfire::OuterState::default()
+            })
+        },
+        "ranks [1] hold models or outer state of other sizes than rank 0's model",
+    );
 }

@@ -88,7 +88,12 @@ pub(crate) fn param_values<B: burn::tensor::backend::AutodiffBackend, const D: u
             reason: e.to_string(),
         })
     });
-    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
+    data.convert::<f32>().into_vec::<f32>().unwrap_or_else(|e| {
+        rep.fail(super::error::SyncError::Read {
+            what: format!("parameter {id} as f32"),
+            reason: format!("{e:?}"),
+        })
+    })
 }
 
 /// Elements of this rank's part of `t`.

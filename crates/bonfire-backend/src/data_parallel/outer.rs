@@ -35,7 +35,7 @@ pub enum Outer {
     /// DiLoCo's outer optimizer: SGD with Nesterov momentum over the mean delta, as PyTorch's
     /// `SGD(lr, momentum, nesterov=True)` steps (`m = momentum * m + delta`,
     /// `anchor -= lr * (delta + momentum * m)`). With `lr` 1 and `momentum` 0 it is
-    /// [`Outer::Average`], bit for bit.
+    /// [`Outer::Average`], bit for bit, over two or more replicas.
     Nesterov {
         /// The outer learning rate (DiLoCo: 0.7).
         lr: f32,
@@ -242,20 +242,36 @@ impl<O> LocalSgd<O> {
             return module;
         };
         let ranks = rep.comm.size();
-        if ranks > 1 {
-            check_same_size(&rep, params.len(), self.state.meetings + 1);
-        }
         let anchor = self
             .state
             .anchor
             .take()
             .expect("an anchor is taken before each step");
-        if anchor.len() != params.len() {
+        let n = params.len();
+        // What this rank holds must all have the model's size: checked on every rank together
+        // at this process's first meeting (a fresh start or a resume), so that a rank that
+        // holds something else fails every rank instead of leaving them in the all-reduce.
+        let held = [
+            ("parameters at the last meeting", Some(anchor.len())),
+            ("outer momentum", self.state.momentum.as_ref().map(Vec::len)),
+            (
+                "bf16 rounding error",
+                self.state.residual.as_ref().map(Vec::len),
+            ),
+        ];
+        let wrong: Vec<String> = held
+            .iter()
+            .filter_map(|(what, len)| len.filter(|&l| l != n).map(|l| format!("{what}: {l}")))
+            .collect();
+        if self.stats.meetings == 0 && ranks > 1 {
+            agree_on_sizes(&rep, n, &wrong, self.state.meetings + 1);
+        }
+        if !wrong.is_empty() {
             rep.fail(SyncError::Outer {
                 what: format!(
-                    "the model has {} elements where it had {} at the last meeting",
-                    params.len(),
-                    anchor.len()
+                    "the model has {n} elements where this rank holds {} (a record of another \
+                     model, or a model that changed)",
+                    wrong.join(", ")
                 ),
                 source: None,
             });
@@ -265,11 +281,11 @@ impl<O> LocalSgd<O> {
             self.stats.meetings += 1;
             self.state.meetings += 1;
             self.state.since = 0;
+            self.stats.time += t0.elapsed();
             return module;
         }
         let scale = 1.0 / ranks as f32;
         let delta: Vec<f32> = anchor.iter().zip(&params).map(|(a, p)| a - p).collect();
-        let n = delta.len();
         let what = |dtype: &str| {
             format!(
                 "all-reduce of the parameter deltas at meeting {} ({n} elements in {dtype}, after \
@@ -278,49 +294,18 @@ impl<O> LocalSgd<O> {
                 self.state.since
             )
         };
-        for (what, held) in [
-            ("momentum", &self.state.momentum),
-            ("bf16 rounding error", &self.state.residual),
-        ] {
-            if let Some(held) = held.as_ref().filter(|h| h.len() != n) {
-                rep.fail(SyncError::Outer {
-                    what: format!(
-                        "the outer state's {what} has {} elements where the model has {n} (a \
-                         record of another model?)",
-                        held.len()
-                    ),
-                    source: None,
-                });
-            }
-        }
         let dtype = self.dtype;
         let mean: Vec<f32> = match (dtype, ranks) {
             (_, 1) => delta,
             (GradDType::F32, _) => {
                 let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
-                rep.comm
-                    .all_reduce(scaled, ReduceOp::Sum)
-                    .wait()
-                    .unwrap_or_else(|source| {
-                        rep.fail(SyncError::Outer {
-                            what: what("f32"),
-                            source: Some(source),
-                        })
-                    })
+                summed(&rep, scaled, || what("f32"))
             }
             (GradDType::Bf16, _) => {
                 let residual = self.state.residual.get_or_insert_with(|| vec![0.0; n]);
                 let packed: Vec<bf16> =
                     pack_with_feedback_reference::<f32, bf16>(&[&delta], residual, scale);
-                rep.comm
-                    .all_reduce(packed, ReduceOp::Sum)
-                    .wait()
-                    .unwrap_or_else(|source| {
-                        rep.fail(SyncError::Outer {
-                            what: what("bf16"),
-                            source: Some(source),
-                        })
-                    })
+                summed(&rep, packed, || what("bf16"))
                     .into_iter()
                     .map(f32::from)
                     .collect()
@@ -420,8 +405,10 @@ impl<B: burn::tensor::backend::Backend, R: Record<B>> Record<B> for LocalSgdReco
     }
 }
 
-/// The module's float parameters as f32 in module order (this rank's parts of them), and the
-/// rank's replica (`None` for a module without parameters).
+/// The module's trained float parameters (those that require gradients: not batch-norm
+/// statistics, whose running updates each replica keeps, nor frozen ones) as f32 in module
+/// order (this rank's parts of them), and the rank's replica (`None` for a module without
+/// any).
 fn read<M, B>(module: &M) -> (Option<std::sync::Arc<Replica>>, Vec<f32>)
 where
     M: AutodiffModule<B>,
@@ -445,6 +432,10 @@ struct Read<B> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
+        if !t.is_require_grad() {
+            // Batch-norm statistics and frozen parameters: no optimizer moves them.
+            return;
+        }
         let rep = self
             .rep
             .get_or_insert_with(|| context::for_device(&t.device()))
@@ -454,7 +445,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Read<B> {
     }
 }
 
-/// Writes `values` (module order) into the module's float parameters, unmarked.
+/// Writes `values` (module order) into the module's trained float parameters, unmarked.
 struct Write<'a> {
     values: &'a [f32],
     at: usize,
@@ -463,6 +454,9 @@ struct Write<'a> {
 impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
+        if !tensor.is_require_grad() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
         let n = local::param_len(&tensor);
         let fresh = local::with_values(tensor, &self.values[self.at..self.at + n], id, false);
         self.at += n;
@@ -489,12 +483,29 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
     }
 }
 
-/// Fails on every rank, naming the ranks and every rank's size, when the replicas' parameters
-/// are not all of rank 0's size at meeting `meeting`.
-fn check_same_size(rep: &Replica, elements: usize, meeting: u64) {
+/// The sum of every rank's `values` (a failed all-reduce fails the rank, saying `what` it was).
+fn summed<T: bonfire_collectives::Element>(
+    rep: &Replica,
+    values: Vec<T>,
+    what: impl FnOnce() -> String,
+) -> Vec<T> {
+    rep.comm
+        .all_reduce(values, ReduceOp::Sum)
+        .wait()
+        .unwrap_or_else(|source| {
+            rep.fail(SyncError::Outer {
+                what: what(),
+                source: Some(source),
+            })
+        })
+}
+
+/// Fails on every rank, naming the ranks, when some rank's model is not rank 0's size or holds
+/// outer state of another size (`wrong`, this rank's) at meeting `meeting`.
+fn agree_on_sizes(rep: &Replica, elements: usize, wrong: &[String], meeting: u64) {
     let all = rep
         .comm
-        .all_gather(vec![elements as i64])
+        .all_gather(vec![elements as i64, wrong.len() as i64])
         .wait()
         .unwrap_or_else(|source| {
             rep.fail(SyncError::Outer {
@@ -505,12 +516,15 @@ fn check_same_size(rep: &Replica, elements: usize, meeting: u64) {
                 source: Some(source),
             })
         });
-    let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r] != all[0]).collect();
+    let sizes: Vec<i64> = all.iter().step_by(2).copied().collect();
+    let ranks: Vec<usize> = (0..sizes.len())
+        .filter(|&r| sizes[r] != sizes[0] || all[2 * r + 1] != 0)
+        .collect();
     if !ranks.is_empty() {
         rep.fail(SyncError::Outer {
             what: format!(
-                "ranks {ranks:?} hold models of other sizes than rank 0 at meeting {meeting} \
-                 (elements per rank: {all:?})"
+                "ranks {ranks:?} hold models or outer state of other sizes than rank 0's model at \
+                 meeting {meeting} (model elements per rank: {sizes:?})"
             ),
             source: None,
         });

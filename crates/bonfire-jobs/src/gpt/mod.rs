@@ -509,15 +509,7 @@ impl Job for GptJob {
             Clash::check("--bf16-comm", r.bf16.then_some(&true), &s.bf16, |on| {
                 if *on { "on" } else { "f32 gradients" }.into()
             }),
-            Clash::check(
-                "--strategy",
-                r.strategy
-                    .given()
-                    .then(|| r.strategy.resolve_over(&s.strategy))
-                    .as_ref(),
-                &s.strategy,
-                Strategy::describe,
-            ),
+            r.strategy.clash(&s.strategy),
             Clash::check(
                 "--temperature",
                 r.temperature.as_ref(),

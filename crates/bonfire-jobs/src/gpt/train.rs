@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, GradDType, Hybrid, InOrder};
+use bonfire::{DataParallel, Hybrid, InOrder};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
@@ -85,26 +85,17 @@ fn run_on<A: AutodiffBackend>(
             &output::start_line(&s, &corpus, params, shard.len(), replicas),
         );
     }
-    let adam = AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>();
-    let deltas = if c.bf16 {
-        GradDType::Bf16
-    } else {
-        GradDType::F32
-    };
-    let optim = match c.strategy.wrap(adam, deltas) {
-        Ok(local) => JobOptimizer::local(local),
-        Err(adam) => JobOptimizer::new(adam, s.zero_stage()),
-    };
+    let optim = c.strategy.optimizer(
+        AdamConfig::new().with_beta_2(0.99).init::<A, Gpt<A>>(),
+        c.bf16,
+        s.zero_stage(),
+    );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     // A local strategy's replicas start from rank 0's parameters, with its parameter ids (the
     // keys of each replica's optimizer state in the checkpoint), and average nothing in
     // backward.
-    let mut model = if c.strategy.is_local() {
-        bonfire::broadcast_parameters(split(model)?)
-    } else {
-        bonfire::replicate(split(model)?)
-    };
+    let mut model = c.strategy.start(split(model)?);
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {

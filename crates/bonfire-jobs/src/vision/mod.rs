@@ -283,15 +283,7 @@ impl Job for Vision {
             Clash::check("--bf16", r.bf16.then_some(&true), &s.bf16, |on| {
                 if *on { "on" } else { "f32 gradients" }.into()
             }),
-            Clash::check(
-                "--strategy",
-                r.strategy
-                    .given()
-                    .then(|| r.strategy.resolve_over(&s.strategy))
-                    .as_ref(),
-                &s.strategy,
-                Strategy::describe,
-            ),
+            r.strategy.clash(&s.strategy),
             Clash::check("--train-limit", train_limit.as_ref(), &s.train_limit, limit),
             Clash::check("--test-limit", test_limit.as_ref(), &s.test_limit, limit),
         ]

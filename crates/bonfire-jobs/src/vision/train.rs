@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, GradDType};
+use bonfire::DataParallel;
 use bonfire_datasets::{ImageSet, Shard, Split};
 use bonfire_models::{ResNet, ResNetConfig};
 use burn::backend::Autodiff;
@@ -53,24 +53,15 @@ pub(super) fn run<B: Backend>(
     }
     <A<B> as Backend>::seed(&device, c.seed);
     let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
-    let adam = AdamConfig::new().init::<A<B>, ResNet<A<B>>>();
-    let deltas = if c.bf16 {
-        GradDType::Bf16
-    } else {
-        GradDType::F32
-    };
-    let optim = match c.strategy.wrap(adam, deltas) {
-        Ok(local) => JobOptimizer::local(local),
-        Err(adam) => JobOptimizer::new(adam, s.zero_stage()),
-    };
+    let optim = c.strategy.optimizer(
+        AdamConfig::new().init::<A<B>, ResNet<A<B>>>(),
+        c.bf16,
+        s.zero_stage(),
+    );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
     // A local strategy's replicas start from rank 0's parameters and ids, unmarked.
-    let mut model = if c.strategy.is_local() {
-        bonfire::broadcast_parameters(model)
-    } else {
-        bonfire::replicate(model)
-    };
+    let mut model = c.strategy.start(model);
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -190,8 +181,8 @@ fn resume<B: Backend>(
     let (bytes, outer) = optimizer_part(
         &loaded.optimizer,
         ctx.settings().config.strategy.is_local(),
-        ctx.rank(),
-        ctx.world_size(),
+        ctx.world().dp_group().rank(),
+        ctx.world().dp_group().size(),
         &loaded.dir,
     )?;
     let optim = optim.load_whole_record(
@@ -361,12 +352,19 @@ fn record_epoch<B: Backend>(
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
-    let optim_bytes = recorder
-        .record(optim.whole_record(device), ())
-        .map_err(encode("optimizer state"))?;
-    // A local strategy's replicas each add their own inner state and rounding error.
-    let outer = optim.as_local().map(|o| o.outer_state());
-    let optim_bytes = optimizer_file(ctx.world().dp_group(), outer, optim_bytes)?;
+    // Gathering a sharded optimizer's state is a collective; encoding it is rank 0's work,
+    // but under a local strategy every replica encodes and sends its own.
+    let whole = optim.whole_record(device);
+    let local = match optim.as_local() {
+        Some(o) => {
+            let mine = recorder
+                .record(whole, ())
+                .map_err(encode("optimizer state"))?;
+            let file = optimizer_file(ctx.world().dp_group(), Some(o.outer_state()), mine)?;
+            Err(file)
+        }
+        None => Ok(whole),
+    };
     let saved = ctx.save_checkpoint(
         state,
         || {
@@ -374,7 +372,12 @@ fn record_epoch<B: Backend>(
                 .record(model.clone().into_record(), ())
                 .map_err(encode("model"))
         },
-        || Ok(optim_bytes),
+        || match local {
+            Ok(whole) => recorder
+                .record(whole, ())
+                .map_err(encode("optimizer state")),
+            Err(file) => Ok(file),
+        },
     )?;
     let Some(dir) = saved else {
         return Ok(());

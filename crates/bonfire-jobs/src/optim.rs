@@ -100,14 +100,15 @@ where
         }
     }
 
-    /// Under a local strategy, takes the outer state of a saved run; otherwise unchanged.
-    pub(crate) fn load_outer_state(self, state: bonfire::OuterState) -> Self {
-        match self.optim {
-            Kind::Local(o) => JobOptimizer {
+    /// Under a local strategy, takes the outer state of a saved run (when it has one);
+    /// otherwise unchanged.
+    pub(crate) fn load_outer_state(self, state: Option<bonfire::OuterState>) -> Self {
+        match (self.optim, state) {
+            (Kind::Local(o), Some(state)) => JobOptimizer {
                 optim: Kind::Local(o.with_outer_state(state)),
                 ..self
             },
-            optim => JobOptimizer { optim, ..self },
+            (optim, _) => JobOptimizer { optim, ..self },
         }
     }
 

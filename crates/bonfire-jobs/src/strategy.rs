@@ -8,6 +8,7 @@
 //! every replica's (all-gathered over the replicas, [`LocalOptimizers`]) with the outer state,
 //! and a resumed run continues bit for bit at the same `--dp`.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use bonfire::collectives::Communicator;
@@ -414,15 +415,15 @@ pub(crate) fn optimizer_file(
 /// The part of optimizer file `file` (of checkpoint `dir`) that replica `replica` of `replicas`
 /// loads: under a local strategy its own inner record and the outer state with its own
 /// rounding error; otherwise the whole file.
-pub(crate) fn optimizer_part(
-    file: &[u8],
+pub(crate) fn optimizer_part<'a>(
+    file: &'a [u8],
     local: bool,
     replica: usize,
     replicas: usize,
     dir: &Path,
-) -> Result<(Vec<u8>, Option<OuterState>), JobError> {
+) -> Result<(Cow<'a, [u8]>, Option<OuterState>), JobError> {
     if !local {
-        return Ok((file.to_vec(), None));
+        return Ok((Cow::Borrowed(file), None));
     }
     let bad = |why| JobError::DamagedRecord {
         dir: dir.to_path_buf(),
@@ -445,7 +446,7 @@ pub(crate) fn optimizer_part(
         residual: mine.residual,
         ..file.outer
     };
-    Ok((mine.optimizer, Some(outer)))
+    Ok((Cow::Owned(mine.optimizer), Some(outer)))
 }
 
 #[cfg(test)]

@@ -183,18 +183,16 @@ fn resume<A: AutodiffBackend>(
         ctx.settings().config.dp(),
         &loaded.dir,
     )?;
-    let optim = optim.load_whole_record(
-        checkpoint::decode::<A, InOrder<_>>(&bytes, device)
-            .map_err(bad("optimizer state"))?
-            .0
-            .into_iter()
-            .collect(),
-        &model,
-    );
-    let optim = match outer {
-        Some(outer) => optim.load_outer_state(outer),
-        None => optim,
-    };
+    let optim = optim
+        .load_whole_record(
+            checkpoint::decode::<A, InOrder<_>>(&bytes, device)
+                .map_err(bad("optimizer state"))?
+                .0
+                .into_iter()
+                .collect(),
+            &model,
+        )
+        .load_outer_state(outer);
     take_history(ctx, state, loaded);
     Ok((model, optim))
 }

@@ -185,14 +185,12 @@ fn resume<B: Backend>(
         ctx.world().dp_group().size(),
         &loaded.dir,
     )?;
-    let optim = optim.load_whole_record(
-        checkpoint::decode::<A<B>, _>(&bytes, device).map_err(bad("optimizer state"))?,
-        &model,
-    );
-    let optim = match outer {
-        Some(outer) => optim.load_outer_state(outer),
-        None => optim,
-    };
+    let optim = optim
+        .load_whole_record(
+            checkpoint::decode::<A<B>, _>(&bytes, device).map_err(bad("optimizer state"))?,
+            &model,
+        )
+        .load_outer_state(outer);
     state.history = loaded.state.history;
     state.epochs_done = loaded.state.epochs_done;
     let line = format!(

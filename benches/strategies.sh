@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The bundled jobs' data-parallel strategies side by side: `--strategy allreduce`, `local-sgd`
-# and `diloco` (meeting every H steps), 2 ranks on this host, the same steps, batches and seed.
+# and `diloco` (meeting every H steps), RANKS ranks (default 2) on this host, the same steps,
+# batches and seed; with WAN set, over two "sites" joined by a slow link (`bonfire bench wan`,
+# RANKS/2 ranks per site; needs root), WAN holding its flags.
 # Prints, per strategy, the quality at each evaluation (GPT: validation loss in nats/char;
 # vision: test accuracy in %), the first evaluation at which it reached TARGET (or "-"), the
 # wall time, and what each rank all-reduced (the job's report: gradient buckets for allreduce,
@@ -11,6 +13,7 @@
 #   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
 #   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
+#   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +21,7 @@ target="${CARGO_TARGET_DIR:-target}"
 bin="${BIN:-$target/release/bonfire}"
 job="${JOB:-gpt}"
 h="${H:-50}"
+ranks="${RANKS:-2}"
 if [ ! -x "$bin" ]; then
     echo "no bonfire binary at $bin: build it with cargo build --release -p bonfire-cli" >&2
     exit 2
@@ -53,7 +57,20 @@ if [ "$job" = vision ]; then
         --checkpoint-dir "$work/fetch" >/dev/null
 fi
 
-echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ) job=$job ${args[*]:2} H=$h target=$goal"
+run=("$bin")
+if [ -n "${WAN:-}" ]; then
+    if [ $((ranks % 2)) -ne 0 ]; then
+        echo "strategies.sh: WAN needs an even RANKS (two sites), not $ranks" >&2
+        exit 2
+    fi
+    # shellcheck disable=SC2206 # WAN's flags split on spaces, as written
+    run=("$bin" bench wan ${WAN} --nproc-per-site $((ranks / 2)) -- "$bin")
+else
+    args+=(--ranks "$ranks")
+fi
+where="one host"
+[ -n "${WAN:-}" ] && where="two sites: $WAN"
+echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ) job=$job ${args[*]:2} H=$h target=$goal ranks=$ranks ($where)"
 # shellcheck disable=SC2086 # the list splits on spaces
 for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     extra=()
@@ -61,7 +78,9 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     # shellcheck disable=SC2206 # OUTER's flags split on spaces, as written
     [ "$s" = diloco ] && extra+=(${OUTER:-})
     t0=$(date +%s.%N)
-    out="$("$bin" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
+    # Under a launcher every line is prefixed "[rank N] ": the report is rank 0's.
+    out="$("${run[@]}" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1 |
+        sed -e '/^\[rank [1-9]/d' -e 's/^\[rank 0\] //')" || {
         echo "$out" >&2
         exit 1
     }
@@ -73,4 +92,5 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n    steady: %s\n' \
         "$s" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" "$goal" "${first:--}" \
         "$points" "$sent" "$rate"
+    echo "$out" | grep -E '^bonfire bench wan: site' | sed 's/^bonfire bench wan: /    link: /' || true
 done

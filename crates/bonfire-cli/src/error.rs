@@ -91,6 +91,19 @@ pub(crate) enum CliError {
     /// A benchmark thread panicked.
     #[error("{0} panicked")]
     Panicked(&'static str),
+    /// `bonfire bench wan` could not make its two sites.
+    #[error(
+        "bonfire bench wan needs network namespaces (root and the `ip` tool, from iproute2): {0}"
+    )]
+    NoNamespaces(String),
+    /// A site's launcher of `bonfire bench wan` failed.
+    #[error("bonfire bench wan: site {site}'s launcher {status} (its output above names the rank)")]
+    SiteFailed {
+        /// `A` or `B`.
+        site: &'static str,
+        /// How it ended.
+        status: std::process::ExitStatus,
+    },
 }
 
 impl CliError {
@@ -103,6 +116,15 @@ impl CliError {
             | CliError::Mesh { .. }
             | CliError::Usage(_)
             | CliError::TransportMismatch { .. } => std::process::ExitCode::from(2),
+            // The launcher's own code: 2 for the job's input, 1 for a failed rank.
+            CliError::SiteFailed { status, .. } => status
+                .code()
+                .and_then(|c| u8::try_from(c).ok())
+                .filter(|&c| c != 0)
+                .map_or(
+                    std::process::ExitCode::FAILURE,
+                    std::process::ExitCode::from,
+                ),
             _ => std::process::ExitCode::FAILURE,
         }
     }
@@ -139,4 +161,10 @@ pub(crate) enum ArgError {
     /// A byte size beyond this machine's addresses.
     #[error("`{0}` is too large")]
     TooLarge(String),
+    /// Not a number of zero or more.
+    #[error("{0:?} is not a number of zero or more")]
+    NotNonNegative(String),
+    /// Not a percentage below 100.
+    #[error("{0:?} is not a percentage from 0 up to (not including) 100")]
+    NotPercent(String),
 }

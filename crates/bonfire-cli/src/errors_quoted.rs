@@ -1216,6 +1216,8 @@ variants!(
         #[cfg(feature = "cuda")]
         CliError::Lane(..),
         CliError::Panicked(..),
+        CliError::NoNamespaces(..),
+        CliError::SiteFailed { .. },
     ]
 );
 
@@ -1261,6 +1263,13 @@ fn cli_examples() -> Vec<CliError> {
         #[cfg(feature = "cuda")]
         CliError::Lane("device lane: rank 1 did not arrive".into()),
         CliError::Panicked("the QUIC benchmark's server"),
+        CliError::NoNamespaces(
+            "creating two network namespaces and their veth pairs failed".into(),
+        ),
+        CliError::SiteFailed {
+            site: "B",
+            status: std::os::unix::process::ExitStatusExt::from_raw(1 << 8),
+        },
     ]
 }
 
@@ -1304,6 +1313,8 @@ variants!(
         ArgError::NotASize(..),
         ArgError::UnknownUnit { .. },
         ArgError::TooLarge(..),
+        ArgError::NotNonNegative(..),
+        ArgError::NotPercent(..),
     ]
 );
 
@@ -1318,6 +1329,8 @@ fn arg_examples() -> Vec<ArgError> {
             unit: "T".into(),
         },
         ArgError::TooLarge("99999999999G".into()),
+        ArgError::NotNonNegative("-5".into()),
+        ArgError::NotPercent("100".into()),
     ]
 }
 

@@ -200,3 +200,69 @@ fn bonfire_launch_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(29_611);
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
+
+/// `bonfire bench wan`: two sites of two ranks each whose only path is the slow link. The
+/// benchmark's times cannot beat the link: a 4 KiB all-reduce needs at least one crossing (half
+/// the round trip), and a 256 KiB one moves at least its bytes each way across the cap. The
+/// link's own counts say what crossed, and the launchers' per-rank ports held (two ranks per
+/// site on fixed ports).
+#[test]
+fn a_job_across_the_slow_link_is_bound_by_its_delay_and_cap() {
+    let out = Command::new(BONFIRE)
+        .args(["bench", "wan", "--rtt-ms", "40", "--loss-percent", "1"])
+        .args([
+            "--mbit",
+            "10",
+            "--nproc-per-site",
+            "2",
+            "--port",
+            "29700",
+            "--",
+        ])
+        .arg(BONFIRE)
+        .args(["bench", "collectives", "--transport", "auto"])
+        .args(["--sizes", "4K,256K", "--iters", "3", "--warmup", "1"])
+        .env("BONFIRE_TIMEOUT", "120")
+        .output()
+        .unwrap();
+    let log = text(&out);
+    if log.contains("needs network namespaces") {
+        eprintln!("skipped: this machine does not allow network namespaces (needs root and `ip`)");
+        return;
+    }
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("4 ranks"), "{log}");
+    // Rows, after the launcher's `[rank 0]`: size (`4 KiB`), count, algorithm, iters, time(us),
+    // ...
+    let row = |l: &str| -> Vec<String> {
+        l.split_whitespace()
+            .skip_while(|t| t.starts_with('[') || t.ends_with(']'))
+            .map(str::to_string)
+            .collect()
+    };
+    let time_us = |size: &str| -> f64 {
+        let cells = log
+            .lines()
+            .map(row)
+            .find(|cells| cells.len() > 5 && cells[..2].join(" ") == size)
+            .unwrap_or_else(|| panic!("no {size} row in {log}"));
+        cells[5].parse().unwrap()
+    };
+    assert!(time_us("4 KiB") >= 20_000.0, "one crossing is 20 ms: {log}");
+    let at_cap = 256.0 * 1024.0 * 8.0 / 10e6 * 1e6;
+    assert!(time_us("256 KiB") >= at_cap, "256 KiB at 10 Mbit/s: {log}");
+    for (from, to) in [("A", "B"), ("B", "A")] {
+        let line = log
+            .lines()
+            .find(|l| l.contains(&format!("site {from} -> site {to}:")))
+            .unwrap_or_else(|| panic!("no link line in {log}"));
+        let mib: f64 = line
+            .split(" datagrams, ")
+            .nth(1)
+            .and_then(|r| r.split(" MiB").next())
+            .and_then(|m| m.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        // Four all-reduces of 256 KiB (warm-up included), each at least its bytes each way.
+        assert!(mib >= 1.0, "{line}");
+    }
+}

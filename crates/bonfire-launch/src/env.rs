@@ -12,13 +12,16 @@
 //! bonfire's own variables refine any of them: `BONFIRE_SECRET` / `BONFIRE_SECRET_FILE`,
 //! `BONFIRE_TIMEOUT` (collective timeout, seconds), `BONFIRE_PEER_TIMEOUT` (seconds of silence
 //! before a peer is declared lost), `BONFIRE_CONNECT_TIMEOUT` (seconds to bring the job up),
-//! `BONFIRE_BIND_ADDR`, `BONFIRE_ADVERTISE_ADDR`, `BONFIRE_RESTART_ROUND`.
+//! `BONFIRE_BIND_ADDR`, `BONFIRE_ADVERTISE_ADDR` (a port other than 0 is the node's first: local
+//! rank `i` takes port + `i`), `BONFIRE_QUIC_CONGESTION` (`cubic`, `newreno` or `bbr`),
+//! `BONFIRE_RESTART_ROUND`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use bonfire_topology::Rank;
+use bonfire_transport::quic::Congestion;
 
 use crate::slurm::{self, SlurmError, SlurmPlace};
 
@@ -48,10 +51,14 @@ pub mod vars {
     pub const PEER_TIMEOUT: &str = "BONFIRE_PEER_TIMEOUT";
     /// Time allowed to bring the job up, seconds.
     pub const CONNECT_TIMEOUT: &str = "BONFIRE_CONNECT_TIMEOUT";
-    /// Local address to listen on.
+    /// Local address to listen on; a port other than 0 is local rank 0's, and local rank `i`
+    /// listens on port + `i`.
     pub const BIND_ADDR: &str = "BONFIRE_BIND_ADDR";
-    /// Address other ranks should dial to reach this one.
+    /// Address other ranks should dial to reach this one; a port other than 0 is local rank
+    /// 0's, and local rank `i` gives port + `i`.
     pub const ADVERTISE_ADDR: &str = "BONFIRE_ADVERTISE_ADDR";
+    /// QUIC's congestion controller: `cubic` (the default), `newreno` or `bbr`.
+    pub const QUIC_CONGESTION: &str = "BONFIRE_QUIC_CONGESTION";
     /// The launcher's restart round.
     pub const RESTART_ROUND: &str = "BONFIRE_RESTART_ROUND";
     /// Set to `1` by `bonfire launch` when it prefixes the rank's output lines itself, so the
@@ -111,6 +118,8 @@ pub struct JobEnv {
     pub bind: Option<SocketAddr>,
     /// Address to advertise, if set.
     pub advertise: Option<SocketAddr>,
+    /// QUIC's congestion controller, if set.
+    pub congestion: Option<Congestion>,
     /// Restart round.
     pub round: u32,
 }
@@ -191,6 +200,31 @@ fn addr(
     var: &'static str,
 ) -> Result<Option<SocketAddr>, EnvError> {
     parse(get, var, "expected IP:PORT")
+}
+
+/// `var`'s address for local rank `local`: a fixed port is the node's first, and local rank `i`
+/// takes port + `i`, so that the ranks of one node can share one setting (a firewall or relay
+/// opened for a range of ports); port 0 stays 0 (the system picks one per rank).
+fn local_addr(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+    local: usize,
+) -> Result<Option<SocketAddr>, EnvError> {
+    let Some(mut a) = addr(get, var)? else {
+        return Ok(None);
+    };
+    if a.port() != 0 {
+        let port = u16::try_from(a.port() as usize + local).map_err(|_| EnvError::Invalid {
+            var,
+            value: a.to_string(),
+            why: format!(
+                "local rank {local} would listen on port {} + {local}, past 65535",
+                a.port()
+            ),
+        })?;
+        a.set_port(port);
+    }
+    Ok(Some(a))
 }
 
 impl JobEnv {
@@ -298,8 +332,9 @@ impl JobEnv {
             timeout: seconds(get, TIMEOUT)?,
             peer_timeout: seconds(get, PEER_TIMEOUT)?,
             connect_timeout: seconds(get, CONNECT_TIMEOUT)?,
-            bind: addr(get, BIND_ADDR)?,
-            advertise: addr(get, ADVERTISE_ADDR)?,
+            bind: local_addr(get, BIND_ADDR, local_rank)?,
+            advertise: local_addr(get, ADVERTISE_ADDR, local_rank)?,
+            congestion: parse(get, QUIC_CONGESTION, "expected cubic, newreno or bbr")?,
             round: parse(get, RESTART_ROUND, "expected a number")?.unwrap_or(0),
         })
     }
@@ -339,6 +374,53 @@ mod tests {
         assert_eq!(e.master, "10.0.0.1:29500");
         assert_eq!(e.secret, SecretSource::File("/run/secret".into()));
         assert_eq!(e.peer_timeout, Some(Duration::from_millis(2500)));
+    }
+
+    #[test]
+    fn a_fixed_port_is_the_nodes_first_and_each_local_rank_takes_the_next() {
+        let at = |local: &str, bind: &str, advertise: &str| {
+            env(&[
+                ("RANK", local),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_RANK", local),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "10.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                ("BONFIRE_BIND_ADDR", bind),
+                ("BONFIRE_ADVERTISE_ADDR", advertise),
+            ])
+        };
+        let e = at("3", "0.0.0.0:29600", "192.0.2.7:40000").unwrap();
+        assert_eq!(e.bind, Some("0.0.0.0:29603".parse().unwrap()));
+        assert_eq!(e.advertise, Some("192.0.2.7:40003".parse().unwrap()));
+        let e = at("0", "0.0.0.0:29600", "192.0.2.7:40000").unwrap();
+        assert_eq!(e.bind, Some("0.0.0.0:29600".parse().unwrap()));
+        // Port 0 lets the system pick, for every rank.
+        let e = at("2", "127.0.0.1:0", "").unwrap();
+        assert_eq!(e.bind, Some("127.0.0.1:0".parse().unwrap()));
+        assert_eq!(e.advertise, None);
+        assert_eq!(e.congestion, None);
+        let err = at("3", "0.0.0.0:65534", "").unwrap_err().to_string();
+        let with = |c: &str| {
+            env(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "1"),
+                ("BONFIRE_QUIC_CONGESTION", c),
+            ])
+        };
+        assert_eq!(with("BBR").unwrap().congestion, Some(Congestion::Bbr));
+        assert_eq!(with("cubic").unwrap().congestion, Some(Congestion::Cubic));
+        let bad = with("vegas").unwrap_err().to_string();
+        assert!(
+            bad.contains("BONFIRE_QUIC_CONGESTION") && bad.contains("bbr"),
+            "{bad}"
+        );
+        assert!(
+            err.contains("BONFIRE_BIND_ADDR")
+                && err.contains("local rank 3")
+                && err.contains("65535"),
+            "{err}"
+        );
     }
 
     #[test]

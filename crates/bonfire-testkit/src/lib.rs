@@ -13,7 +13,7 @@
 //!   strategy or burn-train's DDP, for checking them against single-rank training.
 //! - [`tp`]: models with tensor-parallel plans (an MLP, Burn's transformer encoder, a GPT-style
 //!   block) and loops, for checking tensor-parallel training against the unsharded model.
-//! - [`netns`]: network namespaces that play separate hosts.
+//! - [`netns`]: network namespaces that play separate hosts (bonfire-launch's, re-exported).
 //! - [`ChaosTransport`]: wraps a transport and delays every frame by a random time, so frames
 //!   arrive out of order.
 
@@ -21,12 +21,13 @@ pub mod calls;
 mod chaos;
 pub mod counting;
 pub mod learn;
-pub mod netns;
 pub mod nets;
 pub mod oracle;
 pub mod pp;
 mod ranks;
 pub mod tp;
+
+pub use bonfire_launch::netns;
 
 pub use chaos::{ChaosTransport, chaos_world};
 pub use ranks::{RankModels, bind_rank, in_process_ranks, run_ranks};

@@ -1,18 +1,15 @@
 //! Jobs of several processes on 127.0.0.1 over QUIC: every collective against the oracle under
 //! the launcher, a wrong secret, a rank killed with SIGKILL, and a lossy, slow link.
 
-use std::collections::VecDeque;
-use std::net::{SocketAddr, UdpSocket};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bonfire_launch::wan::{Link, LinkSpec, UdpRelay};
 use bonfire_launch::{LaunchConfig, free_local_port, launch};
 use bonfire_testkit::netns::Namespaces;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 const CHECK: &str = env!("CARGO_BIN_EXE_bonfire-rank-check");
 
@@ -294,18 +291,13 @@ fn a_rank_without_the_secret_is_refused_on_both_sides() {
     assert!(host.contains("missing: ranks 1"), "{host}");
 }
 
-/// A user-space UDP relay in front of `upstream`: drops `loss` of the datagrams and delays the
-/// rest by `delay`, in both directions.
+/// bonfire-launch's user-space relay in front of `upstream`: drops `loss` of the datagrams and
+/// delays the rest by `delay`, in both directions (no bandwidth cap).
 struct Relay {
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    dropped: Arc<Mutex<(u64, u64)>>,
+    links: [Arc<Link>; 2],
+    _relay: UdpRelay,
 }
-
-type Queue = Arc<(
-    Mutex<VecDeque<(Instant, Vec<u8>, SocketAddr, Arc<UdpSocket>)>>,
-    Condvar,
-)>;
 
 impl Relay {
     fn start(upstream: SocketAddr, loss: f64, delay: Duration, seed: u64) -> Relay {
@@ -320,99 +312,49 @@ impl Relay {
         delay: Duration,
         seed: u64,
     ) -> Relay {
-        let front = Arc::new(UdpSocket::bind(SocketAddr::new(front_ip, 0)).unwrap());
-        front
-            .set_read_timeout(Some(Duration::from_millis(50)))
-            .unwrap();
-        let addr = front.local_addr().unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let dropped = Arc::new(Mutex::new((0, 0)));
-        let queue: Queue = Arc::new((Mutex::new(VecDeque::new()), Condvar::new()));
-        let rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(seed)));
-        let enqueue = {
-            let (queue, dropped, rng) = (queue.clone(), dropped.clone(), rng.clone());
-            move |bytes: Vec<u8>, to: SocketAddr, via: Arc<UdpSocket>| {
-                let mut d = dropped.lock().unwrap();
-                d.1 += 1;
-                if rng.lock().unwrap().random_bool(loss) {
-                    d.0 += 1;
-                    return;
-                }
-                queue
-                    .0
-                    .lock()
-                    .unwrap()
-                    .push_back((Instant::now() + delay, bytes, to, via));
-                queue.1.notify_one();
-            }
+        let spec = LinkSpec {
+            delay,
+            loss,
+            rate: None,
+            queue: Duration::from_secs(1),
+            seed,
         };
-        // The sender: constant delay, so a FIFO is in deadline order.
-        {
-            let (queue, stop) = (queue.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let next = {
-                        let mut q = queue.0.lock().unwrap();
-                        if q.is_empty() {
-                            q = queue
-                                .1
-                                .wait_timeout(q, Duration::from_millis(50))
-                                .unwrap()
-                                .0;
-                        }
-                        q.pop_front()
-                    };
-                    if let Some((at, bytes, to, via)) = next {
-                        std::thread::sleep(at.saturating_duration_since(Instant::now()));
-                        let _ = via.send_to(&bytes, to);
-                    }
-                }
-            });
-        }
-        // The front: one upstream socket per client, with a thread carrying replies back.
-        {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut clients: Vec<(SocketAddr, Arc<UdpSocket>)> = Vec::new();
-                let mut buf = vec![0u8; 65536];
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok((n, from)) = front.recv_from(&mut buf) else {
-                        continue;
-                    };
-                    let back = match clients.iter().find(|(c, _)| *c == from) {
-                        Some((_, s)) => s.clone(),
-                        None => {
-                            let s = Arc::new(UdpSocket::bind("0.0.0.0:0").unwrap());
-                            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-                            let (s2, front2, stop2, enqueue2) =
-                                (s.clone(), front.clone(), stop.clone(), enqueue.clone());
-                            std::thread::spawn(move || {
-                                let mut buf = vec![0u8; 65536];
-                                while !stop2.load(Ordering::Relaxed) {
-                                    if let Ok((n, _)) = s2.recv_from(&mut buf) {
-                                        enqueue2(buf[..n].to_vec(), from, front2.clone());
-                                    }
-                                }
-                            });
-                            clients.push((from, s.clone()));
-                            s
-                        }
-                    };
-                    enqueue(buf[..n].to_vec(), upstream, back);
-                }
-            });
-        }
+        let links = [
+            Link::start(spec).unwrap(),
+            Link::start(LinkSpec {
+                seed: seed + 1,
+                ..spec
+            })
+            .unwrap(),
+        ];
+        let relay = UdpRelay::start(
+            SocketAddr::new(front_ip, 0),
+            upstream,
+            links[0].clone(),
+            links[1].clone(),
+        )
+        .unwrap();
         Relay {
-            addr,
-            stop,
-            dropped,
+            addr: relay.addr(),
+            links,
+            _relay: relay,
         }
+    }
+
+    /// Datagrams dropped, and offered, in both directions.
+    fn dropped(&self) -> (u64, u64) {
+        self.links
+            .iter()
+            .map(|l| l.stats())
+            .fold((0, 0), |(d, t), s| (d + s.lost, t + s.datagrams))
     }
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        for l in &self.links {
+            l.stop();
+        }
     }
 }
 
@@ -434,7 +376,7 @@ fn a_lossy_slow_link_gives_the_same_results_as_a_clean_one() {
         spawn_rank(1, 2, relay.addr.port(), secret, &lossy, "digest"),
     ];
     assert_all_succeed(ranks, &lossy, Duration::from_secs(120));
-    let (dropped, total) = *relay.dropped.lock().unwrap();
+    let (dropped, total) = relay.dropped();
     assert!(
         dropped > 0,
         "the relay dropped nothing of {total} datagrams"
@@ -484,7 +426,7 @@ fn across_two_network_namespaces_through_a_lossy_relay() {
         "digest",
     );
     assert_all_succeed(vec![a, b], &dir, Duration::from_secs(120));
-    let (dropped, total) = *relay.dropped.lock().unwrap();
+    let (dropped, total) = relay.dropped();
     assert!(
         dropped > 0,
         "the relay dropped nothing of {total} datagrams"

@@ -129,7 +129,7 @@ pub mod kernels {
 pub mod launch {
     pub use bonfire_launch::{
         AddrError, EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
-        SecretSource, env, free_local_port, launch, logging, probe_leader, slurm,
+        SecretSource, env, free_local_port, launch, logging, netns, probe_leader, slurm, wan,
     };
 }
 

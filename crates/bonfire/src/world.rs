@@ -308,6 +308,9 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
     if let Some(t) = env.peer_timeout {
         quic.peer_timeout = t;
     }
+    if let Some(c) = env.congestion {
+        quic.congestion = c;
+    }
     quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
     let transport = Arc::new(runtime().block_on(JobTransport::connect(quic, &shm))?);
     let nodes = transport.nodes().clone();

@@ -5,6 +5,7 @@ mod kernels;
 mod link;
 mod pp;
 mod tp;
+mod wan;
 
 use clap::Subcommand;
 
@@ -28,6 +29,10 @@ pub(crate) enum Bench {
     /// schedule and number of micro-batches: step time, each stage's idle time against the
     /// bubble's formula, what it held, and the first step's loss.
     Pp(pp::Args),
+    /// Run a job over two "sites" on this host, two network namespaces whose only path is a
+    /// slow link made here: a round-trip delay, random loss and a bandwidth cap in each
+    /// direction. One `bonfire launch` per site; prints what crossed the link. Needs root.
+    Wan(wan::Args),
 }
 
 impl Bench {
@@ -38,6 +43,7 @@ impl Bench {
             Bench::Kernels(args) => kernels::run(args),
             Bench::Tp(args) => tp::run(args),
             Bench::Pp(args) => pp::run(args),
+            Bench::Wan(args) => wan::run(args),
         }
     }
 }

@@ -9,6 +9,61 @@ use bonfire_topology::Rank;
 use super::auth::Secret;
 use super::error::{SetupError, Who};
 
+/// The congestion controller of every connection (quinn's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Congestion {
+    /// CUBIC (RFC 9438), quinn's default: loss-based, so random loss on a long link caps it far
+    /// below the link's bandwidth.
+    #[default]
+    Cubic,
+    /// NewReno (RFC 9002's reference controller).
+    NewReno,
+    /// BBR (quinn's experimental port of quiche's BBRv1): paces at the bandwidth it measures and
+    /// does not take random loss for congestion.
+    Bbr,
+}
+
+impl Congestion {
+    /// The name `BONFIRE_QUIC_CONGESTION` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Congestion::Cubic => "cubic",
+            Congestion::NewReno => "newreno",
+            Congestion::Bbr => "bbr",
+        }
+    }
+
+    pub(crate) fn factory(
+        self,
+    ) -> std::sync::Arc<dyn quinn::congestion::ControllerFactory + Send + Sync> {
+        use std::sync::Arc;
+        match self {
+            Congestion::Cubic => Arc::new(quinn::congestion::CubicConfig::default()),
+            Congestion::NewReno => Arc::new(quinn::congestion::NewRenoConfig::default()),
+            Congestion::Bbr => Arc::new(quinn::congestion::BbrConfig::default()),
+        }
+    }
+}
+
+impl std::fmt::Display for Congestion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cubic" => Ok(Congestion::Cubic),
+            "newreno" | "new-reno" => Ok(Congestion::NewReno),
+            "bbr" => Ok(Congestion::Bbr),
+            _ => Err("expected cubic, newreno or bbr".into()),
+        }
+    }
+}
+
 /// How a rank joins a QUIC job.
 #[derive(Clone, Debug)]
 pub struct QuicConfig {
@@ -39,11 +94,13 @@ pub struct QuicConfig {
     pub max_frame: u64,
     /// Unidirectional streams per direction of each link.
     pub streams: usize,
+    /// Every connection's congestion controller.
+    pub congestion: Congestion,
 }
 
 impl QuicConfig {
     /// A configuration with bonfire's defaults: listen on all interfaces, 120 s to connect,
-    /// 6 s peer timeout, 1 GiB frame limit, 2 streams.
+    /// 6 s peer timeout, 1 GiB frame limit, 2 streams, CUBIC.
     pub fn new(
         rank: Option<Rank>,
         world_size: usize,
@@ -63,6 +120,7 @@ impl QuicConfig {
             peer_timeout: Duration::from_secs(6),
             max_frame: 1 << 30,
             streams: 2,
+            congestion: Congestion::Cubic,
         }
     }
 

@@ -11,6 +11,7 @@ use quinn::{Connection, Endpoint, VarInt};
 use rustls::pki_types::CertificateDer;
 
 use super::auth::{Identity, PinAfterHandshake};
+use super::config::Congestion;
 use super::error::SetupError;
 
 const ALPN: &[u8] = b"bonfire/1";
@@ -87,8 +88,10 @@ pub(crate) fn proven(conn: &Connection) {
 fn transport_config(
     peer_timeout: Duration,
     streams: usize,
+    congestion: Congestion,
 ) -> Result<quinn::TransportConfig, SetupError> {
     let mut t = quinn::TransportConfig::default();
+    t.congestion_controller_factory(congestion.factory());
     let idle = quinn::IdleTimeout::try_from(peer_timeout).map_err(|_| SetupError::PeerTimeout {
         timeout: peer_timeout,
     })?;
@@ -114,6 +117,17 @@ pub(crate) fn endpoint(
     identity: &Identity,
     peer_timeout: Duration,
     streams: usize,
+) -> Result<Endpoint, SetupError> {
+    endpoint_with(bind, identity, peer_timeout, streams, Congestion::default())
+}
+
+/// [`endpoint`] with a congestion controller.
+pub(crate) fn endpoint_with(
+    bind: SocketAddr,
+    identity: &Identity,
+    peer_timeout: Duration,
+    streams: usize,
+    congestion: Congestion,
 ) -> Result<Endpoint, SetupError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let provider = provider();
@@ -141,7 +155,7 @@ pub(crate) fn endpoint(
         .with_client_auth_cert(vec![identity.cert.clone()], identity.key.clone_key())
         .map_err(tls)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
-    let transport = Arc::new(transport_config(peer_timeout, streams)?);
+    let transport = Arc::new(transport_config(peer_timeout, streams, congestion)?);
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(
         QuicServerConfig::try_from(server).map_err(quic("server"))?,
     ));

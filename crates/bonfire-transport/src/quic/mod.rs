@@ -58,13 +58,13 @@ use quinn::{Endpoint, VarInt};
 use tokio::task::JoinHandle;
 
 pub use auth::{KDF_ROUNDS, Secret, SecretError};
-pub use config::QuicConfig;
+pub use config::{Congestion, QuicConfig};
 pub use error::{QuicError, SetupError, Who};
 
 use self::admission::layout;
 use self::auth::Identity;
 use self::control::{CLOSE_DROPPED, CLOSE_SHUTDOWN};
-use self::endpoint::{endpoint, resolve};
+use self::endpoint::{endpoint_with, resolve};
 use self::frame::FrameHeader;
 use self::links::{accept_loop, link_workers};
 use self::rendezvous::{finish_join, host_rendezvous, join};
@@ -96,7 +96,13 @@ impl QuicTransport {
         } else {
             config.bind
         };
-        let ep = endpoint(bind, &identity, config.peer_timeout, config.streams)?;
+        let ep = endpoint_with(
+            bind,
+            &identity,
+            config.peer_timeout,
+            config.streams,
+            config.congestion,
+        )?;
         let deadline = Instant::now() + config.connect_timeout;
         // Workers join first and learn their rank; connections that arrive meanwhile wait in the
         // endpoint until the accept loop starts.

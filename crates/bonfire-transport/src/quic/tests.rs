@@ -13,7 +13,7 @@ use super::auth::ROLE_CLIENT;
 use super::control::{self, Control, JobKey, PROTOCOL};
 use super::endpoint::{endpoint, exporter};
 use super::frame::FrameHeader;
-use super::{QuicConfig, QuicTransport, Secret};
+use super::{Congestion, QuicConfig, QuicTransport, Secret};
 use crate::{Tag, Transport};
 
 pub(crate) fn secret(s: &str) -> Secret {
@@ -38,10 +38,18 @@ pub(crate) fn config(rank: u32, world: usize, master: &str, secret: Secret) -> Q
 }
 
 async fn job(world: usize) -> Vec<QuicTransport> {
+    job_with(world, Congestion::default()).await
+}
+
+async fn job_with(world: usize, congestion: Congestion) -> Vec<QuicTransport> {
     let m = master();
     let s = secret("job");
     let handles: Vec<_> = (0..world as u32)
-        .map(|r| tokio::spawn(QuicTransport::connect(config(r, world, &m, s.clone()))))
+        .map(|r| {
+            let mut c = config(r, world, &m, s.clone());
+            c.congestion = congestion;
+            tokio::spawn(QuicTransport::connect(c))
+        })
         .collect();
     let mut out = Vec::new();
     for h in handles {
@@ -70,7 +78,13 @@ pub(crate) async fn take(t: &impl Transport, from: u32, tag: Tag) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_forms_and_every_pair_exchanges_frames() {
-    let ranks = job(3).await;
+    for congestion in [Congestion::Cubic, Congestion::NewReno, Congestion::Bbr] {
+        every_pair_exchanges_frames(congestion).await;
+    }
+}
+
+async fn every_pair_exchanges_frames(congestion: Congestion) {
+    let ranks = job_with(3, congestion).await;
     for t in &ranks {
         assert_eq!(t.nodes().node_of(Rank(2)), NodeId(1));
     }

@@ -3,7 +3,8 @@
 //!
 //! - [`Namespaces::star`]: two namespaces, each joined to this one by its own veth pair
 //!   (10.71.0.0/24 and 10.72.0.0/24; this side `.1`, the namespace `.2`): traffic between them
-//!   goes through a program here, such as a delaying relay.
+//!   goes through a program here, such as a delaying relay ([`crate::wan`]).
+//!   [`Namespaces::star_at`] picks the two subnets.
 //! - [`Namespaces::pair`]: two namespaces joined to each other by one veth pair (10.73.0.1 and
 //!   10.73.0.2), as two hosts on one link.
 //!
@@ -44,12 +45,20 @@ impl Namespaces {
         Some(ns)
     }
 
-    /// Each namespace joined to this one by its own veth pair.
+    /// Each namespace joined to this one by its own veth pair, on 10.71.0.0/24 and
+    /// 10.72.0.0/24.
     pub fn star() -> Option<Namespaces> {
-        let mut ns = Self::named('s')?;
+        Self::star_at(71, 's')
+    }
+
+    /// Each namespace joined to this one by its own veth pair, on 10.`net`.0.0/24 and
+    /// 10.`net + 1`.0.0/24; `kind` goes into the namespaces' names (`bf<pid><kind>a`, ...), so
+    /// that callers in one process do not collide.
+    pub fn star_at(net: u8, kind: char) -> Option<Namespaces> {
+        let mut ns = Self::named(kind)?;
         for (i, name) in ns.names.clone().iter().enumerate() {
             let (inner, outer) = (format!("{name}i"), format!("{name}o"));
-            let net = 71 + i;
+            let net = net as usize + i;
             let inside = format!("10.{net}.0.2");
             let ok = ip(&[
                 "link", "add", &outer, "type", "veth", "peer", "name", &inner,
@@ -99,6 +108,12 @@ impl Namespaces {
             ns.addrs[i] = addr;
         }
         Some(ns)
+    }
+
+    /// Adds `addr` (with its prefix, `10.72.0.1/32`) to namespace `i`'s loopback: an address
+    /// that is elsewhere on the other side of a link becomes this namespace's own.
+    pub fn add_local_addr(&self, i: usize, addr: &str) -> bool {
+        ip(&["-n", &self.names[i], "addr", "add", addr, "dev", "lo"])
     }
 
     /// `program` run in namespace `i` (`ip netns exec`, which execs it: the child's pid is the

@@ -34,7 +34,7 @@ pub(crate) struct Args {
     /// Round-trip time between the sites, milliseconds (half of it each way).
     #[arg(long, default_value = "50", value_parser = non_negative)]
     rtt_ms: f64,
-    /// Datagrams lost at random in each direction, percent.
+    /// Datagrams lost at random in each direction, percent (`1` or `1%`).
     #[arg(long, default_value = "1", value_parser = percent)]
     loss_percent: f64,
     /// The link's bandwidth in each direction, Mbit/s (IP and UDP headers counted); 0 for no cap.
@@ -66,7 +66,7 @@ fn non_negative(s: &str) -> Result<f64, ArgError> {
 }
 
 fn percent(s: &str) -> Result<f64, ArgError> {
-    match s.parse::<f64>() {
+    match s.trim().trim_end_matches('%').parse::<f64>() {
         Ok(v) if (0.0..100.0).contains(&v) => Ok(v),
         _ => Err(ArgError::NotPercent(s.to_string())),
     }
@@ -317,5 +317,28 @@ fn wait_both(sites: &mut [Child]) -> Result<Vec<ExitStatus>, CliError> {
             }
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_take_plain_numbers_and_percent_signs() {
+        assert_eq!(percent("1"), Ok(1.0));
+        assert_eq!(percent(" 2.5% "), Ok(2.5));
+        assert_eq!(percent("100"), Err(ArgError::NotPercent("100".into())));
+        assert_eq!(percent("-1"), Err(ArgError::NotPercent("-1".into())));
+        assert_eq!(non_negative("0"), Ok(0.0));
+        assert_eq!(non_negative("50"), Ok(50.0));
+        assert_eq!(
+            non_negative("-5"),
+            Err(ArgError::NotNonNegative("-5".into()))
+        );
+        assert_eq!(
+            non_negative("inf"),
+            Err(ArgError::NotNonNegative("inf".into()))
+        );
     }
 }

@@ -78,12 +78,12 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     # shellcheck disable=SC2206 # OUTER's flags split on spaces, as written
     [ "$s" = diloco ] && extra+=(${OUTER:-})
     t0=$(date +%s.%N)
-    # Under a launcher every line is prefixed "[rank N] ": the report is rank 0's.
-    out="$("${run[@]}" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1 |
-        sed -e '/^\[rank [1-9]/d' -e 's/^\[rank 0\] //')" || {
-        echo "$out" >&2
+    raw="$("${run[@]}" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
+        echo "$raw" >&2
         exit 1
     }
+    # Under a launcher every line is prefixed "[rank N] " (N padded): the report is rank 0's.
+    out="$(echo "$raw" | sed -e '/^\[rank *[1-9][0-9]*\]/d' -e 's/^\[rank *0\] //')"
     t1=$(date +%s.%N)
     points="$(echo "$out" | sed -n "$quality" | tr '\n' ' ')"
     first="$(echo "$points" | tr ' ' '\n' | awk -F: -v g="$goal" "$reached {print \$1; exit}")"
@@ -92,5 +92,5 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n    steady: %s\n' \
         "$s" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" "$goal" "${first:--}" \
         "$points" "$sent" "$rate"
-    echo "$out" | grep -E '^bonfire bench wan: site' | sed 's/^bonfire bench wan: /    link: /' || true
+    echo "$out" | grep -E '^bonfire bench wan: site [AB] -> ' | sed 's/^bonfire bench wan: /    link: /' || true
 done

@@ -208,23 +208,30 @@ fn bonfire_launch_port() -> u16 {
 /// site on fixed ports).
 #[test]
 fn a_job_across_the_slow_link_is_bound_by_its_delay_and_cap() {
-    let out = Command::new(BONFIRE)
+    let mut child = Command::new(BONFIRE)
         .args(["bench", "wan", "--rtt-ms", "40", "--loss-percent", "1"])
-        .args([
-            "--mbit",
-            "10",
-            "--nproc-per-site",
-            "2",
-            "--port",
-            "29700",
-            "--",
-        ])
+        .args(["--mbit", "10", "--nproc-per-site", "2", "--port", "29700"])
+        .arg("--")
         .arg(BONFIRE)
         .args(["bench", "collectives", "--transport", "auto"])
         .args(["--sizes", "4K,256K", "--iters", "3", "--warmup", "1"])
         .env("BONFIRE_TIMEOUT", "120")
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    // A hang is stopped with SIGTERM, so that `bench wan` still removes its namespaces.
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(300) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let hung = child.try_wait().unwrap().is_none();
+    if hung {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!hung, "bench wan did not end within 300 s: {}", text(&out));
     let log = text(&out);
     if log.contains("needs network namespaces") {
         eprintln!("skipped: this machine does not allow network namespaces (needs root and `ip`)");

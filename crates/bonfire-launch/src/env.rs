@@ -13,7 +13,8 @@
 //! `BONFIRE_TIMEOUT` (collective timeout, seconds), `BONFIRE_PEER_TIMEOUT` (seconds of silence
 //! before a peer is declared lost), `BONFIRE_CONNECT_TIMEOUT` (seconds to bring the job up),
 //! `BONFIRE_BIND_ADDR`, `BONFIRE_ADVERTISE_ADDR` (a port other than 0 is the node's first: local
-//! rank `i` takes port + `i`), `BONFIRE_QUIC_CONGESTION` (`cubic`, `newreno` or `bbr`),
+//! rank `i` takes port + `i`; rank 0 always listens on the master port, so on node 0 give that
+//! port), `BONFIRE_QUIC_CONGESTION` (`cubic`, `newreno` or `bbr`),
 //! `BONFIRE_RESTART_ROUND`.
 
 use std::net::SocketAddr;

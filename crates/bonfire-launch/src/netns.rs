@@ -77,6 +77,8 @@ impl Namespaces {
                 && ip(&["-n", name, "link", "set", &inner, "up"])
                 && ip(&["-n", name, "link", "set", "lo", "up"]);
             if !ok {
+                // The pair dies with the namespace once its inner end is there; not before.
+                let _ = ip(&["link", "del", &outer]);
                 return None;
             }
             ns.addrs[i] = inside;

@@ -158,7 +158,22 @@ fn signal(child: &Child, sig: libc::c_int) {
     }
 }
 
+/// The largest round trip or queue taken, milliseconds (an hour).
+const MAX_MS: f64 = 3.6e6;
+
 pub(crate) fn run(args: Args) -> Result<(), CliError> {
+    let usage = |what: String| Err(CliError::Usage(format!("bonfire bench wan: {what}")));
+    if args.rtt_ms > MAX_MS || args.queue_ms.is_some_and(|q| q > MAX_MS) {
+        return usage(format!(
+            "--rtt-ms and --queue-ms take at most {MAX_MS} (an hour)"
+        ));
+    }
+    if args.mbit > 0.0 && args.mbit < 0.001 {
+        return usage(format!(
+            "--mbit {} is below 1 kbit/s (0 for no cap)",
+            args.mbit
+        ));
+    }
     let rtt = Duration::from_secs_f64(args.rtt_ms / 1e3);
     let spec = LinkSpec {
         delay: rtt / 2,
@@ -172,9 +187,22 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
     };
     let n = args.nproc_per_site;
     if args.port as u32 + 2 * n as u32 > 65535 {
-        return Err(CliError::Usage(format!(
-            "bonfire bench wan: --port {} leaves no room for 2 x {n} ranks' ports",
+        return usage(format!(
+            "--port {} leaves no room for 2 x {n} ranks' ports",
             args.port
+        ));
+    }
+    // From here on a signal stops the sites and removes the namespaces.
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    if let Some(holder) = address_holder(&format!("10.{FIRST_NET}.0.1")) {
+        return Err(CliError::NoNamespaces(format!(
+            "10.{FIRST_NET}.0.1 is already on interface {holder}: another `bonfire bench wan` \
+             is running, or one was killed and left its namespaces (`ip netns list`, then \
+             `ip netns del` the bf...wa and bf...wb it made)"
         )));
     }
     let ns = Namespaces::star_at(FIRST_NET, 'w').ok_or_else(|| {
@@ -206,10 +234,10 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         },
         spec.queue.as_secs_f64() * 1e3,
     );
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    if STOP.load(Ordering::Relaxed) {
+        return Err(CliError::Usage(
+            "bonfire bench wan: stopped by a signal".into(),
+        ));
     }
     let started = Instant::now();
     let mut sites: Vec<Child> = Vec::new();
@@ -251,7 +279,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             }
         }
     }
-    let statuses = wait_both(&mut sites)?;
+    let (statuses, first_failed) = wait_both(&mut sites)?;
     let took = started.elapsed();
     for (i, l) in crossing.links.iter().enumerate() {
         eprintln!(
@@ -264,56 +292,67 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
     eprintln!("bonfire bench wan: {:.1} s", took.as_secs_f64());
     drop(crossing);
     drop(ns);
-    for (i, s) in statuses.iter().enumerate() {
-        if !s.success() {
-            return Err(CliError::SiteFailed {
-                site: SITES[i],
-                status: *s,
-            });
-        }
+    match first_failed {
+        Some(i) => Err(CliError::SiteFailed {
+            site: SITES[i],
+            status: statuses[i],
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-/// Waits for both launchers. When one fails the other gets the launcher's own time to notice
-/// and report (its peers' timeouts), then is stopped; a signal stops both at once.
-fn wait_both(sites: &mut [Child]) -> Result<Vec<ExitStatus>, CliError> {
+/// The interface in this namespace that holds `ip`, if any.
+fn address_holder(ip: &str) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "addr", "show", "to", ip])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().next()?;
+    line.split_whitespace().nth(1).map(str::to_string)
+}
+
+/// Waits for both launchers; returns how each ended and which failed first. When one ends,
+/// the other gets a minute to end too (a failure reaches the other site through its peers'
+/// timeouts); a signal stops both at once. Stopping is SIGTERM, then SIGKILL 15 s later.
+fn wait_both(sites: &mut [Child]) -> Result<(Vec<ExitStatus>, Option<usize>), CliError> {
     let mut done: Vec<Option<ExitStatus>> = vec![None; sites.len()];
+    let mut first_failed = None;
     let mut stop_at: Option<Instant> = None;
-    let mut killed = false;
+    let mut terminated = false;
     loop {
         for (i, c) in sites.iter_mut().enumerate() {
             if done[i].is_none() {
                 done[i] = c
                     .try_wait()
                     .map_err(CliError::io("waiting for a site's launcher"))?;
+                if done[i].is_some_and(|s| !s.success()) && first_failed.is_none() {
+                    first_failed = Some(i);
+                }
             }
         }
         if done.iter().all(Option::is_some) {
-            return Ok(done.into_iter().flatten().collect());
+            return Ok((done.into_iter().flatten().collect(), first_failed));
         }
-        let failed = done.iter().flatten().any(|s| !s.success());
-        if STOP.load(Ordering::Relaxed) && stop_at.is_none() {
-            stop_at = Some(Instant::now());
-        } else if failed && stop_at.is_none() {
-            stop_at = Some(Instant::now() + Duration::from_secs(60));
+        let now = Instant::now();
+        if STOP.load(Ordering::Relaxed) && !terminated {
+            stop_at = Some(now);
+        } else if stop_at.is_none() && done.iter().any(Option::is_some) {
+            stop_at = Some(now + Duration::from_secs(60));
         }
-        if let Some(at) = stop_at {
-            let now = Instant::now();
-            if now >= at && !killed {
-                for (i, c) in sites.iter().enumerate() {
-                    if done[i].is_none() {
+        if let Some(at) = stop_at.filter(|&at| now >= at) {
+            for (i, c) in sites.iter_mut().enumerate() {
+                if done[i].is_none() {
+                    if terminated {
+                        let _ = c.kill();
+                    } else {
                         signal(c, libc::SIGTERM);
                     }
                 }
-                killed = true;
-                stop_at = Some(now + Duration::from_secs(15));
-            } else if now >= at {
-                for (i, c) in sites.iter_mut().enumerate() {
-                    if done[i].is_none() {
-                        let _ = c.kill();
-                    }
-                }
+            }
+            if !terminated {
+                terminated = true;
+                stop_at = Some(at.max(now) + Duration::from_secs(15));
             }
         }
         std::thread::sleep(Duration::from_millis(50));

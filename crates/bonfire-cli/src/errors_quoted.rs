@@ -240,6 +240,7 @@ variants!(
         SyncError::Buffer { .. },
         SyncError::Sharded { .. },
         SyncError::Outer { .. },
+        SyncError::ParamServer { .. },
         SyncError::Broadcast { .. },
     ]
 );
@@ -337,6 +338,32 @@ fn sync_examples() -> Vec<SyncError> {
         SyncError::Outer {
             what: "the model has 8 elements where this rank holds outer momentum: 6 (a record of \
                    another model, or a model that changed)"
+                .into(),
+            source: None,
+        },
+        SyncError::ParamServer {
+            what: "worker 1 pulling from server 0 (rank 2) at push 7 (1066 gradient elements of \
+                   6 parameters)"
+                .into(),
+            source: Some(peer_lost()),
+        },
+        SyncError::ParamServer {
+            what: "worker 1 starts from other parameters than server 0 (rank 2) holds for its 6 \
+                   parameters (1066 elements). Build every rank's model from the same seed or \
+                   checkpoint, or call bonfire::broadcast_parameters(model) on every rank"
+                .into(),
+            source: None,
+        },
+        SyncError::ParamServer {
+            what: "workers [1] finished while the others pushed another step (pushes per \
+                   worker: [8, 7]): under synchronous servers every worker must take the same \
+                   number of steps"
+                .into(),
+            source: None,
+        },
+        SyncError::ParamServer {
+            what: "1 server(s) in a group of 1 ranks leaves no worker: servers must be fewer \
+                   than the ranks"
                 .into(),
             source: None,
         },

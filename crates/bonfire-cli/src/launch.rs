@@ -63,6 +63,10 @@ pub(crate) struct Args {
     /// after each restart, before the job ends naming the nodes missing.
     #[arg(long, value_parser = positive_seconds, default_value = "300")]
     join_timeout: Duration,
+    /// Ranks whose failure does not stop the job, comma-separated (the workers of asynchronous
+    /// parameter servers): the launcher says how each ended and the others go on.
+    #[arg(long, value_delimiter = ',', value_name = "RANKS")]
+    expendable_ranks: Vec<u32>,
     /// The program every rank runs, and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]...")]
     command: Vec<OsString>,
@@ -123,6 +127,13 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
     let (nnodes, node_rank, master) = placement(&args, &|k| std::env::var(k).ok())?;
     let mut command = args.command.into_iter();
     let program = command.next().ok_or(CliError::NoProgram)?;
+    let world = args.nproc_per_node as usize * nnodes;
+    if let Some(r) = args.expendable_ranks.iter().find(|&&r| r as usize >= world) {
+        return Err(CliError::Usage(format!(
+            "--expendable-ranks names rank {r}, but the job has {world} ranks (0 to {})",
+            world - 1
+        )));
+    }
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
         nnodes,
@@ -141,6 +152,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .map(|t| ("BONFIRE_TRANSPORT".into(), t.into()))
             .collect(),
         prefix_output: true,
+        expendable: args.expendable_ranks.iter().map(|&r| r as usize).collect(),
     };
     let launched = launch(&config)?;
     if let Some(summary) = launched.summary() {
@@ -165,6 +177,7 @@ pub(crate) mod tests {
             transport: None,
             max_restarts: 0,
             join_timeout: Duration::from_secs(300),
+            expendable_ranks: Vec::new(),
             command: vec!["./train".into()],
         }
     }

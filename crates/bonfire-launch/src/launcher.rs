@@ -46,6 +46,10 @@ pub struct LaunchConfig {
     pub extra_env: Vec<(OsString, OsString)>,
     /// Prefix each line of a rank's output with `[rank N]`.
     pub prefix_output: bool,
+    /// Ranks whose failure does not stop the job (the workers of asynchronous parameter
+    /// servers): the launcher says how each ended, and the job goes on without it. A job
+    /// whose other ranks all succeed succeeds.
+    pub expendable: Vec<usize>,
 }
 
 impl LaunchConfig {
@@ -65,6 +69,7 @@ impl LaunchConfig {
             args: Vec::new(),
             extra_env: Vec::new(),
             prefix_output: true,
+            expendable: Vec::new(),
         }
     }
 }
@@ -74,19 +79,32 @@ impl LaunchConfig {
 pub struct Launched {
     /// The job's restarts, in order: why each happened.
     pub restarts: Vec<String>,
+    /// Expendable ranks of this node that failed while the job went on: how each ended.
+    pub lost: Vec<String>,
 }
 
 impl Launched {
     /// `"after 2 restarts (rank 1 (pid 7) was killed by signal 9 (SIGKILL); ...)"`, or `None`
     /// when the job ran once.
     pub fn summary(&self) -> Option<String> {
-        match self.restarts.len() {
+        let restarts = match self.restarts.len() {
             0 => None,
             n => Some(format!(
                 "after {n} restart{} ({})",
                 if n == 1 { "" } else { "s" },
                 self.restarts.join("; ")
             )),
+        };
+        let lost = (!self.lost.is_empty()).then(|| {
+            format!(
+                "without expendable rank{} that failed ({})",
+                if self.lost.len() == 1 { "" } else { "s" },
+                self.lost.join("; ")
+            )
+        });
+        match (restarts, lost) {
+            (Some(r), Some(l)) => Some(format!("{r}, {l}")),
+            (r, l) => r.or(l),
         }
     }
 }
@@ -362,6 +380,10 @@ pub(crate) struct LocalRanks {
     running: Vec<Running>,
     pumps: Vec<JoinHandle<()>>,
     failure: Option<Failure>,
+    /// Ranks whose failure does not stop the job.
+    expendable: Vec<usize>,
+    /// How the expendable ranks that failed ended.
+    pub(crate) lost: Vec<String>,
 }
 
 impl LocalRanks {
@@ -377,6 +399,8 @@ impl LocalRanks {
             running: Vec::new(),
             pumps: Vec::new(),
             failure: None,
+            expendable: c.expendable.clone(),
+            lost: Vec::new(),
         };
         for local in 0..c.nproc_per_node {
             let rank = c.node_rank * c.nproc_per_node + local;
@@ -441,6 +465,17 @@ impl LocalRanks {
         for r in self.running.iter_mut().filter(|r| r.status.is_none()) {
             if let Ok(Some(status)) = r.child.try_wait() {
                 r.status = Some(status);
+                if !status.success() && self.expendable.contains(&r.rank) {
+                    let how = format!(
+                        "rank {} (pid {}) {}",
+                        r.rank,
+                        r.child.id(),
+                        describe(status)
+                    );
+                    tracing::warn!("bonfire launch: expendable {how}; the job goes on");
+                    self.lost.push(how);
+                    continue;
+                }
                 if !status.success() && self.failure.is_none() {
                     let failure = Failure {
                         rank: r.rank,
@@ -455,11 +490,12 @@ impl LocalRanks {
         (new, self.running.iter().all(|r| r.status.is_some()))
     }
 
-    /// Every rank exited with success.
+    /// Every rank exited with success (an expendable one: exited).
     pub(crate) fn succeeded(&self) -> bool {
-        self.running
-            .iter()
-            .all(|r| r.status.is_some_and(|s| s.success()))
+        self.running.iter().all(|r| {
+            r.status
+                .is_some_and(|s| s.success() || self.expendable.contains(&r.rank))
+        })
     }
 
     /// Stops the round: the ranks still running get `grace` to end by themselves (to notice a
@@ -533,6 +569,7 @@ fn run_alone(
             if all {
                 ranks.stop(Duration::ZERO);
                 cleanup();
+                launched.lost = std::mem::take(&mut ranks.lost);
                 return Ok(launched);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -709,6 +746,26 @@ mod tests {
             started.elapsed() < Duration::from_secs(20),
             "survivors were not stopped"
         );
+    }
+
+    #[test]
+    fn an_expendable_rank_that_fails_does_not_stop_the_job() {
+        // Rank 1 fails at once; rank 0 outlives it and succeeds.
+        let mut c = sh(3, "if [ $RANK = 1 ]; then exit 3; fi; sleep 0.5");
+        c.expendable = vec![1];
+        let launched = launch(&c).unwrap();
+        assert_eq!(launched.lost.len(), 1, "{launched:?}");
+        assert!(launched.lost[0].starts_with("rank 1 (pid "), "{launched:?}");
+        let summary = launched.summary().unwrap();
+        assert!(
+            summary.contains("without expendable rank that failed (rank 1")
+                && summary.contains("exited with status 3"),
+            "{summary}"
+        );
+        // Another rank's failure still stops the job.
+        let mut c = sh(3, "if [ $RANK = 2 ]; then exit 4; fi; sleep 30");
+        c.expendable = vec![1];
+        assert_eq!(launch(&c).unwrap_err().failed_rank(), Some(2));
     }
 
     #[test]

@@ -64,11 +64,12 @@ pub use world::{InitError, World, init, init_from, init_with, init_with_transpor
 pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
-    BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, DistributedSampler,
-    FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord, NoSyncGuard, Outer,
-    OuterState, OuterStats, Overlap, Sharded, StepStats, ZeroStage, accumulate,
-    broadcast_parameters, diloco, discard_kept_gradients, gradient_bytes, keep_gradients,
-    last_step_stats, local_sgd, no_sync, replicate, sharded, sync_buffers, total_stats,
+    BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, Departure,
+    DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord,
+    NoSyncGuard, Outer, OuterState, OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole,
+    PsStats, Sharded, StepStats, ZeroStage, accumulate, broadcast_parameters, diloco,
+    discard_kept_gradients, gradient_bytes, keep_gradients, last_step_stats, local_sgd, no_sync,
+    param_server, replicate, sharded, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,

@@ -197,6 +197,17 @@ pub enum SyncError {
         #[source]
         source: Option<CollectiveError>,
     },
+    /// A parameter server or worker ([`crate::ParamServer`]) failed: a push or pull, a worker
+    /// that stopped or pushed another step under synchronous servers, a model that changed, or
+    /// a worker that started from other parameters.
+    #[error("parameter server: {what}{}", source.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
+    ParamServer {
+        /// What failed, naming the worker, the server and the sizes.
+        what: String,
+        /// The collective's error, which names the peer.
+        #[source]
+        source: Option<CollectiveError>,
+    },
     /// Broadcasting rank 0's parameters (`replicate`) failed.
     #[error("broadcasting parameter {param} ({what}): {source}")]
     Broadcast {

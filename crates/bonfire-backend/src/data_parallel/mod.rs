@@ -22,6 +22,7 @@ mod lane;
 mod local;
 mod ops;
 mod outer;
+mod param_server;
 mod replicate;
 mod sampler;
 mod scatter;
@@ -44,6 +45,7 @@ pub use local::{LocalParts, register as register_local_parts};
 pub use outer::{
     DILOCO_OUTER, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco, local_sgd,
 };
+pub use param_server::{Departure, ParamServer, PsMode, PsReport, PsRole, PsStats, param_server};
 pub use replicate::{
     accumulate, broadcast_parameters, discard_kept_gradients, keep_gradients, replicate,
 };

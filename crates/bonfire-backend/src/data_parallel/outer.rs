@@ -466,7 +466,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Write<'_> {
 
 /// Drops `DataParallel`'s averaging marks (set by `replicate`, renewed by Burn's optimizers), so
 /// that the next backward keeps this replica's gradients.
-struct Unmark;
+pub(crate) struct Unmark;
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {

@@ -1,0 +1,410 @@
+//! `bonfire::param_server` against references: ranks as threads of this process, the same
+//! model and batches.
+//!
+//! - Synchronous servers are data parallelism: two workers with one or two servers end within
+//!   1e-6 of two all-reducing ranks after 20 Adam steps (the mean is summed on the server).
+//! - One asynchronous worker is single-device training, bit for bit up to the same rounding.
+//! - Asynchronous servers apply every push, report the staleness of each (the histogram counts
+//!   every push) and keep every worker within the bound.
+//! - An asynchronous job goes on when a worker dies; the server names it.
+//! - A worker that starts from other parameters is named.
+
+use std::time::Duration;
+
+use bonfire::{ParamServer, PsReport, PsRole};
+use bonfire_testkit::nets::{
+    Batch, DpFlex, Net, SmallCnn, loss, parameters, random_batches, seeded,
+};
+use bonfire_testkit::{RankModels, bind_rank, in_process_ranks, run_ranks};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+
+type Device = burn::backend::flex::FlexDevice;
+type Net2 = SmallCnn<DpFlex>;
+type Params = Vec<Vec<f32>>;
+type Adam = burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Net2, DpFlex>;
+
+const LR: f64 = 1e-2;
+
+fn batches(seed: u64, steps: usize, rows: usize) -> Vec<Batch> {
+    random_batches(seed, steps, rows, Net2::FEATURES, Net2::CLASSES)
+}
+
+fn adam() -> Adam {
+    AdamConfig::new().init::<DpFlex, Net2>()
+}
+
+/// One step of `optim` on worker `w`'s slice of `batch` (of `workers`).
+fn step<O: Optimizer<Net2, DpFlex>>(
+    model: Net2,
+    optim: &mut O,
+    batch: &Batch,
+    w: usize,
+    workers: usize,
+) -> Net2 {
+    let n = batch.rows() / workers;
+    let l = loss(&model, &batch.slice(w * n, n), 1.0, &Device::default());
+    let grads = GradientsParams::from_grads(l.backward(), &model);
+    optim.step(LR, model, grads)
+}
+
+fn max_difference(a: &Params, b: &Params) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// What a rank ends with: a worker's parameters and pushes, or a server's report.
+enum End {
+    Worker(Params, u64),
+    Server(PsReport),
+}
+
+/// Trains `world` ranks (`servers` of them serving) from the same seeded model: worker `w` takes
+/// `steps(w)` steps on its slice of `batches` (finishing unless `dies(w)`), with the optimizer
+/// `make` gives; a rank's communicator times out after `timeout`.
+fn run<F>(
+    world: usize,
+    batches: &[Batch],
+    timeout: Duration,
+    make: F,
+    steps: fn(usize) -> usize,
+    dies: fn(usize) -> bool,
+) -> Vec<End>
+where
+    F: Fn() -> ParamServer<Adam> + Send + Sync + 'static,
+{
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..world)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let batches = batches.to_vec();
+    let comms = in_process_ranks(world, timeout);
+    run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let r = comm.rank();
+        let mut model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut optim = make();
+        match optim.role(&Device::default()) {
+            PsRole::Server { .. } => End::Server(optim.serve(model).1),
+            PsRole::Worker { index, workers } => {
+                for b in batches.iter().take(steps(index)) {
+                    model = step(model, &mut optim, b, index, workers);
+                }
+                if !dies(index) {
+                    optim.finish(&model);
+                }
+                End::Worker(parameters(&model), optim.stats().pushes)
+            }
+        }
+    })
+}
+
+/// Every rank's parameters after all-reducing data parallelism over `world` ranks.
+fn ddp(world: usize, batches: &[Batch]) -> Vec<Params> {
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..world)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let batches = batches.to_vec();
+    let comms = in_process_ranks(world, Duration::from_secs(20));
+    run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let (r, world) = (comm.rank(), comm.size());
+        let model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut model = bonfire::replicate(model);
+        let mut optim = adam();
+        for b in &batches {
+            model = step(model, &mut optim, b, r, world);
+        }
+        parameters(&model)
+    })
+}
+
+fn workers(ends: &[End]) -> Vec<(&Params, u64)> {
+    ends.iter()
+        .filter_map(|e| match e {
+            End::Worker(p, n) => Some((p, *n)),
+            End::Server(_) => None,
+        })
+        .collect()
+}
+
+fn servers(ends: &[End]) -> Vec<&PsReport> {
+    ends.iter()
+        .filter_map(|e| match e {
+            End::Server(r) => Some(r),
+            End::Worker(..) => None,
+        })
+        .collect()
+}
+
+fn all(_: usize) -> usize {
+    usize::MAX
+}
+
+fn never(_: usize) -> bool {
+    false
+}
+
+#[test]
+fn synchronous_servers_equal_all_reduce_within_1e6_after_20_steps() {
+    let b = batches(31, 20, 8);
+    let reference = ddp(2, &b);
+    for servers_n in [1, 2] {
+        let ends = run(
+            2 + servers_n,
+            &b,
+            Duration::from_secs(20),
+            move || bonfire::param_server(adam(), servers_n),
+            all,
+            never,
+        );
+        let w = workers(&ends);
+        assert_eq!(w.len(), 2);
+        assert!(w[0].0 == w[1].0, "the workers pulled the same parameters");
+        let diff = max_difference(w[0].0, &reference[0]);
+        assert!(
+            diff <= 1e-6,
+            "{servers_n} synchronous server(s) end {diff:e} from all-reduce after 20 Adam steps"
+        );
+        let start = parameters(&seeded::<DpFlex, _>(7, &Device::default(), SmallCnn::new));
+        assert!(max_difference(&start, w[0].0) > 1e-3, "training moved them");
+        assert_eq!(w[0].1, 20);
+        let reports = servers(&ends);
+        assert_eq!(reports.len(), servers_n);
+        for r in &reports {
+            assert_eq!(r.versions, 20, "{}", r.line());
+            assert_eq!(r.staleness, vec![40], "two pushes a step, none stale");
+            assert_eq!(r.finished, vec![0, 1]);
+            assert!(r.departed.is_empty());
+        }
+        let owned: usize = reports.iter().map(|r| r.elements).sum();
+        let trained: usize = start.iter().map(Vec::len).sum::<usize>();
+        assert!(
+            owned <= trained && owned > 0,
+            "the servers own the trained parameters once: {owned} of {trained} elements"
+        );
+        if servers_n == 2 {
+            assert!(
+                reports.iter().all(|r| r.elements > 0),
+                "both servers own a share: {:?}",
+                reports.iter().map(|r| r.elements).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn one_asynchronous_worker_is_single_device_training() {
+    let b = batches(32, 8, 4);
+    let single = ddp(1, &b);
+    let ends = run(
+        2,
+        &b,
+        Duration::from_secs(20),
+        || bonfire::param_server(adam(), 1).asynchronous(0),
+        all,
+        never,
+    );
+    let w = workers(&ends);
+    let diff = max_difference(w[0].0, &single[0]);
+    assert!(
+        diff <= 1e-6,
+        "one asynchronous worker is {diff:e} from one device"
+    );
+    let r = servers(&ends)[0];
+    assert_eq!(
+        (r.versions, r.staleness.clone()),
+        (8, vec![8]),
+        "{}",
+        r.line()
+    );
+}
+
+#[test]
+fn asynchronous_servers_apply_every_push_within_the_staleness_bound() {
+    let b = batches(33, 6, 9);
+    let ends = run(
+        4,
+        &b,
+        Duration::from_secs(20),
+        || bonfire::param_server(adam(), 1).asynchronous(1),
+        all,
+        never,
+    );
+    let r = servers(&ends)[0];
+    assert_eq!(r.versions, 18, "one step per push: {}", r.line());
+    assert_eq!(r.staleness.iter().sum::<u64>(), 18, "{}", r.line());
+    // The three first pushes are computed on the start: the second and third to be applied
+    // are stale by 1 and 2 at least.
+    assert!(r.staleness.len() >= 3, "{}", r.line());
+    assert!(r.max_lead <= 1, "{}", r.line());
+    let mut finished = r.finished.clone();
+    finished.sort();
+    assert_eq!(finished, vec![0, 1, 2]);
+    for (p, n) in workers(&ends) {
+        assert_eq!(n, 6);
+        assert!(p.iter().flatten().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn an_asynchronous_job_goes_on_when_a_worker_dies() {
+    let b = batches(34, 8, 9);
+    fn steps(w: usize) -> usize {
+        if w == 2 { 3 } else { 8 }
+    }
+    let ends = run(
+        4,
+        &b,
+        Duration::from_secs(2),
+        || bonfire::param_server(adam(), 1).asynchronous(2),
+        steps,
+        |w| w == 2,
+    );
+    let r = servers(&ends)[0];
+    assert_eq!(r.departed.len(), 1, "{}", r.line());
+    let gone = &r.departed[0];
+    assert_eq!((gone.worker, gone.pushes), (2, 3), "{}", r.line());
+    assert!(!gone.reason.is_empty());
+    let mut finished = r.finished.clone();
+    finished.sort();
+    assert_eq!(finished, vec![0, 1], "the others trained on: {}", r.line());
+    assert_eq!(r.versions, 3 + 8 + 8);
+    assert!(r.line().contains("dropped worker 2 after 3 pushes"));
+}
+
+#[test]
+fn a_worker_that_starts_from_other_parameters_is_named() {
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..3u64)
+            .map(|r| seeded::<DpFlex, _>(if r == 1 { 8 } else { 7 }, &device, SmallCnn::new))
+            .collect(),
+    );
+    let b = batches(35, 1, 4);
+    let comms = in_process_ranks(3, Duration::from_secs(5));
+    let errors = run_ranks(comms, Duration::from_secs(120), move |comm| {
+        let r = comm.rank();
+        let model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut optim = bonfire::param_server(adam(), 1);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match optim.role(&Device::default()) {
+                PsRole::Server { .. } => drop(optim.serve(model)),
+                PsRole::Worker { index, workers } => {
+                    let m = step(model, &mut optim, &b[0], index, workers);
+                    optim.finish(&m);
+                }
+            }
+        }))
+        .err()
+        .and_then(|p| p.downcast_ref::<String>().cloned())
+    });
+    let server = errors[2].as_deref().expect("the server fails");
+    assert!(
+        server.contains("worker 1 starts from other parameters than server 0"),
+        "{server}"
+    );
+    for (r, e) in errors.iter().enumerate().take(2) {
+        assert!(e.is_some(), "worker {r} fails too (its pull is aborted)");
+    }
+}
+
+/// Three processes under the launcher (two workers, one server) in `mode`: each worker's
+/// parameters, and the server's report line.
+fn three_processes(mode: &str, steps: usize, rows: usize) -> (Vec<f32>, Vec<f32>, String) {
+    let (launched, out) = processes(3, mode, steps, rows, None);
+    assert!(launched.lost.is_empty(), "{launched:?}");
+    out
+}
+
+/// `n` processes under the launcher (the last one serves) in `mode`, worker `die.0` exiting
+/// after `die.1` steps when given (an expendable rank): how the launch went, workers 0 and 1's
+/// parameters and the server's report line.
+fn processes(
+    n: usize,
+    mode: &str,
+    steps: usize,
+    rows: usize,
+    die: Option<(usize, usize)>,
+) -> (bonfire_launch::Launched, (Vec<f32>, Vec<f32>, String)) {
+    let dir = std::env::temp_dir().join(format!("bonfire-ps-{mode}-{n}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = bonfire_launch::LaunchConfig::local(n, env!("CARGO_BIN_EXE_bonfire-ps-check"));
+    c.args = vec![
+        mode.into(),
+        steps.to_string().into(),
+        rows.to_string().into(),
+        dir.clone().into(),
+    ];
+    if let Some((w, k)) = die {
+        c.args.push(format!("{w}:{k}").into());
+        c.expendable = vec![w];
+    }
+    c.timeout = Some(Duration::from_secs(60));
+    c.peer_timeout = Some(Duration::from_secs(2));
+    let launched = bonfire_launch::launch(&c).expect("the job succeeds");
+    let out = (
+        bonfire_testkit::nets::read_params(&dir.join("rank0.bin")),
+        bonfire_testkit::nets::read_params(&dir.join("rank1.bin")),
+        std::fs::read_to_string(dir.join("server.txt")).unwrap(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    (launched, out)
+}
+
+#[test]
+fn an_asynchronous_job_goes_on_when_a_worker_process_dies() {
+    // Four processes: workers 0 to 2, rank 3 serves; worker 2 exits after 2 of 6 steps.
+    let (launched, (w0, w1, line)) = processes(4, "async", 6, 3, Some((2, 2)));
+    assert_eq!(launched.lost.len(), 1, "{launched:?}");
+    assert!(launched.lost[0].starts_with("rank 2 "), "{launched:?}");
+    assert!(line.contains("14 steps from 14 pushes"), "{line}");
+    assert!(line.contains("dropped worker 2 after 2 pushes"), "{line}");
+    assert!(w0.iter().chain(&w1).all(|v| v.is_finite()));
+}
+
+#[test]
+fn across_processes_synchronous_servers_equal_one_device_and_asynchronous_ones_finish() {
+    const STEPS: usize = 4;
+    const ROWS: usize = 4;
+    // One device on the whole batches: the same model, seed and Adam steps.
+    let whole = {
+        let comms = in_process_ranks(1, Duration::from_secs(20));
+        run_ranks(comms, Duration::from_secs(120), |comm| {
+            let _bind = bind_rank(comm);
+            let device = Device::default();
+            let mut model = seeded::<DpFlex, _>(1, &device, SmallCnn::new);
+            let mut optim = adam();
+            let b = random_batches(21, STEPS, 2 * ROWS, Net2::FEATURES, Net2::CLASSES);
+            for batch in &b {
+                model = step(model, &mut optim, batch, 0, 1);
+            }
+            parameters(&model).concat()
+        })
+        .remove(0)
+    };
+    let (w0, w1, line) = three_processes("sync", STEPS, ROWS);
+    assert_eq!(w0, w1, "the workers pulled the same parameters");
+    let d = w0
+        .iter()
+        .zip(&whole)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        d <= 1e-5,
+        "2 workers x {ROWS} rows are {d:e} from one device x {}",
+        2 * ROWS
+    );
+    assert!(line.contains("4 steps from 8 pushes"), "{line}");
+    let (a0, a1, line) = three_processes("async", STEPS, ROWS);
+    assert!(line.contains("8 steps from 8 pushes"), "{line}");
+    assert!(a0.iter().chain(&a1).all(|v| v.is_finite()));
+}

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The bundled jobs' data-parallel strategies side by side: `--strategy allreduce`, `local-sgd`
-# and `diloco` (meeting every H steps), RANKS ranks (default 2) on this host, the same steps,
+# and `diloco` (meeting every H steps), and for the vision job `ps-sync` and `ps-async` (the
+# last of the RANKS ranks serves, SERVERS=N for more; STALENESS=S for ps-async's bound: the
+# same ranks, so RANKS-SERVERS workers train, each on 1/(RANKS-SERVERS) of the data with the same
+# batch per step, which makes more steps per epoch and a smaller global batch), RANKS
+# ranks (default 2) on this host, the same steps,
 # batches and seed; with WAN set, over two "sites" joined by a slow link (`bonfire bench wan`,
 # RANKS/2 ranks per site; needs root), WAN holding its flags.
 # Prints, per strategy, the quality at each evaluation (GPT: validation loss in nats/char;
@@ -14,6 +18,7 @@
 #   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 #   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
+#   JOB=vision RANKS=4 STRATEGIES="allreduce ps-sync ps-async" bash benches/strategies.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,7 +79,12 @@ echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)
 # shellcheck disable=SC2086 # the list splits on spaces
 for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     extra=()
-    [ "$s" != allreduce ] && extra=(--strategy "$s" --sync-every "$h")
+    case "$s" in
+    allreduce) ;;
+    ps-sync) extra=(--strategy "$s" --servers "${SERVERS:-1}") ;;
+    ps-async) extra=(--strategy "$s" --servers "${SERVERS:-1}" --staleness "${STALENESS:-2}") ;;
+    *) extra=(--strategy "$s" --sync-every "$h") ;;
+    esac
     # shellcheck disable=SC2206 # OUTER's flags split on spaces, as written
     [ "$s" = diloco ] && extra+=(${OUTER:-})
     t0=$(date +%s.%N)
@@ -88,9 +98,13 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     points="$(echo "$out" | sed -n "$quality" | tr '\n' ' ')"
     first="$(echo "$points" | tr ' ' '\n' | awk -F: -v g="$goal" "$reached {print \$1; exit}")"
     sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*|[0-9.]+ s in meetings|[0-9.]+ ms exposed' | tr '\n' ';' || true)"
+    # Parameter servers: worker 0's traffic and each server's line.
+    sent+="$(echo "$out" | grep -E '^parameter worker 0:' | sed 's/^parameter //' || true)"
+    served="$(echo "$out" | grep -E '^parameter server' | sed 's/^parameter /    /' || true)"
     rate="$(echo "$out" | grep -E '^throughput' | grep -oE '[0-9]+ [a-z]+/s after the first [0-9]+ batches' || true)"
     printf '%-10s wall %6.1f s  reached %s at %s  quality %s\n    sent: %s\n    steady: %s\n' \
         "$s" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" "$goal" "${first:--}" \
         "$points" "$sent" "$rate"
+    [ -n "$served" ] && echo "$served"
     echo "$out" | grep -E '^bonfire bench wan: site [AB] -> ' | sed 's/^bonfire bench wan: /    link: /' || true
 done

@@ -876,7 +876,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         ),
         (
             &["--strategy", "gossip"][..],
-            "must be allreduce, local-sgd or diloco",
+            "must be allreduce, local-sgd, diloco, ps-sync or ps-async",
         ),
         (
             &["--strategy", "local-sgd", "--outer-lr", "0.5"][..],
@@ -892,7 +892,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         ),
         (
             &["--strategy", "diloco", "--zero", "1"][..],
-            "a local strategy's replicas keep their own optimizer state",
+            "local-sgd and diloco keep each replica's optimizer state",
         ),
     ] {
         let out = bonfire(&dir, &[&TINY[..], args].concat()).output().unwrap();

@@ -329,3 +329,157 @@ fn diloco_meets_learns_and_resumes_exactly() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--strategy ps-sync` at 3 ranks (2 workers, the last rank serving) and at 4 ranks with 2
+/// servers ends on the weights of allreduce at 2 ranks (a server's mean of two gradients is the
+/// all-reduce's, bit for bit); killed after its first checkpoint and resumed (the checkpoint
+/// holds both servers' Adam states, each server takes back its share) it ends there too; `ps-async` trains and reports its staleness; flags that need another
+/// strategy, a job without a worker and the GPT job refuse them.
+#[test]
+fn parameter_servers_equal_allreduce_and_resume_exactly() {
+    let dir = scratch("train-ps");
+    let common = [
+        "train",
+        "vision",
+        "--dataset",
+        "embedded",
+        "--epochs",
+        "3",
+        "--train-limit",
+        "768",
+        "--test-limit",
+        "200",
+    ];
+    let run = |extra: &[&str], out: &std::path::Path| {
+        let o = bonfire(&dir, &[&common[..], extra, &["--checkpoint-dir"]].concat())
+            .arg(out)
+            .output()
+            .unwrap();
+        let log = text(&o);
+        assert!(o.status.success(), "{log}");
+        log
+    };
+    let allreduce = dir.join("allreduce");
+    run(&["--ranks", "2"], &allreduce);
+    let ps = ["--ranks", "3", "--strategy", "ps-sync"];
+    let served = dir.join("served");
+    let log = run(&ps, &served);
+    // 384 images per worker, 64 per step: 6 steps an epoch, 2 pushes each.
+    assert!(
+        log.contains("2 worker(s) and 1 parameter server(s)")
+            && log.contains("18 steps from 36 pushes")
+            && log.contains("parameter worker 1: 18 pushes"),
+        "{log}"
+    );
+    let two = ["--ranks", "4", "--strategy", "ps-sync", "--servers", "2"];
+    let served2 = dir.join("served2");
+    let log = run(&two, &served2);
+    assert!(
+        log.contains("parameter server 1:") && log.contains("18 steps from 36 pushes"),
+        "{log}"
+    );
+    let a = state(&allreduce, 3);
+    for dir in [&served, &served2] {
+        let s = state(dir, 3);
+        assert_eq!(s["config"]["strategy"]["kind"], "ps-sync");
+        for e in 0..3 {
+            assert_eq!(
+                a["history"][e]["param_digest"],
+                s["history"][e]["param_digest"],
+                "epoch {} of {}: ps-sync differs from allreduce",
+                e + 1,
+                dir.display()
+            );
+        }
+    }
+
+    let killed = dir.join("killed");
+    let mut cmd = bonfire(
+        &dir,
+        &[&common[..], &two[..], &["--checkpoint-dir"]].concat(),
+    );
+    cmd.arg(&killed);
+    let done = kill_after_first_checkpoint(&mut cmd, &killed);
+    assert_ne!(done, "epoch-3", "the job finished before it was killed");
+    let out = bonfire(&dir, &["train", "vision", "--resume", "--checkpoint-dir"])
+        .arg(&killed)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let k = state(&killed, 3);
+    for e in 0..3 {
+        assert_eq!(
+            a["history"][e]["param_digest"],
+            k["history"][e]["param_digest"],
+            "epoch {}: the resumed run differs",
+            e + 1
+        );
+    }
+
+    let log = run(
+        &["--ranks", "3", "--strategy", "ps-async", "--staleness", "1"],
+        &dir.join("async"),
+    );
+    assert!(
+        log.contains("ps-async, 1 server(s), staleness bound 1")
+            && log.contains("36 steps from 36 pushes")
+            && log.contains("histogram ["),
+        "{log}"
+    );
+
+    for (args, needle) in [
+        (
+            &["train", "vision", "--servers", "2"][..],
+            "only ps-sync and ps-async have servers",
+        ),
+        (
+            &[
+                "train",
+                "vision",
+                "--strategy",
+                "ps-sync",
+                "--staleness",
+                "1",
+            ][..],
+            "only ps-async lets workers run ahead",
+        ),
+        (
+            &[
+                "train",
+                "vision",
+                "--strategy",
+                "ps-sync",
+                "--ranks",
+                "2",
+                "--servers",
+                "2",
+            ][..],
+            "the servers must be fewer than the ranks",
+        ),
+        (
+            &["train", "gpt", "--strategy", "ps-async"][..],
+            "parameter servers are offered by the vision job",
+        ),
+        (
+            &[
+                "train",
+                "vision",
+                "--strategy",
+                "ps-sync",
+                "--ranks",
+                "3",
+                "--bf16",
+            ][..],
+            "parameter servers push gradients and pull parameters in f32",
+        ),
+    ] {
+        let out = bonfire(&dir, args).output().unwrap();
+        let log = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {log}");
+        assert!(
+            log.contains(needle) && !log.contains("panicked"),
+            "{args:?}: {log}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -30,8 +30,8 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn pipeline_stages(&self) -> usize {
         1
     }
-    /// Whether the replicas step on their own between meetings (`--strategy local-sgd` or
-    /// `diloco`) instead of averaging every step's gradients.
+    /// Whether the strategy is other than all-reduce (`--strategy local-sgd`, `diloco`, or
+    /// parameter servers): the optimizer state is not one state all replicas share.
     fn local_strategy(&self) -> bool {
         false
     }

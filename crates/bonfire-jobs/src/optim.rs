@@ -5,7 +5,7 @@
 //! Checkpoints hold the whole optimizer state either way (a sharded run gathers it first), so a
 //! run saved with `--zero` resumes without it, at another stage, or the other way round.
 
-use bonfire::{LocalSgd, OuterStats, Sharded, ZeroStage};
+use bonfire::{LocalSgd, OuterStats, ParamServer, PsReport, PsRole, Sharded, ZeroStage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsParams, LearningRate, Optimizer, SimpleOptimizer};
@@ -44,6 +44,8 @@ where
     Sharded(Sharded<OptimizerAdaptor<O, M, B>>),
     /// Local SGD or DiLoCo (`--strategy`): each replica's own state.
     Local(LocalSgd<OptimizerAdaptor<O, M, B>>),
+    /// Parameter servers (`--strategy ps-sync|ps-async`): a server's state for its share.
+    Served(ParamServer<OptimizerAdaptor<O, M, B>>),
 }
 
 impl<O, M, B> JobOptimizer<O, M, B>
@@ -72,6 +74,34 @@ where
         }
     }
 
+    /// Parameter servers' `ps` (a worker pushes and pulls in each step; a server serves).
+    pub(crate) fn served(ps: ParamServer<OptimizerAdaptor<O, M, B>>) -> Self {
+        JobOptimizer {
+            optim: Kind::Served(ps),
+            gradients: 0,
+        }
+    }
+
+    /// A server's round: serves the workers until every one is done (or gone), and says what
+    /// it saw. `None` (and `module` unchanged) on any other rank.
+    pub(crate) fn serve(&mut self, module: M) -> (M, Option<PsReport>) {
+        match &mut self.optim {
+            Kind::Served(o) => {
+                let (module, report) = o.serve(module);
+                (module, Some(report))
+            }
+            _ => (module, None),
+        }
+    }
+
+    /// Parameter servers, when that is the strategy.
+    pub(crate) fn as_served(&self) -> Option<&ParamServer<OptimizerAdaptor<O, M, B>>> {
+        match &self.optim {
+            Kind::Served(o) => Some(o),
+            _ => None,
+        }
+    }
+
     /// One optimizer step (sharded, or a local strategy's meeting, a collective: every rank
     /// calls it).
     pub(crate) fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
@@ -80,14 +110,19 @@ where
             Kind::Whole(o) => o.step(lr, module, grads),
             Kind::Sharded(o) => o.step(lr, module, grads),
             Kind::Local(o) => o.step(lr, module, grads),
+            Kind::Served(o) => o.step(lr, module, grads),
         }
     }
 
     /// Under a local strategy, the replicas meet now if they stepped since they last did (a
-    /// collective); otherwise `module` unchanged.
+    /// collective); a parameter servers' worker says it is done with the round and takes the
+    /// servers' final parameters; otherwise `module` unchanged.
     pub(crate) fn meet(&mut self, module: M) -> M {
         match &mut self.optim {
             Kind::Local(o) => o.meet(module),
+            Kind::Served(o) if matches!(o.role(&device_of(&module)), PsRole::Worker { .. }) => {
+                o.finish(module)
+            }
             _ => module,
         }
     }
@@ -124,6 +159,8 @@ where
             Kind::Whole(o) => o.to_record(),
             Kind::Sharded(o) => o.consolidated_record(device),
             Kind::Local(o) => o.inner().to_record(),
+            // A server's share; the job merges the servers' (`served_record`).
+            Kind::Served(o) => o.inner().to_record(),
         }
     }
 
@@ -137,6 +174,13 @@ where
                 let inner = o.inner().clone().load_record(record);
                 Kind::Local(o.with_inner(inner))
             }
+            Kind::Served(mut o) => {
+                // Each server keeps the state of the parameters it serves.
+                let owned: std::collections::HashSet<_> = o.owned(module).into_iter().collect();
+                let mut record = record;
+                record.retain(|id, _| owned.contains(id));
+                Kind::Served(o.load_record(record))
+            }
         };
         JobOptimizer { optim, ..self }
     }
@@ -144,7 +188,7 @@ where
     /// The ZeRO stage it shards at; `None` for whole on every rank.
     pub(crate) fn zero_stage(&self) -> Option<ZeroStage> {
         match &self.optim {
-            Kind::Whole(_) | Kind::Local(_) => None,
+            Kind::Whole(_) | Kind::Local(_) | Kind::Served(_) => None,
             Kind::Sharded(o) => Some(o.zero_stage()),
         }
     }
@@ -155,6 +199,7 @@ where
             Kind::Whole(o) => o.to_record(),
             Kind::Sharded(o) => o.to_record(),
             Kind::Local(o) => o.inner().to_record(),
+            Kind::Served(o) => o.inner().to_record(),
         };
         let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
             .record(record, ())
@@ -173,6 +218,52 @@ where
         });
         Ok(bytes.len() + outer)
     }
+}
+
+/// The device of `module`'s first float parameter (the default device without one).
+fn device_of<B: Backend, M: burn::module::Module<B>>(module: &M) -> B::Device {
+    module.devices().into_iter().next().unwrap_or_default()
+}
+
+/// Under parameter servers, every server's share of the optimizer state `mine` (a worker's is
+/// empty) gathered over `group` to its rank 0 (a collective: every rank calls it) into the
+/// whole state, as the unsharded optimizer records it; the other ranks, which write nothing,
+/// get an empty record.
+pub(crate) fn served_record<O, M, B>(
+    group: &bonfire::collectives::Communicator,
+    mine: OptimRecord<O, M, B>,
+    device: &B::Device,
+) -> Result<OptimRecord<O, M, B>, JobError>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder
+        .record(mine, ())
+        .map_err(|source| JobError::EncodeRecord {
+            what: "optimizer state",
+            source,
+        })?;
+    let Some(all) =
+        crate::rank::gather_to_root(group, bytes, "gathering the servers' optimizer states")?
+    else {
+        // Only rank 0 writes the checkpoint.
+        return Ok(OptimRecord::<O, M, B>::default());
+    };
+    let mut whole = OptimRecord::<O, M, B>::default();
+    for part in all {
+        let share: OptimRecord<O, M, B> =
+            recorder
+                .load(part, device)
+                .map_err(|source| JobError::EncodeRecord {
+                    what: "optimizer state",
+                    source,
+                })?;
+        whole.extend(share);
+    }
+    Ok(whole)
 }
 
 /// Bytes of a module's float parameters.

@@ -177,7 +177,14 @@ impl<'a, J: Job> RankContext<'a, J> {
     /// rank, and the stragglers among them (see [`crate::stragglers`]): rank 0 names them at
     /// [`say_stragglers`](Self::say_stragglers), and the progress lines of the next epoch carry
     /// the slowest.
-    pub fn epoch_times(&mut self, mine: RankTimes) -> Result<Vec<RankTimes>, JobError> {
+    ///
+    /// Only the first `trainers` ranks are compared for stragglers (parameter servers, the
+    /// last ranks, train nothing).
+    pub fn epoch_times(
+        &mut self,
+        mine: RankTimes,
+        trainers: usize,
+    ) -> Result<Vec<RankTimes>, JobError> {
         let all = self
             .world
             .comm()
@@ -192,7 +199,7 @@ impl<'a, J: Job> RankContext<'a, J> {
                 wait: c[2],
             })
             .collect();
-        let found = stragglers(&times, THRESHOLD);
+        let found = stragglers(&times[..trainers.min(times.len())], THRESHOLD);
         self.straggler = found.first().map(|s| s.short());
         self.to_say = found
             .iter()
@@ -380,6 +387,46 @@ impl<'a, J: Job> RankContext<'a, J> {
             .wait()
             .map_err(JobError::collective(during))
     }
+}
+
+/// Every member's `mine` on the group's rank 0, in rank order; the others get `None`. Each
+/// member sends its length and its bytes to rank 0 alone (a collective: every member calls it),
+/// so the group moves the bytes once, where an all-gather would copy all of them to everyone.
+pub(crate) fn gather_to_root(
+    group: &Communicator,
+    mine: Vec<u8>,
+    during: &'static str,
+) -> Result<Option<Vec<Vec<u8>>>, JobError> {
+    let fail = JobError::collective(during);
+    if group.rank() != 0 {
+        let len = mine.len();
+        group
+            .send(vec![len as i64], 0)
+            .wait()
+            .map_err(JobError::collective(during))?;
+        if len > 0 {
+            group.send(mine, 0).wait().map_err(fail)?;
+        }
+        return Ok(None);
+    }
+    let mut parts = Vec::with_capacity(group.size());
+    parts.push(mine);
+    for r in 1..group.size() {
+        let len = group
+            .recv(vec![0i64], r)
+            .wait()
+            .map_err(JobError::collective(during))?[0];
+        let bytes = if len > 0 {
+            group
+                .recv(vec![0u8; len as usize], r)
+                .wait()
+                .map_err(JobError::collective(during))?
+        } else {
+            Vec::new()
+        };
+        parts.push(bytes);
+    }
+    Ok(Some(parts))
 }
 
 /// Every rank's bytes of `group` (`mine` on this one), in the group's rank order, on every

@@ -328,9 +328,16 @@ impl ModelMemory {
                 mib(state),
                 mib(state_whole)
             ),
-            None => format!(
+            None if self.optimizer.iter().all(|&b| b == state) => format!(
                 "optimizer state {:.2} MiB (whole on every rank)",
                 mib(state)
+            ),
+            // Parameter servers: the servers hold it, each its share.
+            None => format!(
+                "optimizer state {:.2} MiB on the rank with most ({state_share:.0}% of the {:.2} \
+                 MiB held in all)",
+                mib(state),
+                mib(state_whole)
             ),
         };
         let peaks: Vec<String> = self

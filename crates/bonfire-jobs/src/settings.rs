@@ -174,9 +174,10 @@ fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<()
         }),
         None if options.zero.is_some() && config.local_strategy() => Err(JobError::Invalid {
             flag: "--zero",
-            given: "with --strategy local-sgd or diloco".into(),
-            why: "a local strategy's replicas keep their own optimizer state, which ZeRO would \
-                  shard as if it were one",
+            given: "with a --strategy other than allreduce".into(),
+            why: "local-sgd and diloco keep each replica's optimizer state, and parameter \
+                  servers keep it on the servers; ZeRO shards one state over replicas that \
+                  all-reduce",
         }),
         None => Ok(()),
     }

@@ -1,6 +1,8 @@
 //! How a job's data-parallel replicas stay together (`--strategy`): every step's gradients
-//! all-reduced (the default), or each replica stepping on its own and meeting every `H` steps
-//! ([`bonfire::local_sgd`], [`bonfire::diloco`]).
+//! all-reduced (the default), each replica stepping on its own and meeting every `H` steps
+//! ([`bonfire::local_sgd`], [`bonfire::diloco`]), or parameter servers
+//! ([`bonfire::param_server`]: the last `--servers` ranks own the parameters and the optimizer
+//! state, the others push gradients and pull parameters, synchronously or not).
 //!
 //! A local strategy's replicas meet at the end of every round too (when they stepped since the
 //! last meeting), so that the model evaluated and saved is the one they agreed on. Each
@@ -45,6 +47,18 @@ pub enum Strategy {
         /// The outer momentum.
         outer_momentum: f32,
     },
+    /// Synchronous parameter servers: the last `servers` ranks serve.
+    PsSync {
+        /// Ranks that serve.
+        servers: usize,
+    },
+    /// Asynchronous parameter servers with a stale-synchronous bound.
+    PsAsync {
+        /// Ranks that serve.
+        servers: usize,
+        /// Pushes a worker may run ahead of the slowest.
+        staleness: u64,
+    },
 }
 
 /// The strategies by `--strategy` name.
@@ -56,6 +70,10 @@ pub enum StrategyKind {
     LocalSgd,
     /// `diloco`.
     Diloco,
+    /// `ps-sync`.
+    PsSync,
+    /// `ps-async`.
+    PsAsync,
 }
 
 impl std::str::FromStr for StrategyKind {
@@ -66,10 +84,12 @@ impl std::str::FromStr for StrategyKind {
             "allreduce" => Ok(StrategyKind::AllReduce),
             "local-sgd" => Ok(StrategyKind::LocalSgd),
             "diloco" => Ok(StrategyKind::Diloco),
+            "ps-sync" => Ok(StrategyKind::PsSync),
+            "ps-async" => Ok(StrategyKind::PsAsync),
             _ => Err(JobError::Invalid {
                 flag: "--strategy",
                 given: s.to_string(),
-                why: "must be allreduce, local-sgd or diloco",
+                why: "must be allreduce, local-sgd, diloco, ps-sync or ps-async",
             }),
         }
     }
@@ -86,7 +106,16 @@ pub struct StrategyRequest {
     pub outer_lr: Option<f64>,
     /// DiLoCo's outer momentum (default: 0.9).
     pub outer_momentum: Option<f64>,
+    /// Ranks that serve under parameter servers (default: 1).
+    pub servers: Option<usize>,
+    /// Asynchronous parameter servers' staleness bound (default: 2).
+    pub staleness: Option<u64>,
 }
+
+/// Ranks that serve when `--servers` is left out.
+pub const DEFAULT_SERVERS: usize = 1;
+/// Asynchronous servers' staleness bound when `--staleness` is left out.
+pub const DEFAULT_STALENESS: u64 = 2;
 
 /// Steps between meetings when `--sync-every` is left out.
 pub const DEFAULT_EVERY: usize = 50;
@@ -96,6 +125,7 @@ impl StrategyRequest {
     /// fresh run's default and a resumed run's saved one are checked with [`Self::fits`]).
     pub fn check(&self) -> Result<(), JobError> {
         crate::error::positive("--sync-every", self.every)?;
+        crate::error::positive("--servers", self.servers)?;
         if let Some(v) = self
             .outer_lr
             .filter(|v| !(*v as f32 > 0.0 && (*v as f32).is_finite()))
@@ -124,11 +154,25 @@ impl StrategyRequest {
 
     /// Checks that the flags given go with strategy `kind`.
     pub fn fits(&self, kind: StrategyKind) -> Result<(), JobError> {
-        if kind == StrategyKind::AllReduce && self.every.is_some() {
+        if !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco) && self.every.is_some() {
             return Err(JobError::Invalid {
                 flag: "--sync-every",
-                given: "with --strategy allreduce".into(),
-                why: "only local-sgd and diloco meet every H steps; allreduce averages every step",
+                given: format!("with --strategy {}", kind_name(kind)),
+                why: "only local-sgd and diloco meet every H steps; the others exchange every step",
+            });
+        }
+        if self.servers.is_some() && !matches!(kind, StrategyKind::PsSync | StrategyKind::PsAsync) {
+            return Err(JobError::Invalid {
+                flag: "--servers",
+                given: format!("with --strategy {}", kind_name(kind)),
+                why: "only ps-sync and ps-async have servers",
+            });
+        }
+        if self.staleness.is_some() && kind != StrategyKind::PsAsync {
+            return Err(JobError::Invalid {
+                flag: "--staleness",
+                given: format!("with --strategy {}", kind_name(kind)),
+                why: "only ps-async lets workers run ahead of each other",
             });
         }
         for (flag, v) in [
@@ -163,13 +207,32 @@ impl StrategyRequest {
                     outer_momentum: self.outer_momentum.map_or(momentum, |v| v as f32),
                 }
             }
+            StrategyKind::PsSync => Strategy::PsSync {
+                servers: self.servers.unwrap_or(DEFAULT_SERVERS),
+            },
+            StrategyKind::PsAsync => Strategy::PsAsync {
+                servers: self.servers.unwrap_or(DEFAULT_SERVERS),
+                staleness: self.staleness.unwrap_or(DEFAULT_STALENESS),
+            },
         }
     }
 
     /// The strategy a resumed run asks for: what is given, the rest the checkpoint's `saved`.
     pub fn resolve_over(&self, saved: &Strategy) -> Strategy {
+        let (mut servers, mut staleness) = (None, None);
         let (kind, every, lr, momentum) = match *saved {
             Strategy::AllReduce => (StrategyKind::AllReduce, None, None, None),
+            Strategy::PsSync { servers: n } => {
+                servers = Some(n);
+                (StrategyKind::PsSync, None, None, None)
+            }
+            Strategy::PsAsync {
+                servers: n,
+                staleness: s,
+            } => {
+                (servers, staleness) = (Some(n), Some(s));
+                (StrategyKind::PsAsync, None, None, None)
+            }
             Strategy::LocalSgd { every } => (StrategyKind::LocalSgd, Some(every), None, None),
             Strategy::Diloco {
                 every,
@@ -187,6 +250,8 @@ impl StrategyRequest {
             every: self.every.or(every),
             outer_lr: self.outer_lr.or(lr),
             outer_momentum: self.outer_momentum.or(momentum),
+            servers: self.servers.or(servers),
+            staleness: self.staleness.or(staleness),
         }
         .resolve()
     }
@@ -207,11 +272,13 @@ impl StrategyRequest {
     }
 }
 
-fn kind_name(kind: StrategyKind) -> &'static str {
+pub(crate) fn kind_name(kind: StrategyKind) -> &'static str {
     match kind {
         StrategyKind::AllReduce => "allreduce",
         StrategyKind::LocalSgd => "local-sgd",
         StrategyKind::Diloco => "diloco",
+        StrategyKind::PsSync => "ps-sync",
+        StrategyKind::PsAsync => "ps-async",
     }
 }
 
@@ -222,12 +289,22 @@ impl Strategy {
             Strategy::AllReduce => StrategyKind::AllReduce,
             Strategy::LocalSgd { .. } => StrategyKind::LocalSgd,
             Strategy::Diloco { .. } => StrategyKind::Diloco,
+            Strategy::PsSync { .. } => StrategyKind::PsSync,
+            Strategy::PsAsync { .. } => StrategyKind::PsAsync,
         }
     }
 
     /// Whether the replicas step on their own between meetings.
     pub fn is_local(&self) -> bool {
-        !self.is_all_reduce()
+        matches!(self, Strategy::LocalSgd { .. } | Strategy::Diloco { .. })
+    }
+
+    /// Ranks that serve under parameter servers; `None` under the other strategies.
+    pub fn servers(&self) -> Option<usize> {
+        match *self {
+            Strategy::PsSync { servers } | Strategy::PsAsync { servers, .. } => Some(servers),
+            _ => None,
+        }
     }
 
     /// Whether every step's gradients are all-reduced (the default).
@@ -236,10 +313,10 @@ impl Strategy {
     }
 
     /// `model` as a rank starts training it: a replica of rank 0's, marked for averaging every
-    /// step's gradients (`replicate`), or under a local strategy rank 0's values and ids,
+    /// step's gradients (`replicate`), or under the other strategies rank 0's values and ids,
     /// unmarked (`broadcast_parameters`).
     pub(crate) fn start<B: AutodiffBackend, M: Module<B>>(&self, model: M) -> M {
-        if self.is_local() {
+        if !self.is_all_reduce() {
             bonfire::broadcast_parameters(model)
         } else {
             bonfire::replicate(model)
@@ -264,6 +341,17 @@ impl Strategy {
         } else {
             GradDType::F32
         };
+        match *self {
+            Strategy::PsSync { servers } => {
+                return JobOptimizer::served(bonfire::param_server(optim, servers));
+            }
+            Strategy::PsAsync { servers, staleness } => {
+                return JobOptimizer::served(
+                    bonfire::param_server(optim, servers).asynchronous(staleness),
+                );
+            }
+            _ => {}
+        }
         match self.wrap(optim, deltas) {
             Ok(local) => JobOptimizer::local(local),
             Err(optim) => JobOptimizer::new(optim, zero),
@@ -273,7 +361,9 @@ impl Strategy {
     /// `optim` wrapped for this strategy, deltas in `dtype`; all-reduce hands it back.
     pub(crate) fn wrap<O>(&self, optim: O, dtype: GradDType) -> Result<bonfire::LocalSgd<O>, O> {
         let wrapped = match *self {
-            Strategy::AllReduce => return Err(optim),
+            Strategy::AllReduce | Strategy::PsSync { .. } | Strategy::PsAsync { .. } => {
+                return Err(optim);
+            }
             Strategy::LocalSgd { every } => bonfire::local_sgd(optim, every),
             Strategy::Diloco {
                 every,
@@ -300,8 +390,91 @@ impl Strategy {
                 "diloco, meeting every {every} steps (outer Nesterov lr {outer_lr}, momentum \
                  {outer_momentum})"
             ),
+            Strategy::PsSync { servers } => format!("ps-sync, {servers} server(s)"),
+            Strategy::PsAsync { servers, staleness } => {
+                format!("ps-async, {servers} server(s), staleness bound {staleness}")
+            }
         }
     }
+}
+
+/// Checks that a job of `ranks` keeps a worker beside `servers` servers.
+pub(crate) fn check_servers(servers: usize, ranks: usize) -> Result<(), JobError> {
+    if servers >= ranks {
+        return Err(JobError::Invalid {
+            flag: "--servers",
+            given: format!("{servers} in a job of {ranks} ranks"),
+            why: "the servers must be fewer than the ranks: the others are the workers",
+        });
+    }
+    Ok(())
+}
+
+/// A server's report over the rounds so far: `total` with round `r` added.
+pub(crate) fn merge_served(
+    total: Option<bonfire::PsReport>,
+    r: bonfire::PsReport,
+) -> bonfire::PsReport {
+    let Some(mut t) = total else {
+        return r;
+    };
+    t.versions += r.versions;
+    if t.staleness.len() < r.staleness.len() {
+        t.staleness.resize(r.staleness.len(), 0);
+    }
+    for (a, b) in t.staleness.iter_mut().zip(&r.staleness) {
+        *a += b;
+    }
+    t.max_lead = t.max_lead.max(r.max_lead);
+    t.held += r.held;
+    t.finished = r.finished;
+    t.departed.extend(r.departed);
+    t.stats = r.stats;
+    t
+}
+
+/// Under parameter servers (`stats` given, the same on every rank), rank 0's report lines:
+/// each server's (`served`, over the run) and each worker's traffic, gathered over the job (a
+/// collective: every rank calls it). Empty on the other ranks and under other strategies.
+pub(crate) fn served_lines<J: crate::job::Job>(
+    ctx: &crate::rank::RankContext<'_, J>,
+    serving: bool,
+    served: Option<&bonfire::PsReport>,
+    stats: Option<bonfire::PsStats>,
+) -> Result<Vec<String>, JobError> {
+    let Some(st) = stats else {
+        return Ok(Vec::new());
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mine = match served {
+        Some(r) => format!("parameter {}", r.line()),
+        None if serving => String::new(),
+        None => format!(
+            "parameter worker {}: {} pushes of {:.1} KiB and pulls of {:.1} KiB, and {} round \
+             end(s); {:.2} MiB sent and {:.2} MiB received in all, {:.2} s pushing and pulling",
+            ctx.rank(),
+            st.pushes,
+            st.push_bytes as f64 / 1024.0,
+            st.pull_bytes as f64 / 1024.0,
+            st.rounds,
+            mib(st.bytes_sent),
+            mib(st.bytes_received),
+            st.time.as_secs_f64()
+        ),
+    };
+    let all = gather_bytes(
+        ctx.world().dp_group(),
+        mine.into_bytes(),
+        "gathering the parameter servers' reports",
+    )?;
+    if !ctx.is_main() {
+        return Ok(Vec::new());
+    }
+    Ok(all
+        .into_iter()
+        .filter(|b| !b.is_empty())
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .collect())
 }
 
 /// A local strategy's report line: its meetings, and what they sent per rank.
@@ -374,7 +547,7 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 
 /// What a job writes as its optimizer file: under a local strategy, this replica's encoded
 /// inner record `mine` and rounding error gathered with every other replica's over `replicas`
-/// (a collective: every rank calls it) into one [`LocalOptimizers`] with the outer `state`, on
+/// to its rank 0 (a collective: every rank calls it) into one [`LocalOptimizers`] with the outer `state`, on
 /// the group's rank 0 (the others get nothing to write); otherwise `mine` as it is.
 pub(crate) fn optimizer_file(
     replicas: &Communicator,
@@ -390,12 +563,10 @@ pub(crate) fn optimizer_file(
     }
     .encode()?;
     let during = "gathering the replicas' optimizer states";
-    let first = replicas.rank() == 0;
-    let all = gather_bytes(replicas, own, during)?;
-    if !first {
+    let Some(all) = crate::rank::gather_to_root(replicas, own, during)? else {
         // Only the first replica's process writes the checkpoint.
         return Ok(Vec::new());
-    }
+    };
     let replicas = all
         .iter()
         .map(|b| ReplicaState::decode(b))
@@ -494,6 +665,60 @@ mod tests {
     }
 
     #[test]
+    fn parameter_servers_resolve_and_resume_with_their_settings() {
+        let ps = |kind, servers, staleness| StrategyRequest {
+            kind,
+            servers,
+            staleness,
+            ..StrategyRequest::default()
+        };
+        assert_eq!(
+            ps(Some(StrategyKind::PsAsync), None, None).resolve(),
+            Strategy::PsAsync {
+                servers: DEFAULT_SERVERS,
+                staleness: DEFAULT_STALENESS
+            }
+        );
+        let saved = Strategy::PsAsync {
+            servers: 2,
+            staleness: 5,
+        };
+        assert_eq!(StrategyRequest::default().resolve_over(&saved), saved);
+        assert_eq!(
+            ps(None, None, Some(1)).resolve_over(&saved),
+            Strategy::PsAsync {
+                servers: 2,
+                staleness: 1
+            }
+        );
+        assert_eq!(saved.servers(), Some(2));
+        assert!(!saved.is_local() && !saved.is_all_reduce());
+        assert!(
+            ps(Some(StrategyKind::PsSync), Some(0), None)
+                .check()
+                .is_err()
+        );
+        assert!(
+            ps(Some(StrategyKind::PsSync), None, Some(1))
+                .check()
+                .is_err()
+        );
+        assert!(
+            ps(Some(StrategyKind::Diloco), Some(1), None)
+                .check()
+                .is_err()
+        );
+        assert!(check_servers(2, 2).is_err() && check_servers(1, 2).is_ok());
+        let r = |v, s: Vec<u64>| bonfire::PsReport {
+            versions: v,
+            staleness: s,
+            ..bonfire::PsReport::default()
+        };
+        let total = merge_served(Some(r(3, vec![1, 2])), r(4, vec![0, 1, 3]));
+        assert_eq!((total.versions, total.staleness), (7, vec![1, 3, 3]));
+    }
+
+    #[test]
     fn flags_that_do_not_go_with_the_strategy_are_refused() {
         assert!(
             ask(None, Some(5)).check().is_ok(),
@@ -536,6 +761,11 @@ mod tests {
                 every: 4,
                 outer_lr: 0.7,
                 outer_momentum: 0.9,
+            },
+            Strategy::PsSync { servers: 2 },
+            Strategy::PsAsync {
+                servers: 1,
+                staleness: 3,
             },
         ] {
             let json = serde_json::to_string(&s).unwrap();

@@ -1110,9 +1110,11 @@ impl<'a> Leader<'a> {
                     });
                     local.stop(Duration::ZERO);
                     (self.cleanup)();
+                    launched.lost.append(&mut local.lost);
                     return Ok(launched);
                 }
                 RoundEnd::Failed { what, .. } if restarts < c.max_restarts => {
+                    launched.lost.append(&mut local.lost);
                     restarts += 1;
                     tracing::info!(
                         "bonfire launch: {what}; restarting the job on every node (restart {restarts} of {}, round {}): its ranks resume from their newest checkpoint",
@@ -1231,17 +1233,19 @@ impl Member<'_> {
         let mut launched = Launched::default();
         let mut last_round: Option<u32> = None;
         let mut local: Option<LocalRanks> = None;
-        let stop = |local: &mut Option<LocalRanks>, grace: Duration| {
+        // Stops this node's ranks, keeping how its expendable ranks that failed ended.
+        let stop = |local: &mut Option<LocalRanks>, grace: Duration, lost: &mut Vec<String>| {
             if let Some(mut l) = local.take() {
                 l.stop(grace);
                 (self.cleanup)();
+                lost.append(&mut l.lost);
             }
         };
         loop {
             let session = match self.connect(last_round) {
                 Ok(s) => s,
                 Err(e) => {
-                    stop(&mut local, Duration::ZERO);
+                    stop(&mut local, Duration::ZERO, &mut launched.lost);
                     return Err(e);
                 }
             };
@@ -1270,7 +1274,7 @@ impl Member<'_> {
                     Err(RecvTimeoutError::Disconnected) => break "its session ended".to_string(),
                     Ok(Event::Msg { msg, .. }) => match msg {
                         Msg::Start { round: r } => {
-                            stop(&mut local, Duration::ZERO);
+                            stop(&mut local, Duration::ZERO, &mut launched.lost);
                             round = r;
                             last_round = Some(r);
                             said_done = false;
@@ -1280,12 +1284,16 @@ impl Member<'_> {
                             tracing::info!(
                                 "bonfire launch: node 0 restarts the job after round {r}: {why}"
                             );
-                            stop(&mut local, Duration::ZERO);
+                            stop(&mut local, Duration::ZERO, &mut launched.lost);
                             link.send(&Msg::Stopped { round: r });
                             launched.restarts.push(why);
                         }
                         Msg::End { ok, why, rank } => {
-                            stop(&mut local, if ok { Duration::ZERO } else { self.grace });
+                            stop(
+                                &mut local,
+                                if ok { Duration::ZERO } else { self.grace },
+                                &mut launched.lost,
+                            );
                             return if ok {
                                 Ok(launched)
                             } else {
@@ -1293,7 +1301,7 @@ impl Member<'_> {
                             };
                         }
                         Msg::Refuse { why } => {
-                            stop(&mut local, Duration::ZERO);
+                            stop(&mut local, Duration::ZERO, &mut launched.lost);
                             return Err(LaunchError::CannotJoin {
                                 master: self.master.clone(),
                                 why,
@@ -1310,7 +1318,7 @@ impl Member<'_> {
                 "bonfire launch: lost node 0's launcher at {} ({why}); stopping this node's ranks and joining again",
                 self.master
             );
-            stop(&mut local, Duration::ZERO);
+            stop(&mut local, Duration::ZERO, &mut launched.lost);
         }
     }
 }

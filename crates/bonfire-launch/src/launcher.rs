@@ -382,8 +382,11 @@ pub(crate) struct LocalRanks {
     failure: Option<Failure>,
     /// Ranks whose failure does not stop the job.
     expendable: Vec<usize>,
-    /// How the expendable ranks that failed ended.
+    /// How the expendable ranks that failed ended (before the round was stopped: one that
+    /// ends when the launcher stops it is not lost).
     pub(crate) lost: Vec<String>,
+    /// The round is being stopped.
+    stopping: bool,
 }
 
 impl LocalRanks {
@@ -401,6 +404,7 @@ impl LocalRanks {
             failure: None,
             expendable: c.expendable.clone(),
             lost: Vec::new(),
+            stopping: false,
         };
         for local in 0..c.nproc_per_node {
             let rank = c.node_rank * c.nproc_per_node + local;
@@ -472,8 +476,10 @@ impl LocalRanks {
                         r.child.id(),
                         describe(status)
                     );
-                    tracing::warn!("bonfire launch: expendable {how}; the job goes on");
-                    self.lost.push(how);
+                    if !self.stopping {
+                        tracing::warn!("bonfire launch: expendable {how}; the job goes on");
+                        self.lost.push(how);
+                    }
                     continue;
                 }
                 if !status.success() && self.failure.is_none() {
@@ -503,6 +509,9 @@ impl LocalRanks {
     /// SIGKILL. Returns when every rank has exited and its output is copied; says how each rank
     /// that failed after the first one ended.
     pub(crate) fn stop(&mut self, grace: Duration) {
+        // A rank that exits from now on was stopped (or failed while the round ends).
+        self.poll();
+        self.stopping = true;
         let since = Instant::now();
         let mut terminated_at: Option<Instant> = None;
         loop {
@@ -569,7 +578,7 @@ fn run_alone(
             if all {
                 ranks.stop(Duration::ZERO);
                 cleanup();
-                launched.lost = std::mem::take(&mut ranks.lost);
+                launched.lost.append(&mut ranks.lost);
                 return Ok(launched);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -577,6 +586,7 @@ fn run_alone(
         let restart = round < c.max_restarts;
         // A restart stops the survivors at once; the last failure gives them time to report.
         ranks.stop(if restart { Duration::ZERO } else { grace });
+        launched.lost.append(&mut ranks.lost);
         cleanup();
         let Failure { rank, pid, status } = failure;
         if !restart {

@@ -60,17 +60,25 @@ enum End {
     Server(PsReport),
 }
 
-/// Trains `world` ranks (`servers` of them serving) from the same seeded model: worker `w` takes
-/// `steps(w)` steps on its slice of `batches` (finishing unless `dies(w)`), with the optimizer
-/// `make` gives; a rank's communicator times out after `timeout`.
-fn run<F>(
-    world: usize,
-    batches: &[Batch],
-    timeout: Duration,
-    make: F,
+/// How each worker trains in [`run`]: steps it takes, whether it dies after them instead of
+/// finishing, and a pause before each step.
+#[derive(Clone, Copy)]
+struct Workers {
     steps: fn(usize) -> usize,
     dies: fn(usize) -> bool,
-) -> Vec<End>
+    pause: fn(usize) -> Duration,
+}
+
+const PLAIN: Workers = Workers {
+    steps: all,
+    dies: never,
+    pause: no_pause,
+};
+
+/// Trains `world` ranks (`servers` of them serving) from the same seeded model: each worker
+/// trains on its slice of `batches` as `how` says, with the optimizer `make` gives; a rank's
+/// communicator times out after `timeout`.
+fn run<F>(world: usize, batches: &[Batch], timeout: Duration, make: F, how: Workers) -> Vec<End>
 where
     F: Fn() -> ParamServer<Adam> + Send + Sync + 'static,
 {
@@ -90,11 +98,12 @@ where
         match optim.role(&Device::default()) {
             PsRole::Server { .. } => End::Server(optim.serve(model).1),
             PsRole::Worker { index, workers } => {
-                for b in batches.iter().take(steps(index)) {
+                for b in batches.iter().take((how.steps)(index)) {
+                    std::thread::sleep((how.pause)(index));
                     model = step(model, &mut optim, b, index, workers);
                 }
-                if !dies(index) {
-                    optim.finish(&model);
+                if !(how.dies)(index) {
+                    model = optim.finish(model);
                 }
                 End::Worker(parameters(&model), optim.stats().pushes)
             }
@@ -151,6 +160,10 @@ fn never(_: usize) -> bool {
     false
 }
 
+fn no_pause(_: usize) -> Duration {
+    Duration::ZERO
+}
+
 #[test]
 fn synchronous_servers_equal_all_reduce_within_1e6_after_20_steps() {
     let b = batches(31, 20, 8);
@@ -161,8 +174,7 @@ fn synchronous_servers_equal_all_reduce_within_1e6_after_20_steps() {
             &b,
             Duration::from_secs(20),
             move || bonfire::param_server(adam(), servers_n),
-            all,
-            never,
+            PLAIN,
         );
         let w = workers(&ends);
         assert_eq!(w.len(), 2);
@@ -208,8 +220,7 @@ fn one_asynchronous_worker_is_single_device_training() {
         &b,
         Duration::from_secs(20),
         || bonfire::param_server(adam(), 1).asynchronous(0),
-        all,
-        never,
+        PLAIN,
     );
     let w = workers(&ends);
     let diff = max_difference(w[0].0, &single[0]);
@@ -229,13 +240,16 @@ fn one_asynchronous_worker_is_single_device_training() {
 #[test]
 fn asynchronous_servers_apply_every_push_within_the_staleness_bound() {
     let b = batches(33, 6, 9);
+    // Worker 2 pauses before each step: the others run ahead until the bound holds them.
     let ends = run(
         4,
         &b,
         Duration::from_secs(20),
         || bonfire::param_server(adam(), 1).asynchronous(1),
-        all,
-        never,
+        Workers {
+            pause: |w| Duration::from_millis(if w == 2 { 150 } else { 0 }),
+            ..PLAIN
+        },
     );
     let r = servers(&ends)[0];
     assert_eq!(r.versions, 18, "one step per push: {}", r.line());
@@ -243,13 +257,27 @@ fn asynchronous_servers_apply_every_push_within_the_staleness_bound() {
     // The three first pushes are computed on the start: the second and third to be applied
     // are stale by 1 and 2 at least.
     assert!(r.staleness.len() >= 3, "{}", r.line());
+    // Between a worker's pull and its next push, each of the 2 others pushes at most 2s + 1
+    // = 3 times under bound s = 1 (it was at most s behind at the pull, and at most s ahead at
+    // the push): no push is staler than 6.
+    assert!(r.staleness.len() <= 7, "{}", r.line());
+    assert!(
+        r.held > 0,
+        "the slow worker held the others back: {}",
+        r.line()
+    );
     assert!(r.max_lead <= 1, "{}", r.line());
     let mut finished = r.finished.clone();
     finished.sort();
     assert_eq!(finished, vec![0, 1, 2]);
-    for (p, n) in workers(&ends) {
-        assert_eq!(n, 6);
+    let w = workers(&ends);
+    for (p, n) in &w {
+        assert_eq!(*n, 6);
         assert!(p.iter().flatten().all(|v| v.is_finite()));
+        assert!(
+            *p == w[0].0,
+            "finish gives every worker the servers' final parameters"
+        );
     }
 }
 
@@ -262,10 +290,13 @@ fn an_asynchronous_job_goes_on_when_a_worker_dies() {
     let ends = run(
         4,
         &b,
-        Duration::from_secs(2),
+        Duration::from_secs(5),
         || bonfire::param_server(adam(), 1).asynchronous(2),
-        steps,
-        |w| w == 2,
+        Workers {
+            steps,
+            dies: |w| w == 2,
+            pause: no_pause,
+        },
     );
     let r = servers(&ends)[0];
     assert_eq!(r.departed.len(), 1, "{}", r.line());
@@ -299,7 +330,7 @@ fn a_worker_that_starts_from_other_parameters_is_named() {
                 PsRole::Server { .. } => drop(optim.serve(model)),
                 PsRole::Worker { index, workers } => {
                     let m = step(model, &mut optim, &b[0], index, workers);
-                    optim.finish(&m);
+                    drop(optim.finish(m));
                 }
             }
         }))
@@ -407,4 +438,62 @@ fn across_processes_synchronous_servers_equal_one_device_and_asynchronous_ones_f
     let (a0, a1, line) = three_processes("async", STEPS, ROWS);
     assert!(line.contains("8 steps from 8 pushes"), "{line}");
     assert!(a0.iter().chain(&a1).all(|v| v.is_finite()));
+}
+
+#[test]
+fn a_worker_dropped_in_one_round_is_not_waited_for_in_the_next() {
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..4)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let b = batches(36, 4, 9);
+    let comms = in_process_ranks(4, Duration::from_secs(5));
+    let ends = run_ranks(comms, Duration::from_secs(120), move |comm| {
+        let r = comm.rank();
+        let mut model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut optim = bonfire::param_server(adam(), 1).asynchronous(1);
+        match optim.role(&Device::default()) {
+            PsRole::Server { .. } => {
+                let (m, first) = optim.serve(model);
+                let (_, second) = optim.serve(m);
+                Some((first, second))
+            }
+            PsRole::Worker { index, workers } => {
+                // Worker 2 trains 2 steps of round 1 and is gone; the others train two rounds.
+                let steps = if index == 2 { 2 } else { 4 };
+                for batch in b.iter().take(steps) {
+                    model = step(model, &mut optim, batch, index, workers);
+                }
+                if index == 2 {
+                    return None;
+                }
+                model = optim.finish(model);
+                for batch in b.iter().take(3) {
+                    model = step(model, &mut optim, batch, index, workers);
+                }
+                drop(optim.finish(model));
+                None
+            }
+        }
+    });
+    let (first, second) = ends[3].clone().expect("the server's reports");
+    assert_eq!(first.departed.len(), 1, "{}", first.line());
+    assert_eq!(first.departed[0].worker, 2);
+    assert_eq!(first.versions, 2 + 4 + 4);
+    assert!(
+        second.departed.is_empty(),
+        "round 2 does not wait for worker 2 again: {}",
+        second.line()
+    );
+    let mut finished = second.finished.clone();
+    finished.sort();
+    assert_eq!(
+        (second.versions, finished),
+        (6, vec![0, 1]),
+        "{}",
+        second.line()
+    );
 }

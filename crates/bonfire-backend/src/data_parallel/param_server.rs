@@ -30,7 +30,7 @@
 //!             let grads = GradientsParams::from_grads(loss(&model, batch).backward(), &model);
 //!             model = optim.step(lr, model, grads);             // push, then pull
 //!         }
-//!         optim.finish(&model);                                 // the servers may stop
+//!         model = optim.finish(model);                          // the servers' final parameters
 //!     }
 //! }
 //! ```
@@ -91,6 +91,13 @@ pub struct PsStats {
     pub bytes_received: u64,
     /// A worker: time from its push to the last parameters pulled. A server: time serving.
     pub time: Duration,
+    /// A worker: bytes of one push to all servers (gradients and headers).
+    pub push_bytes: u64,
+    /// A worker: bytes of one pull from all servers (parameters and headers).
+    pub pull_bytes: u64,
+    /// A worker: rounds finished (each sends every server a push-sized "done" frame and pulls
+    /// the final parameters, counted in the bytes above).
+    pub rounds: u64,
 }
 
 /// A worker a server stopped waiting for.
@@ -117,6 +124,8 @@ pub struct PsReport {
     /// The largest lead, in pushes, of a worker over the slowest worker still training when it
     /// got its answer (at most the staleness bound).
     pub max_lead: u64,
+    /// Answers the staleness bound held back (a worker waiting for the slowest).
+    pub held: u64,
     /// Workers that said they were done, in the order they did.
     pub finished: Vec<usize>,
     /// Workers that stopped answering, dropped while the others went on (asynchronous only;
@@ -156,14 +165,15 @@ impl PsReport {
         };
         format!(
             "server {}: {} parameters ({} elements), {} steps from {pushes} pushes, staleness \
-             mean {mean:.2} max {} (histogram {:?}), largest lead {}{departed}",
+             mean {mean:.2} max {} (histogram {:?}), largest lead {}, {} answers held{departed}",
             self.server,
             self.params,
             self.elements,
             self.versions,
             self.staleness.len().saturating_sub(1),
             self.staleness,
-            self.max_lead
+            self.max_lead,
+            self.held
         )
     }
 }
@@ -179,6 +189,7 @@ pub fn param_server<O>(optimizer: O, servers: usize) -> ParamServer<O> {
         clock: 0,
         versions: Vec::new(),
         checked: false,
+        gone: Vec::new(),
         stats: PsStats::default(),
     }
 }
@@ -207,6 +218,8 @@ pub struct ParamServer<O> {
     versions: Vec<u64>,
     /// A worker: whether its first push carried its parameters' digest already.
     checked: bool,
+    /// An asynchronous server: the workers it dropped (not waited for in later rounds).
+    gone: Vec<bool>,
     stats: PsStats,
 }
 
@@ -245,36 +258,112 @@ impl<O> ParamServer<O> {
         role(&context::for_device(device), self.servers)
     }
 
-    /// A worker's last call: tells every server that this worker is done (a synchronous server
-    /// stops once every worker is; an asynchronous one once every worker is done or gone).
-    pub fn finish<M, B>(&mut self, module: &M)
+    /// A worker's last call of a round: tells every server that this worker is done, and
+    /// returns `module` with the parameters the servers hold once every worker is done (or,
+    /// asynchronous, gone): the same on every worker that finished, the model to evaluate or
+    /// save. A synchronous server's [`ParamServer::serve`] returns once every worker finished;
+    /// call `serve` and `finish` again for another round.
+    pub fn finish<M, B>(&mut self, module: M) -> M
     where
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        let rep = replica_of(module);
+        let t0 = Instant::now();
+        let rep = replica_of(&module);
+        if let PsRole::Server { index, .. } = role(&rep, self.servers) {
+            rep.fail(SyncError::ParamServer {
+                what: format!(
+                    "finish() called on server {index} (rank {}): servers call serve(), only \
+                     workers finish",
+                    rep.comm.rank()
+                ),
+                source: None,
+            });
+        }
         let workers = worker_count(&rep, self.servers);
-        let plan = self.plan_for(module, &rep);
+        let plan = self.plan_for(&module, &rep);
+        let pull = self.pull_comm(&rep);
         let mut sends = Vec::new();
+        let mut recvs = Vec::new();
         for s in 0..self.servers {
             let mut frame = vec![0.0f32; plan.push_len(s)];
             put_word(&mut frame, KIND, DONE);
             put_u64(&mut frame, CLOCK, self.clock);
             self.stats.bytes_sent += 4 * frame.len() as u64;
-            sends.push((s, rep.comm.send(frame, workers + s)));
+            sends.push(rep.comm.send(frame, workers + s));
+            recvs.push(pull.recv(vec![0.0f32; plan.pull_len(s)], workers + s));
         }
-        for (s, work) in sends {
+        let what = |s: usize, dir: &str| {
+            format!(
+                "worker {} {dir} server {s} (rank {}) after {} pushes",
+                rep.comm.rank(),
+                workers + s,
+                self.clock
+            )
+        };
+        for (s, work) in sends.into_iter().enumerate() {
             if let Err(source) = work.wait() {
                 rep.fail(SyncError::ParamServer {
-                    what: format!(
-                        "telling server {s} (rank {}) that worker {} is done after {} pushes",
-                        workers + s,
-                        rep.comm.rank(),
-                        self.clock
-                    ),
+                    what: what(s, "telling it is done:"),
                     source: Some(source),
                 });
             }
+        }
+        let mut pulled = Vec::with_capacity(self.servers);
+        for (s, work) in recvs.into_iter().enumerate() {
+            match work.wait() {
+                Ok(frame) => {
+                    self.stats.bytes_received += 4 * frame.len() as u64;
+                    self.versions[s] = get_u64(&frame, 0);
+                    pulled.push(frame);
+                }
+                Err(source) => rep.fail(SyncError::ParamServer {
+                    what: what(s, "pulling the final parameters from"),
+                    source: Some(source),
+                }),
+            }
+        }
+        let module = module.map(&mut Writer {
+            plan: &plan,
+            frames: &pulled,
+            at: 0,
+            offsets: vec![0; self.servers],
+        });
+        self.stats.rounds += 1;
+        self.stats.time += t0.elapsed();
+        module
+    }
+
+    /// The parameters this rank serves (none on a worker), by the plan for `module`.
+    pub fn owned<M, B>(&mut self, module: &M) -> Vec<ParamId>
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let rep = replica_of(module);
+        let plan = self.plan_for(module, &rep);
+        match role(&rep, self.servers) {
+            PsRole::Worker { .. } => Vec::new(),
+            PsRole::Server { index, .. } => plan
+                .params
+                .iter()
+                .zip(&plan.owner)
+                .filter(|(_, o)| **o == index)
+                .map(|((id, _), _)| *id)
+                .collect(),
+        }
+    }
+
+    /// The handle a worker pulls through: an asynchronous answer may wait for the slowest
+    /// worker, or for its server to give up on a worker that died (one timeout), so it waits
+    /// twice as long before giving up.
+    fn pull_comm(&mut self, rep: &Replica) -> Communicator {
+        if self.versions.len() != self.servers {
+            self.versions = vec![0; self.servers];
+        }
+        match self.mode {
+            PsMode::Sync => rep.comm.clone(),
+            PsMode::Async { .. } => rep.comm.with_timeout(2 * rep.comm.config().timeout),
         }
     }
 
@@ -321,9 +410,7 @@ impl<O> ParamServer<O> {
             }),
         };
         let plan = self.plan_for(&module, &rep);
-        if self.versions.len() != servers {
-            self.versions = vec![0; servers];
-        }
+        let pull = self.pull_comm(&rep);
         let mut reader = GradReader::<B> {
             rep: &rep,
             grads,
@@ -353,14 +440,10 @@ impl<O> ParamServer<O> {
                 put_u64(frame, DIGEST, d[s]);
             }
         }
-        // An asynchronous answer may wait for the slowest worker, or for its server to give up
-        // on a worker that died (one timeout): wait twice as long before giving up on it.
-        let pull = match self.mode {
-            PsMode::Sync => rep.comm.clone(),
-            PsMode::Async { .. } => rep.comm.with_timeout(2 * rep.comm.config().timeout),
-        };
         let mut sends = Vec::with_capacity(servers);
         let mut recvs = Vec::with_capacity(servers);
+        self.stats.push_bytes = frames.iter().map(|f| 4 * f.len() as u64).sum();
+        self.stats.pull_bytes = (0..servers).map(|s| 4 * plan.pull_len(s) as u64).sum();
         for (s, frame) in frames.into_iter().enumerate() {
             self.stats.bytes_sent += 4 * frame.len() as u64;
             sends.push(rep.comm.send(frame, workers + s));
@@ -455,11 +538,14 @@ impl<O> ParamServer<O> {
             start,
             digest,
             report: &mut report,
+            taken: Vec::new(),
+            counted: Vec::new(),
         };
         let module = match self.mode {
             PsMode::Sync => server.run_sync(self, module),
             PsMode::Async { staleness } => server.run_async(self, module, staleness),
         };
+        server.send_final(self, &module);
         report.versions = self.clock - start;
         self.stats.time += t0.elapsed();
         report.stats = self.stats;
@@ -737,7 +823,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradReader<'_, B> {
         }
         let i = self.at;
         self.at += 1;
-        let (id, len) = self.plan.params[i];
+        let Some(&(id, len)) = self.plan.params.get(i) else {
+            self.rep.fail(SyncError::ParamServer {
+                what: format!(
+                    "the model has more than the {} trained parameters it had at the first step: \
+                     the model changed",
+                    self.plan.params.len()
+                ),
+                source: None,
+            });
+        };
         if id != param.id {
             self.rep.fail(SyncError::ParamServer {
                 what: format!(
@@ -917,6 +1012,10 @@ struct Server<'a> {
     start: u64,
     digest: u64,
     report: &'a mut PsReport,
+    /// Pushes taken from each worker this round (asynchronous).
+    taken: Vec<u64>,
+    /// The workers whose answers are held now (each hold counted once in the report).
+    counted: Vec<usize>,
 }
 
 impl Server<'_> {
@@ -1094,6 +1193,52 @@ impl Server<'_> {
         }
     }
 
+    /// Answers every worker that finished with the parameters as they end the round. A
+    /// synchronous server fails when one cannot be answered; an asynchronous one counts it gone.
+    fn send_final<O, M, B>(&mut self, optim: &mut ParamServer<O>, module: &M)
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let frame = self.pull_frame(module, optim.clock);
+        let sends: Vec<(usize, Work<Vec<f32>>)> = self
+            .report
+            .finished
+            .iter()
+            .map(|&w| {
+                optim.stats.bytes_sent += 4 * frame.len() as u64;
+                (w, self.rep.comm.send(frame.clone(), w))
+            })
+            .collect();
+        for (w, work) in sends {
+            if let Err(source) = work.wait() {
+                match optim.mode {
+                    PsMode::Sync => self.fail(
+                        format!(
+                            "server {} (rank {}) sending worker {w} the final parameters ({} \
+                             elements)",
+                            self.index,
+                            self.rank(),
+                            self.plan.shard_len[self.index]
+                        ),
+                        Some(source),
+                    ),
+                    PsMode::Async { .. } => {
+                        if let Some(g) = optim.gone.get_mut(w) {
+                            *g = true;
+                        }
+                        self.report.finished.retain(|&f| f != w);
+                        self.report.departed.push(Departure {
+                            worker: w,
+                            pushes: self.taken.get(w).copied().unwrap_or(0),
+                            reason: format!("after it said it was done: {source}"),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
     /// The workers' mean gradient of each owned parameter, summed in worker order; every
     /// worker must have one for it, or none.
     fn mean(&self, pushes: &[Push]) -> Vec<Option<Vec<f32>>> {
@@ -1139,68 +1284,70 @@ impl Server<'_> {
     {
         let s = self.index;
         let len = self.plan.push_len(s);
-        let comm: &Communicator = &self.rep.comm;
-        // Pushes taken from each worker; `None` once it is done or gone.
-        let mut clocks: Vec<Option<u64>> = vec![Some(0); self.workers];
-        let mut taken = vec![0u64; self.workers];
-        let mut posted: Vec<(usize, Work<Vec<f32>>)> = (0..self.workers)
-            .map(|w| (w, comm.recv(vec![0.0f32; len], w)))
-            .collect();
-        // Answers held back by the staleness bound: (worker, its clock).
-        let mut held: Vec<(usize, u64)> = Vec::new();
-        let mut sending: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
-        while !posted.is_empty() {
-            let (ids, works): (Vec<usize>, Vec<Work<Vec<f32>>>) = posted.into_iter().unzip();
+        let comm = self.rep.comm.clone();
+        if optim.gone.len() != self.workers {
+            optim.gone = vec![false; self.workers];
+        }
+        let mut a = Round {
+            // Workers dropped in an earlier round are not waited for again.
+            clocks: optim
+                .gone
+                .iter()
+                .map(|&g| if g { None } else { Some(0) })
+                .collect(),
+            taken: vec![0; self.workers],
+            posted: Vec::new(),
+            held: Vec::new(),
+            sending: Vec::new(),
+        };
+        // A worker's next push is awaited once its answer is sent, never while its answer is
+        // held: a held worker cannot push, and its wait would time out while the server waits
+        // for the slowest.
+        for w in 0..self.workers {
+            if a.clocks[w].is_some() {
+                a.posted.push((w, comm.recv(vec![0.0f32; len], w)));
+            }
+        }
+        while !a.posted.is_empty() || !a.held.is_empty() {
+            if a.posted.is_empty() {
+                // Every worker still training is held: cannot happen while the slowest one's
+                // answer goes out at once, but never wait on nothing.
+                self.release(optim, &module, &mut a, &comm, u64::MAX);
+                continue;
+            }
+            let (ids, works): (Vec<usize>, Vec<Work<Vec<f32>>>) =
+                std::mem::take(&mut a.posted).into_iter().unzip();
             let (result, i, rest) = futures::executor::block_on(futures::future::select_all(works));
             let mut ids = ids;
             let w = ids.swap_remove(i);
-            posted = ids.into_iter().zip(rest).collect();
+            a.posted = ids.into_iter().zip(rest).collect();
             match result {
                 Ok(frame) => {
                     optim.stats.bytes_received += 4 * frame.len() as u64;
                     let push = Push::parse(&frame, self.plan, s);
                     if push.done {
-                        clocks[w] = None;
+                        a.clocks[w] = None;
                         self.report.finished.push(w);
                     } else {
                         self.check_start(w, &push);
                         let stale = optim.clock.saturating_sub(push.base);
                         *bucket(&mut self.report.staleness, stale as usize) += 1;
                         module = self.apply(optim, module, push.lr, &push.grads);
-                        taken[w] += 1;
-                        clocks[w] = Some(push.clock);
-                        held.push((w, push.clock));
-                        posted.push((w, comm.recv(vec![0.0f32; len], w)));
+                        a.taken[w] += 1;
+                        a.clocks[w] = Some(a.taken[w]);
+                        a.held.push((w, a.taken[w]));
                     }
                 }
-                Err(e) => {
-                    clocks[w] = None;
-                    held.retain(|&(h, _)| h != w);
-                    self.report.departed.push(Departure {
-                        worker: w,
-                        pushes: taken[w],
-                        reason: e.to_string(),
-                    });
-                }
+                Err(e) => self.depart(optim, &mut a, w, e.to_string()),
             }
-            // Answer every held push the bound now allows, with the parameters as they are.
-            let slowest = clocks.iter().flatten().min().copied();
-            let (go, wait): (Vec<_>, Vec<_>) = held
-                .into_iter()
-                .partition(|&(_, c)| slowest.is_none_or(|m| c <= m + bound));
-            held = wait;
-            if !go.is_empty() {
-                let frame = self.pull_frame(&module, optim.clock);
-                for (w, c) in go {
-                    let lead = slowest.map_or(0, |m| c.saturating_sub(m));
-                    self.report.max_lead = self.report.max_lead.max(lead);
-                    optim.stats.bytes_sent += 4 * frame.len() as u64;
-                    sending.push((w, comm.send(frame.clone(), w)));
-                }
+            self.release(optim, &module, &mut a, &comm, bound);
+            // A failed answer drops its worker, which may free the others: release again.
+            if self.reap(optim, &mut a, false) {
+                self.release(optim, &module, &mut a, &comm, bound);
             }
-            self.reap(&mut sending, &mut clocks, &taken, &mut posted, false);
         }
-        self.reap(&mut sending, &mut clocks, &taken, &mut posted, true);
+        self.reap(optim, &mut a, true);
+        self.taken = a.taken;
         if self.report.finished.is_empty() {
             let why: Vec<String> = self
                 .report
@@ -1220,39 +1367,102 @@ impl Server<'_> {
         module
     }
 
-    /// Collects the answers sent (all of them when `all`); a worker whose answer failed is gone.
-    fn reap(
+    /// Answers every held push the bound now allows, with the parameters as they are, and
+    /// awaits those workers' next pushes.
+    fn release<O, M, B>(
         &mut self,
-        sending: &mut Vec<(usize, Work<Vec<f32>>)>,
-        clocks: &mut [Option<u64>],
-        taken: &[u64],
-        posted: &mut Vec<(usize, Work<Vec<f32>>)>,
-        all: bool,
-    ) {
+        optim: &mut ParamServer<O>,
+        module: &M,
+        a: &mut Round,
+        comm: &Communicator,
+        bound: u64,
+    ) where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let slowest = a.clocks.iter().flatten().min().copied();
+        let (go, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut a.held)
+            .into_iter()
+            .partition(|&(_, c)| slowest.is_none_or(|m| c.saturating_sub(m) <= bound));
+        a.held = wait;
+        self.report.held += a
+            .held
+            .iter()
+            .filter(|(w, _)| !self.counted.contains(w))
+            .count() as u64;
+        self.counted = a.held.iter().map(|(w, _)| *w).collect();
+        if go.is_empty() {
+            return;
+        }
+        let frame = self.pull_frame(module, optim.clock);
+        let len = self.plan.push_len(self.index);
+        for (w, c) in go {
+            let lead = slowest.map_or(0, |m| c.saturating_sub(m));
+            self.report.max_lead = self.report.max_lead.max(lead);
+            optim.stats.bytes_sent += 4 * frame.len() as u64;
+            a.sending.push((w, comm.send(frame.clone(), w)));
+            a.posted.push((w, comm.recv(vec![0.0f32; len], w)));
+        }
+    }
+
+    /// Drops worker `w` (its receive failed, or its answer) for this round and the next ones.
+    fn depart<O>(&mut self, optim: &mut ParamServer<O>, a: &mut Round, w: usize, reason: String) {
+        if a.clocks[w].is_none() {
+            return;
+        }
+        a.clocks[w] = None;
+        a.held.retain(|&(h, _)| h != w);
+        // Its posted receive would fail too; stop waiting for it.
+        a.posted.retain(|(p, _)| *p != w);
+        optim.gone[w] = true;
+        self.report.departed.push(Departure {
+            worker: w,
+            pushes: a.taken[w],
+            reason,
+        });
+    }
+
+    /// Collects the answers sent (all of them when `all`); a worker whose answer failed is
+    /// gone. Returns whether one was.
+    fn reap<O>(&mut self, optim: &mut ParamServer<O>, a: &mut Round, all: bool) -> bool {
+        let mut dropped = false;
         let mut i = 0;
-        while i < sending.len() {
-            if !all && !sending[i].1.is_finished() {
+        while i < a.sending.len() {
+            if !all && !a.sending[i].1.is_finished() {
                 i += 1;
                 continue;
             }
-            let (w, work) = sending.swap_remove(i);
+            let (w, work) = a.sending.swap_remove(i);
             if let Err(e) = work.wait()
-                && clocks[w].is_some()
+                && a.clocks[w].is_some()
             {
-                clocks[w] = None;
-                // Its posted receive will fail too; stop waiting for it.
-                posted.retain(|(p, _)| *p != w);
-                self.report.departed.push(Departure {
-                    worker: w,
-                    pushes: taken[w],
-                    reason: e.to_string(),
-                });
+                self.depart(optim, a, w, e.to_string());
+                dropped = true;
             }
         }
+        dropped
     }
 }
 
+/// An asynchronous round's bookkeeping.
+struct Round {
+    /// Pushes taken from each worker in this round; `None` once it is done or gone. The bound
+    /// compares these (a round's counts, whatever the workers did in earlier rounds).
+    clocks: Vec<Option<u64>>,
+    taken: Vec<u64>,
+    /// Receives awaiting each worker's next push.
+    posted: Vec<(usize, Work<Vec<f32>>)>,
+    /// Answers held back by the staleness bound: (worker, its count).
+    held: Vec<(usize, u64)>,
+    /// Answers on their way.
+    sending: Vec<(usize, Work<Vec<f32>>)>,
+}
+
+/// Staleness beyond this is counted in the last bucket (a worker whose versions restarted).
+const MAX_BUCKET: usize = 4096;
+
 fn bucket(histogram: &mut Vec<u64>, k: usize) -> &mut u64 {
+    let k = k.min(MAX_BUCKET);
     if histogram.len() <= k {
         histogram.resize(k + 1, 0);
     }

@@ -127,8 +127,11 @@ pub(crate) struct VisionArgs {
 pub(crate) struct StrategyArgs {
     /// How the data-parallel replicas stay together: allreduce (every step's gradients
     /// averaged in backward), local-sgd (each replica steps on its own gradients and the
-    /// replicas average their parameters every --sync-every steps) or diloco (the same, the
-    /// mean change applied by an outer Nesterov SGD) [default: allreduce]
+    /// replicas average their parameters every --sync-every steps), diloco (the same, the
+    /// mean change applied by an outer Nesterov SGD), or, vision only, ps-sync and ps-async
+    /// (the last --servers ranks hold the parameters and Adam's state; the others push
+    /// gradients and pull parameters every step, all together or each as it comes)
+    /// [default: allreduce]
     #[arg(long, value_name = "NAME")]
     strategy: Option<String>,
     /// Steps between the replicas' meetings under local-sgd or diloco; they also meet at each
@@ -141,6 +144,13 @@ pub(crate) struct StrategyArgs {
     /// diloco's outer Nesterov momentum, at least 0 and below 1 [default: 0.9]
     #[arg(long)]
     outer_momentum: Option<f64>,
+    /// Ranks that serve under ps-sync or ps-async: the last N of the job [default: 1]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    servers: Option<u32>,
+    /// ps-async's bound: pushes a worker may run ahead of the slowest worker still training
+    /// [default: 2]
+    #[arg(long, value_name = "S")]
+    staleness: Option<u64>,
 }
 
 impl StrategyArgs {
@@ -151,6 +161,8 @@ impl StrategyArgs {
             every: self.sync_every.map(|n| n as usize),
             outer_lr: self.outer_lr,
             outer_momentum: self.outer_momentum,
+            servers: self.servers.map(|n| n as usize),
+            staleness: self.staleness,
         })
     }
 }
@@ -176,6 +188,15 @@ pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
             flag("--sync-every", every.to_string());
             flag("--outer-lr", outer_lr.to_string());
             flag("--outer-momentum", outer_momentum.to_string());
+        }
+        Strategy::PsSync { servers } => {
+            flag("--strategy", "ps-sync".into());
+            flag("--servers", servers.to_string());
+        }
+        Strategy::PsAsync { servers, staleness } => {
+            flag("--strategy", "ps-async".into());
+            flag("--servers", servers.to_string());
+            flag("--staleness", staleness.to_string());
         }
     }
 }

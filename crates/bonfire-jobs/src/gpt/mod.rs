@@ -431,6 +431,18 @@ impl Job for GptJob {
             });
         }
         r.strategy.check()?;
+        if let Some(k) = r
+            .strategy
+            .kind
+            .filter(|k| matches!(k, StrategyKind::PsSync | StrategyKind::PsAsync))
+        {
+            return Err(JobError::Invalid {
+                flag: "--strategy",
+                given: crate::strategy::kind_name(k).into(),
+                why: "parameter servers are offered by the vision job (and the library's \
+                      bonfire::param_server); the GPT job runs allreduce, local-sgd or diloco",
+            });
+        }
         if r.strategy
             .kind
             .is_some_and(|k| k != StrategyKind::AllReduce)

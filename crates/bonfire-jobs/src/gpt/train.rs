@@ -254,7 +254,8 @@ pub(super) fn evaluate<A: AutodiffBackend>(
 ) -> Result<EvalRecord, JobError> {
     let c = ctx.settings().config.clone();
     let replicas = c.dp();
-    let ranks = ctx.epoch_times(trained.times)?;
+    let trainers = ctx.world_size();
+    let ranks = ctx.epoch_times(trained.times, trainers)?;
     account.throughput.items += trained.tokens * replicas;
     account.throughput.seconds += account.train_secs;
     account.throughput.add_steady(&trained.split, replicas);

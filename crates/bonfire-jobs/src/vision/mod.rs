@@ -170,7 +170,7 @@ impl JobConfig for VisionConfig {
     }
 
     fn local_strategy(&self) -> bool {
-        self.strategy.is_local()
+        !self.strategy.is_all_reduce()
     }
 }
 
@@ -221,6 +221,8 @@ pub struct VisionReport {
     pub stats: Option<StepStats>,
     /// A local strategy, and what this rank's meetings sent.
     pub outer: Option<(Strategy, bonfire::OuterStats)>,
+    /// Under parameter servers, rank 0's lines on what the servers saw and the workers sent.
+    pub servers: Vec<String>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -318,6 +320,16 @@ impl Job for Vision {
     ) -> Result<VisionConfig, JobError> {
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
+        if let Some(servers) = r.strategy.resolve().servers() {
+            crate::strategy::check_servers(servers, ranks)?;
+            if r.bf16 {
+                return Err(JobError::Invalid {
+                    flag: "--bf16",
+                    given: "with --strategy ps-sync or ps-async".into(),
+                    why: "parameter servers push gradients and pull parameters in f32",
+                });
+            }
+        }
         let dataset = match r.dataset {
             None => match VisionSet::Mnist.fetch(data_dir) {
                 Ok(_) => VisionData::Mnist,

@@ -24,14 +24,26 @@ pub(super) fn start_line(
     size: usize,
 ) -> String {
     let c = &s.config;
+    let who = if c.strategy.servers().is_some() {
+        "worker"
+    } else {
+        "rank"
+    };
     format!(
-        "bonfire train vision: {} ({} images, {} per rank), {} test images, {size} rank(s), \
-         backend {} ({} compute thread(s) per rank), batch {} per rank, Adam lr {} (x{} per \
+        "bonfire train vision: {} ({} images, {} per {who}), {} test images, {size} {}, \
+         backend {} ({} compute thread(s) per rank), batch {} per {who}, Adam lr {} (x{} per \
          epoch){}{}",
         train.description(),
         train.len() * size,
         train.len(),
         test.split_len().min(c.test_limit.unwrap_or(usize::MAX)),
+        match c.strategy.servers() {
+            Some(n) => format!(
+                "worker(s) and {n} parameter server(s) ({})",
+                c.strategy.describe()
+            ),
+            None => "rank(s)".into(),
+        },
         s.backend,
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into()),
         c.batch,
@@ -93,6 +105,7 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.ranks,
     ));
     lines.extend(report.split.line());
+    lines.extend(report.servers.iter().cloned());
     if let Some((strategy, outer)) = &report.outer {
         lines.push(crate::strategy::report_line(
             strategy,
@@ -101,8 +114,13 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         ));
     }
     lines.push(report.memory.line());
+    // Parameter servers (the last ranks) train nothing: only the workers are compared.
+    let trainers = state.config.ranks - state.config.strategy.servers().unwrap_or(0);
     lines.extend(crate::stragglers::report_line(
-        state.history.iter().map(|r| (r.epoch, r.ranks.as_slice())),
+        state
+            .history
+            .iter()
+            .map(|r| (r.epoch, &r.ranks[..trainers.min(r.ranks.len())])),
     ));
     lines.push(checkpoints_line(&report.checkpoint_dir, last.epoch, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));

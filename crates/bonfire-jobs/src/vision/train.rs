@@ -18,12 +18,13 @@ use super::{EpochRecord, Vision, VisionReport, VisionState, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::data::{param_digest, shuffled};
-use crate::optim::{JobOptimizer, model_memory};
+use crate::optim::{JobOptimizer, model_memory, served_record};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::settings::Settings;
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
+use crate::strategy::{merge_served, served_lines};
 use crate::strategy::{optimizer_file, optimizer_part};
 
 use super::VisionConfig;
@@ -47,9 +48,12 @@ pub(super) fn run<B: Backend>(
     let s = ctx.settings().clone();
     let c = &s.config;
     let (rank, size) = (ctx.rank(), ctx.world_size());
-    let (train, test) = load_data(&s, rank, size)?;
+    // Under parameter servers the last ranks serve and train on nothing.
+    let workers = size - c.strategy.servers().unwrap_or(0);
+    let serving = rank >= workers;
+    let (train, test) = load_data(&s, rank, size, workers)?;
     if ctx.is_main() {
-        ctx.say(Say::Start, &output::start_line(&s, &train, &test, size));
+        ctx.say(Say::Start, &output::start_line(&s, &train, &test, workers));
     }
     <A<B> as Backend>::seed(&device, c.seed);
     let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
@@ -65,28 +69,50 @@ pub(super) fn run<B: Backend>(
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
-        ranks: size,
+        ranks: workers,
         ..Throughput::default()
     };
+    let mut served: Option<bonfire::PsReport> = None;
     for epoch in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let trained;
-        (model, trained) = train_epoch(
-            ctx,
-            model,
-            &mut optim,
-            &train,
-            epoch,
-            split.batches,
-            &device,
-        )?;
-        // A local strategy's replicas agree on one model before it is tested and saved.
+        (model, trained) = if serving {
+            // A server's epoch: the workers' pushes until every worker is done with it.
+            let (m, report) = optim.serve(model);
+            if let Some(r) = report {
+                served = Some(merge_served(served.take(), r));
+            }
+            let trained = Trained {
+                loss_sum: 0.0,
+                correct: 0,
+                seen: 0,
+                curve: Vec::new(),
+                times: RankTimes {
+                    input: 0.0,
+                    compute: t0.elapsed().as_secs_f64(),
+                    wait: 0.0,
+                },
+                split: StepSplit::default(),
+            };
+            (m, trained)
+        } else {
+            train_epoch(
+                ctx,
+                model,
+                &mut optim,
+                &train,
+                epoch,
+                split.batches,
+                &device,
+            )?
+        };
+        // A local strategy's replicas agree on one model before it is tested and saved; a
+        // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
         let train_secs = t0.elapsed().as_secs_f64();
-        let ranks = ctx.epoch_times(trained.times)?;
-        throughput.items += trained.seen as usize * size;
+        let ranks = ctx.epoch_times(trained.times, workers)?;
         throughput.seconds += train_secs;
-        throughput.add_steady(&trained.split, size);
+        throughput.add_steady(&trained.split, workers);
         split += trained.split;
         let totals = ctx.sum(
             vec![
@@ -96,6 +122,7 @@ pub(super) fn run<B: Backend>(
             ],
             "summing the epoch's training loss",
         )?;
+        throughput.items += totals[2] as usize;
         let t = evaluate(ctx, &model, &test, &device)?;
         state.history.push(EpochRecord {
             epoch: epoch + 1,
@@ -117,12 +144,19 @@ pub(super) fn run<B: Backend>(
     }
     throughput.wall = started.elapsed();
     let memory = model_memory(ctx, &model, &optim)?;
+    let servers = served_lines(
+        ctx,
+        serving,
+        served.as_ref(),
+        optim.as_served().map(|o| o.stats()),
+    )?;
     let report = VisionReport {
         memory,
         split,
         throughput,
         stats: bonfire::total_stats(),
         outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
+        servers,
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -135,17 +169,26 @@ pub(super) fn run<B: Backend>(
 
 /// The training and test shards of this rank: equal shards of the training images (every rank
 /// runs the same number of steps), balanced shards of the test images (every one counts once).
+///
+/// Under parameter servers only the first `workers` ranks train (a server loads one training
+/// image and trains on none); every rank evaluates its test shard.
 fn load_data(
     s: &Settings<VisionConfig>,
     rank: usize,
     world: usize,
+    workers: usize,
 ) -> Result<(ImageSet, ImageSet), JobError> {
     let c = &s.config;
     let limit = |shard: Shard, n: Option<usize>| match n {
         Some(n) => shard.limit(n),
         None => shard,
     };
-    let train_shard = limit(Shard::equal(rank, world), c.train_limit);
+    let train_shard = if rank < workers {
+        limit(Shard::equal(rank, workers), c.train_limit)
+    } else {
+        // A server trains on nothing; it loads one image (a shard cannot be empty).
+        Shard::whole().limit(1)
+    };
     let test_shard = limit(Shard::balanced(rank, world), c.test_limit);
     let (train, test) = match c.dataset.fetched() {
         None => (
@@ -225,7 +268,9 @@ fn train_epoch<B: Backend>(
     device: &B::Device,
 ) -> Result<(ResNet<A<B>>, Trained), JobError> {
     let c = ctx.settings().config.clone();
-    let (rank, size, epochs) = (ctx.rank(), ctx.world_size(), ctx.settings().epochs);
+    let (rank, epochs) = (ctx.rank(), ctx.settings().epochs);
+    // The ranks that train: all but the parameter servers.
+    let size = ctx.world_size() - c.strategy.servers().unwrap_or(0);
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let steps = train.len().div_ceil(c.batch);
     let lr = c.lr * c.lr_decay.powi(epoch as i32);
@@ -351,8 +396,15 @@ fn record_epoch<B: Backend>(
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
     // Gathering a sharded optimizer's state is a collective; encoding it is rank 0's work,
-    // but under a local strategy every replica encodes and sends its own.
+    // but under a local strategy every replica encodes and sends its own, and under parameter
+    // servers every server its share.
     let whole = optim.whole_record(device);
+    let whole = match optim.as_served() {
+        Some(_) => {
+            served_record::<Adam, ResNet<A<B>>, A<B>>(ctx.world().dp_group(), whole, device)?
+        }
+        None => whole,
+    };
     let local = match optim.as_local() {
         Some(o) => {
             let mine = recorder

@@ -87,7 +87,7 @@ fn main() -> ExitCode {
                 let grads = GradientsParams::from_grads(l.backward(), &model);
                 model = optim.step(1e-2, model, grads);
             }
-            optim.finish(&model);
+            let model = optim.finish(model);
             let path = out.join(format!("rank{index}.bin"));
             if let Err(e) = write_params(&path, &parameters(&model)) {
                 eprintln!("bonfire-ps-check: cannot write {}: {e}", path.display());

@@ -64,7 +64,8 @@ pub(crate) struct Args {
     #[arg(long, value_parser = positive_seconds, default_value = "300")]
     join_timeout: Duration,
     /// Ranks whose failure does not stop the job, comma-separated (the workers of asynchronous
-    /// parameter servers): the launcher says how each ended and the others go on.
+    /// parameter servers): the launcher says how each ended and the others go on. Give every
+    /// node's launcher the same list; not every rank.
     #[arg(long, value_delimiter = ',', value_name = "RANKS")]
     expendable_ranks: Vec<u32>,
     /// The program every rank runs, and its arguments.
@@ -134,6 +135,15 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             world - 1
         )));
     }
+    let mut expendable: Vec<usize> = args.expendable_ranks.iter().map(|&r| r as usize).collect();
+    expendable.sort_unstable();
+    expendable.dedup();
+    if !expendable.is_empty() && expendable.len() == world {
+        return Err(CliError::Usage(format!(
+            "--expendable-ranks names every rank of the job ({world}): at least one rank must \
+             succeed for the job to succeed"
+        )));
+    }
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
         nnodes,
@@ -152,7 +162,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .map(|t| ("BONFIRE_TRANSPORT".into(), t.into()))
             .collect(),
         prefix_output: true,
-        expendable: args.expendable_ranks.iter().map(|&r| r as usize).collect(),
+        expendable,
     };
     let launched = launch(&config)?;
     if let Some(summary) = launched.summary() {
@@ -209,6 +219,18 @@ pub(crate) mod tests {
             .iter()
             .map(|get| placement(&args(), get).expect_err("refused"))
             .collect()
+    }
+
+    #[test]
+    fn expendable_ranks_must_be_ranks_of_the_job_and_not_all_of_them() {
+        let mut a = args();
+        a.expendable_ranks = vec![0, 1, 1];
+        let e = run(a).unwrap_err().to_string();
+        assert!(e.contains("names every rank of the job (2)"), "{e}");
+        let mut a = args();
+        a.expendable_ranks = vec![2];
+        let e = run(a).unwrap_err().to_string();
+        assert!(e.contains("names rank 2, but the job has 2 ranks"), "{e}");
     }
 
     #[test]

@@ -389,42 +389,42 @@ impl<'a, J: Job> RankContext<'a, J> {
     }
 }
 
-/// Every member's `mine` on the group's rank 0, in rank order; the others get `None`. Each
-/// member sends its length and its bytes to rank 0 alone (a collective: every member calls it),
-/// so the group moves the bytes once, where an all-gather would copy all of them to everyone.
+/// Every member's `mine` on the group's rank 0, in rank order; the others get `None` (a
+/// collective: every member calls it). The lengths are all-gathered first, a small collective
+/// that fails on every member naming a member that is dead or elsewhere; then each member sends
+/// its bytes to rank 0 alone, which receives from all of them at once. The group moves the
+/// bytes once, where an all-gather would copy all of them to everyone.
 pub(crate) fn gather_to_root(
     group: &Communicator,
     mine: Vec<u8>,
     during: &'static str,
 ) -> Result<Option<Vec<Vec<u8>>>, JobError> {
-    let fail = JobError::collective(during);
+    let lens = group
+        .all_gather(vec![mine.len() as i64])
+        .wait()
+        .map_err(JobError::collective(during))?;
     if group.rank() != 0 {
-        let len = mine.len();
-        group
-            .send(vec![len as i64], 0)
-            .wait()
-            .map_err(JobError::collective(during))?;
-        if len > 0 {
-            group.send(mine, 0).wait().map_err(fail)?;
+        if !mine.is_empty() {
+            group
+                .send(mine, 0)
+                .wait()
+                .map_err(JobError::collective(during))?;
         }
         return Ok(None);
     }
+    let recvs: Vec<_> = (1..group.size())
+        .map(|r| {
+            let n = lens[r].max(0) as usize;
+            (n > 0).then(|| group.recv(vec![0u8; n], r))
+        })
+        .collect();
     let mut parts = Vec::with_capacity(group.size());
     parts.push(mine);
-    for r in 1..group.size() {
-        let len = group
-            .recv(vec![0i64], r)
-            .wait()
-            .map_err(JobError::collective(during))?[0];
-        let bytes = if len > 0 {
-            group
-                .recv(vec![0u8; len as usize], r)
-                .wait()
-                .map_err(JobError::collective(during))?
-        } else {
-            Vec::new()
-        };
-        parts.push(bytes);
+    for work in recvs {
+        parts.push(match work {
+            Some(w) => w.wait().map_err(JobError::collective(during))?,
+            None => Vec::new(),
+        });
     }
     Ok(Some(parts))
 }

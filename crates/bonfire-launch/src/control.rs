@@ -1114,7 +1114,6 @@ impl<'a> Leader<'a> {
                     return Ok(launched);
                 }
                 RoundEnd::Failed { what, .. } if restarts < c.max_restarts => {
-                    launched.lost.append(&mut local.lost);
                     restarts += 1;
                     tracing::info!(
                         "bonfire launch: {what}; restarting the job on every node (restart {restarts} of {}, round {}): its ranks resume from their newest checkpoint",
@@ -1128,6 +1127,7 @@ impl<'a> Leader<'a> {
                     });
                     local.stop(Duration::ZERO);
                     (self.cleanup)();
+                    launched.lost.append(&mut local.lost);
                     self.await_stopped(r);
                 }
                 RoundEnd::Failed { what, rank, error } => {

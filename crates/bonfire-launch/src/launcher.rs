@@ -779,6 +779,24 @@ mod tests {
     }
 
     #[test]
+    fn an_expendable_rank_the_launcher_stops_is_not_lost() {
+        // Rank 2 fails; expendable rank 1 is still running and is stopped with the others.
+        let mut c = sh(3, "if [ $RANK = 2 ]; then exit 4; fi; sleep 30");
+        c.expendable = vec![1];
+        c.peer_timeout = Some(Duration::from_millis(100));
+        let mut ranks = LocalRanks::start(&c, &[], 0).unwrap();
+        let failure = loop {
+            if let (Some(f), _) = ranks.poll() {
+                break f;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(failure.rank, 2);
+        ranks.stop(Duration::ZERO);
+        assert!(ranks.lost.is_empty(), "{:?}", ranks.lost);
+    }
+
+    #[test]
     fn restarts_run_the_ranks_again() {
         // Rank 0 fails in round 0 (alone, so that no other failure races it to be first);
         // every rank succeeds in round 1.

@@ -424,6 +424,12 @@ mod tests {
             assert_eq!((&buf[..n], from), (&[i; 100][..], relay.addr()));
             assert!(rtt >= Duration::from_millis(50), "round trip {rtt:?}");
         }
+        // The sender thread counts a datagram after handing it over, which may be after the
+        // client has it: wait for the count (bounded).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while links.iter().any(|l| l.stats().delivered < 3) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let (f, b) = (links[0].stats(), links[1].stats());
         assert_eq!((f.datagrams, f.bytes, f.delivered), (3, 300, 3));
         assert_eq!((b.datagrams, b.delivered, b.lost), (3, 3, 0));

@@ -380,7 +380,7 @@ fn processes(
         c.expendable = vec![w];
     }
     c.timeout = Some(Duration::from_secs(60));
-    c.peer_timeout = Some(Duration::from_secs(2));
+    c.peer_timeout = Some(Duration::from_secs(4));
     let launched = bonfire_launch::launch(&c).expect("the job succeeds");
     let out = (
         bonfire_testkit::nets::read_params(&dir.join("rank0.bin")),
@@ -400,6 +400,10 @@ fn an_asynchronous_job_goes_on_when_a_worker_process_dies() {
     assert!(line.contains("14 steps from 14 pushes"), "{line}");
     assert!(line.contains("dropped worker 2 after 2 pushes"), "{line}");
     assert!(w0.iter().chain(&w1).all(|v| v.is_finite()));
+    assert_eq!(
+        w0, w1,
+        "finish gives both workers the server's final parameters"
+    );
 }
 
 #[test]
@@ -438,6 +442,10 @@ fn across_processes_synchronous_servers_equal_one_device_and_asynchronous_ones_f
     let (a0, a1, line) = three_processes("async", STEPS, ROWS);
     assert!(line.contains("8 steps from 8 pushes"), "{line}");
     assert!(a0.iter().chain(&a1).all(|v| v.is_finite()));
+    assert_eq!(
+        a0, a1,
+        "finish gives both workers the server's final parameters"
+    );
 }
 
 #[test]

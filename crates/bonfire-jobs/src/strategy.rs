@@ -22,7 +22,6 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::optim::JobOptimizer;
-use crate::rank::gather_bytes;
 use crate::{Clash, JobError};
 
 /// The strategy a run trains with (`state.json`'s `config.strategy`).
@@ -434,7 +433,7 @@ pub(crate) fn merge_served(
 }
 
 /// Under parameter servers (`stats` given, the same on every rank), rank 0's report lines:
-/// each server's (`served`, over the run) and each worker's traffic, gathered over the job (a
+/// each server's (`served`, over the run) and each worker's traffic, gathered to rank 0 (a
 /// collective: every rank calls it). Empty on the other ranks and under other strategies.
 pub(crate) fn served_lines<J: crate::job::Job>(
     ctx: &crate::rank::RankContext<'_, J>,
@@ -462,14 +461,15 @@ pub(crate) fn served_lines<J: crate::job::Job>(
             st.time.as_secs_f64()
         ),
     };
-    let all = gather_bytes(
+    // Only rank 0 prints them.
+    let Some(all) = crate::rank::gather_to_root(
         ctx.world().dp_group(),
         mine.into_bytes(),
         "gathering the parameter servers' reports",
-    )?;
-    if !ctx.is_main() {
+    )?
+    else {
         return Ok(Vec::new());
-    }
+    };
     Ok(all
         .into_iter()
         .filter(|b| !b.is_empty())

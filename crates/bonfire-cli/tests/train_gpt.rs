@@ -780,10 +780,11 @@ fn pipeline_stages_train_as_one_device() {
 
 /// `--strategy diloco` and `local-sgd`: the replicas step on their own gradients and meet every
 /// `--sync-every` steps and at each evaluation; the report counts the meetings and the bytes
-/// they sent. DiLoCo learns (with accumulation); a run killed after its first checkpoint and
-/// resumed ends bit for bit where the uninterrupted one does (the checkpoint holds every
-/// replica's Adam state and the outer momentum); bf16 deltas send half the bytes; flags that do
-/// not go together are refused with exit code 2, and a resume that changes the strategy too.
+/// they sent. DiLoCo learns (with accumulation, deltas in int8); a run killed after its first
+/// checkpoint and resumed ends bit for bit where the uninterrupted one does (the checkpoint holds
+/// every replica's Adam state and int8 rounding errors, and the outer momentum); bf16 deltas send
+/// half the bytes, int8 a quarter; flags that do not go together are refused with exit code 2,
+/// and a resume that changes the strategy too.
 #[test]
 fn local_strategies_meet_learn_and_resume_exactly() {
     let dir = scratch("gpt-strategy");
@@ -794,13 +795,14 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         "4",
         "--grad-accum",
         "2",
+        "--int8-deltas",
     ];
     let straight = dir.join("straight");
     let log = train_tiny(&dir, "60", &straight, &diloco);
     // 60 steps: in each round of 10, meetings after 4 and 8 steps and at the evaluation (H is
     // counted again from each meeting).
     assert!(
-        log.contains("strategy diloco, meeting every 4 steps (outer Nesterov lr 0.7, momentum 0.9) over 2 replica(s): 60 steps, 18 meetings"),
+        log.contains("strategy diloco, meeting every 4 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas over 2 replica(s): 60 steps, 18 meetings"),
         "{log}"
     );
     let s = state(&straight, 6);
@@ -811,6 +813,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         "validation loss {first} then {last} (4.2 is a uniform guess)"
     );
     assert_eq!(s["config"]["strategy"]["kind"], "diloco");
+    assert_eq!(s["config"]["strategy"]["int8"], true);
 
     let killed = dir.join("killed");
     let done = kill_tiny(&dir, "60", &killed, &diloco);
@@ -831,7 +834,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         )
         .output()
         .unwrap(),
-        "--strategy diloco, meeting every 8 steps",
+        "--strategy diloco, meeting every 8 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas",
     );
     let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir", k])
         .output()
@@ -839,12 +842,13 @@ fn local_strategies_meet_learn_and_resume_exactly() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(digests(&straight, 6), digests(&killed, 6));
 
-    // Local SGD, deltas in f32 and in bf16, meeting at every 2nd step: 10 meetings, bf16
-    // sending half the bytes.
+    // Local SGD, deltas in f32, bf16 and int8, meeting at every 2nd step: 10 meetings, bf16
+    // sending half the bytes, int8 a quarter (and a scale per 256 values).
     let mut mib = Vec::new();
     for (name, extra, meetings) in [
         ("f32", &[][..], "20 steps, 10 meetings"),
         ("bf16", &["--bf16-comm"][..], "20 steps, 10 meetings"),
+        ("int8", &["--int8-deltas"][..], "20 steps, 10 meetings"),
     ] {
         let args = [&["--strategy", "local-sgd", "--sync-every", "2"][..], extra].concat();
         let log = train_tiny(&dir, "20", &dir.join(name), &args);
@@ -861,12 +865,13 @@ fn local_strategies_meet_learn_and_resume_exactly() {
             .unwrap_or_else(|| panic!("{line}"));
         mib.push(kib);
     }
-    let ratio = mib[1] / mib[0];
+    let (bf16, int8) = (mib[1] / mib[0], mib[2] / mib[0]);
     assert!(
-        (ratio - 0.5).abs() < 0.02,
-        "KiB per step: f32 {}, bf16 {}",
+        (bf16 - 0.5).abs() < 0.02 && (int8 - 0.254).abs() < 0.01,
+        "KiB per step: f32 {}, bf16 {}, int8 {}",
         mib[0],
-        mib[1]
+        mib[1],
+        mib[2]
     );
 
     for (args, needle) in [
@@ -893,6 +898,14 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         (
             &["--strategy", "diloco", "--zero", "1"][..],
             "local-sgd and diloco keep each replica's optimizer state",
+        ),
+        (
+            &["--int8-deltas"][..],
+            "--int8-deltas with --strategy allreduce: only local-sgd and diloco send deltas",
+        ),
+        (
+            &["--strategy", "local-sgd", "--int8-deltas", "--bf16-comm"][..],
+            "--int8-deltas with --bf16-comm: the deltas travel in one dtype",
         ),
     ] {
         let out = bonfire(&dir, &[&TINY[..], args].concat()).output().unwrap();

@@ -208,7 +208,7 @@ where
                 source,
             })?;
         // A local strategy's outer state: the anchor between meetings, the outer momentum and
-        // the bf16 rounding error, f32 each.
+        // the rounding error of bf16 or int8 deltas, f32 each.
         let outer = self.as_local().map_or(0, |o| {
             let s = o.outer_state();
             [&s.anchor, &s.momentum, &s.residual]

@@ -6,15 +6,16 @@
 //!
 //! A local strategy's replicas meet at the end of every round too (when they stepped since the
 //! last meeting), so that the model evaluated and saved is the one they agreed on. Each
-//! replica's inner optimizer state and bf16 rounding error are its own, so a checkpoint holds
-//! every replica's (all-gathered over the replicas, [`LocalOptimizers`]) with the outer state,
-//! and a resumed run continues bit for bit at the same `--dp`.
+//! replica's inner optimizer state and rounding error (bf16's, or int8's two stages') are its
+//! own, so a checkpoint holds every replica's (all-gathered over the replicas,
+//! [`LocalOptimizers`]) with the outer state, and a resumed run continues bit for bit at the
+//! same `--dp`.
 
 use std::borrow::Cow;
 use std::path::Path;
 
 use bonfire::collectives::Communicator;
-use bonfire::{GradDType, Outer, OuterState, ZeroStage};
+use bonfire::{DeltaDType, Outer, OuterState, ZeroStage};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::SimpleOptimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -36,6 +37,9 @@ pub enum Strategy {
     LocalSgd {
         /// Steps between meetings.
         every: usize,
+        /// The deltas travel in int8 (`--int8-deltas`; left out of `state.json` when off).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        int8: bool,
     },
     /// DiLoCo: `every` steps each, then an outer Nesterov step over the mean delta.
     Diloco {
@@ -45,6 +49,9 @@ pub enum Strategy {
         outer_lr: f32,
         /// The outer momentum.
         outer_momentum: f32,
+        /// The deltas travel in int8 (`--int8-deltas`; left out of `state.json` when off).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        int8: bool,
     },
     /// Synchronous parameter servers: the last `servers` ranks serve.
     PsSync {
@@ -109,6 +116,9 @@ pub struct StrategyRequest {
     pub servers: Option<usize>,
     /// Asynchronous parameter servers' staleness bound (default: 2).
     pub staleness: Option<u64>,
+    /// A local strategy's deltas in int8, with error feedback (default: f32, or bf16 with the
+    /// job's `--bf16`).
+    pub int8: bool,
 }
 
 /// Ranks that serve when `--servers` is left out.
@@ -174,6 +184,14 @@ impl StrategyRequest {
                 why: "only ps-async lets workers run ahead of each other",
             });
         }
+        if self.int8 && !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco) {
+            return Err(JobError::Invalid {
+                flag: "--int8-deltas",
+                given: format!("with --strategy {}", kind_name(kind)),
+                why: "only local-sgd and diloco send deltas; the others send gradients in f32 or \
+                      bf16",
+            });
+        }
         for (flag, v) in [
             ("--outer-lr", self.outer_lr),
             ("--outer-momentum", self.outer_momentum),
@@ -191,10 +209,10 @@ impl StrategyRequest {
 
     /// The strategy, defaults filled in.
     pub fn resolve(&self) -> Strategy {
-        let every = self.every.unwrap_or(DEFAULT_EVERY);
+        let (every, int8) = (self.every.unwrap_or(DEFAULT_EVERY), self.int8);
         match self.kind.unwrap_or(StrategyKind::AllReduce) {
             StrategyKind::AllReduce => Strategy::AllReduce,
-            StrategyKind::LocalSgd => Strategy::LocalSgd { every },
+            StrategyKind::LocalSgd => Strategy::LocalSgd { every, int8 },
             StrategyKind::Diloco => {
                 let (lr, momentum) = match bonfire::DILOCO_OUTER {
                     Outer::Nesterov { lr, momentum } => (lr, momentum),
@@ -204,6 +222,7 @@ impl StrategyRequest {
                     every,
                     outer_lr: self.outer_lr.map_or(lr, |v| v as f32),
                     outer_momentum: self.outer_momentum.map_or(momentum, |v| v as f32),
+                    int8,
                 }
             }
             StrategyKind::PsSync => Strategy::PsSync {
@@ -218,7 +237,7 @@ impl StrategyRequest {
 
     /// The strategy a resumed run asks for: what is given, the rest the checkpoint's `saved`.
     pub fn resolve_over(&self, saved: &Strategy) -> Strategy {
-        let (mut servers, mut staleness) = (None, None);
+        let (mut servers, mut staleness, mut int8) = (None, None, false);
         let (kind, every, lr, momentum) = match *saved {
             Strategy::AllReduce => (StrategyKind::AllReduce, None, None, None),
             Strategy::PsSync { servers: n } => {
@@ -232,25 +251,37 @@ impl StrategyRequest {
                 (servers, staleness) = (Some(n), Some(s));
                 (StrategyKind::PsAsync, None, None, None)
             }
-            Strategy::LocalSgd { every } => (StrategyKind::LocalSgd, Some(every), None, None),
+            Strategy::LocalSgd { every, int8: i } => {
+                int8 = i;
+                (StrategyKind::LocalSgd, Some(every), None, None)
+            }
             Strategy::Diloco {
                 every,
                 outer_lr,
                 outer_momentum,
-            } => (
-                StrategyKind::Diloco,
-                Some(every),
-                Some(f64::from(outer_lr)),
-                Some(f64::from(outer_momentum)),
-            ),
+                int8: i,
+            } => {
+                int8 = i;
+                (
+                    StrategyKind::Diloco,
+                    Some(every),
+                    Some(f64::from(outer_lr)),
+                    Some(f64::from(outer_momentum)),
+                )
+            }
         };
+        let kind = self.kind.unwrap_or(kind);
+        // The saved run's int8 deltas carry over to another local strategy, not to the others.
+        let int8 =
+            self.int8 || (int8 && matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco));
         StrategyRequest {
-            kind: Some(self.kind.unwrap_or(kind)),
+            kind: Some(kind),
             every: self.every.or(every),
             outer_lr: self.outer_lr.or(lr),
             outer_momentum: self.outer_momentum.or(momentum),
             servers: self.servers.or(servers),
             staleness: self.staleness.or(staleness),
+            int8,
         }
         .resolve()
     }
@@ -322,8 +353,9 @@ impl Strategy {
         }
     }
 
-    /// A job's optimizer `optim` for this strategy: wrapped for a local one (deltas in bf16
-    /// when `bf16`), otherwise whole or sharded at `zero`.
+    /// A job's optimizer `optim` for this strategy: wrapped for a local one (deltas in int8
+    /// when the strategy says so, else in bf16 when `bf16`), otherwise whole or sharded at
+    /// `zero`.
     pub(crate) fn optimizer<O, M, B>(
         &self,
         optim: OptimizerAdaptor<O, M, B>,
@@ -335,10 +367,12 @@ impl Strategy {
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        let deltas = if bf16 {
-            GradDType::Bf16
+        let deltas = if self.int8_deltas() {
+            DeltaDType::Int8
+        } else if bf16 {
+            DeltaDType::Bf16
         } else {
-            GradDType::F32
+            DeltaDType::F32
         };
         match *self {
             Strategy::PsSync { servers } => {
@@ -358,16 +392,17 @@ impl Strategy {
     }
 
     /// `optim` wrapped for this strategy, deltas in `dtype`; all-reduce hands it back.
-    pub(crate) fn wrap<O>(&self, optim: O, dtype: GradDType) -> Result<bonfire::LocalSgd<O>, O> {
+    pub(crate) fn wrap<O>(&self, optim: O, dtype: DeltaDType) -> Result<bonfire::LocalSgd<O>, O> {
         let wrapped = match *self {
             Strategy::AllReduce | Strategy::PsSync { .. } | Strategy::PsAsync { .. } => {
                 return Err(optim);
             }
-            Strategy::LocalSgd { every } => bonfire::local_sgd(optim, every),
+            Strategy::LocalSgd { every, .. } => bonfire::local_sgd(optim, every),
             Strategy::Diloco {
                 every,
                 outer_lr,
                 outer_momentum,
+                ..
             } => bonfire::diloco(optim, every).outer(Outer::Nesterov {
                 lr: outer_lr,
                 momentum: outer_momentum,
@@ -376,18 +411,34 @@ impl Strategy {
         Ok(wrapped.exchange_dtype(dtype))
     }
 
+    /// Whether a local strategy's deltas travel in int8.
+    pub fn int8_deltas(&self) -> bool {
+        matches!(
+            self,
+            Strategy::LocalSgd { int8: true, .. } | Strategy::Diloco { int8: true, .. }
+        )
+    }
+
     /// How the strategy is written on the command line and in the report.
     pub fn describe(&self) -> String {
+        let int8 = if self.int8_deltas() {
+            ", int8 deltas"
+        } else {
+            ""
+        };
         match *self {
             Strategy::AllReduce => "allreduce".into(),
-            Strategy::LocalSgd { every } => format!("local-sgd, meeting every {every} steps"),
+            Strategy::LocalSgd { every, .. } => {
+                format!("local-sgd, meeting every {every} steps{int8}")
+            }
             Strategy::Diloco {
                 every,
                 outer_lr,
                 outer_momentum,
+                ..
             } => format!(
                 "diloco, meeting every {every} steps (outer Nesterov lr {outer_lr}, momentum \
-                 {outer_momentum})"
+                 {outer_momentum}){int8}"
             ),
             Strategy::PsSync { servers } => format!("ps-sync, {servers} server(s)"),
             Strategy::PsAsync { servers, staleness } => {
@@ -395,6 +446,23 @@ impl Strategy {
             }
         }
     }
+}
+
+/// Refuses int8 deltas together with the job's bf16 flag `bf16_flag` (under a local strategy
+/// that flag names the deltas' dtype too).
+pub(crate) fn check_deltas(
+    strategy: &Strategy,
+    bf16: bool,
+    bf16_flag: &'static str,
+) -> Result<(), JobError> {
+    if strategy.int8_deltas() && bf16 {
+        return Err(JobError::Invalid {
+            flag: "--int8-deltas",
+            given: format!("with {bf16_flag}"),
+            why: "the deltas travel in one dtype: leave out one of the two",
+        });
+    }
+    Ok(())
 }
 
 /// Checks that a job of `ranks` keeps a worker beside `servers` servers.
@@ -480,9 +548,16 @@ pub(crate) fn served_lines<J: crate::job::Job>(
 /// A local strategy's report line: its meetings, and what they sent per rank.
 pub fn report_line(strategy: &Strategy, st: &bonfire::OuterStats, replicas: usize) -> String {
     let mib = st.bytes as f64 / (1 << 20) as f64;
+    // Int8 deltas are summed in two stages of messages (bonfire::DeltaDType::Int8), not in one
+    // all-reduce.
+    let how = if strategy.int8_deltas() {
+        "exchanged"
+    } else {
+        "all-reduced"
+    };
     format!(
-        "strategy {} over {replicas} replica(s): {} steps, {} meetings, {mib:.2} MiB all-reduced \
-         per rank this run ({:.1} KiB per step), {:.2} s in meetings",
+        "strategy {} over {replicas} replica(s): {} steps, {} meetings, {mib:.2} MiB {how} per \
+         rank this run ({:.1} KiB per step), {:.2} s in meetings",
         strategy.describe(),
         st.steps,
         st.meetings,
@@ -492,15 +567,16 @@ pub fn report_line(strategy: &Strategy, st: &bonfire::OuterStats, replicas: usiz
 }
 
 /// A local strategy's optimizer file: the outer state (equal on every rank after the round's
-/// meeting, but for the bf16 rounding error) and each replica's own part, by replica.
+/// meeting, but for the rounding errors of bf16 or int8 deltas) and each replica's own part, by
+/// replica.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct LocalOptimizers {
     pub(crate) outer: OuterState,
     pub(crate) replicas: Vec<ReplicaState>,
 }
 
-/// What one replica keeps of its own: its inner optimizer's encoded record and its bf16
-/// rounding error.
+/// What one replica keeps of its own: its inner optimizer's encoded record and the rounding
+/// error of its bf16 or int8 deltas.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct ReplicaState {
     pub(crate) optimizer: Vec<u8>,
@@ -640,13 +716,15 @@ mod tests {
             Strategy::Diloco {
                 every: DEFAULT_EVERY,
                 outer_lr: 0.7,
-                outer_momentum: 0.9
+                outer_momentum: 0.9,
+                int8: false,
             }
         );
         let saved = Strategy::Diloco {
             every: 20,
             outer_lr: 0.5,
             outer_momentum: 0.8,
+            int8: true,
         };
         // Left out on resume: the checkpoint's; given: the request's.
         assert_eq!(StrategyRequest::default().resolve_over(&saved), saved);
@@ -655,12 +733,21 @@ mod tests {
             Strategy::Diloco {
                 every: 8,
                 outer_lr: 0.5,
-                outer_momentum: 0.8
+                outer_momentum: 0.8,
+                int8: true,
+            }
+        );
+        // int8 deltas carry over to the other local strategy, and not to all-reduce.
+        assert_eq!(
+            ask(Some(StrategyKind::LocalSgd), None).resolve_over(&saved),
+            Strategy::LocalSgd {
+                every: 20,
+                int8: true
             }
         );
         assert_eq!(
-            ask(Some(StrategyKind::LocalSgd), None).resolve_over(&saved),
-            Strategy::LocalSgd { every: 20 }
+            ask(Some(StrategyKind::AllReduce), None).resolve_over(&saved),
+            Strategy::AllReduce
         );
     }
 
@@ -754,13 +841,31 @@ mod tests {
         }
         let old: Saved = serde_json::from_str("{}").unwrap();
         assert_eq!(old.strategy, Strategy::AllReduce);
+        // A run saved before int8 deltas existed.
+        let old: Saved =
+            serde_json::from_str(r#"{"strategy": {"kind": "local-sgd", "every": 3}}"#).unwrap();
+        assert_eq!(
+            old.strategy,
+            Strategy::LocalSgd {
+                every: 3,
+                int8: false
+            }
+        );
         for s in [
             Strategy::AllReduce,
-            Strategy::LocalSgd { every: 3 },
+            Strategy::LocalSgd {
+                every: 3,
+                int8: false,
+            },
+            Strategy::LocalSgd {
+                every: 3,
+                int8: true,
+            },
             Strategy::Diloco {
                 every: 4,
                 outer_lr: 0.7,
                 outer_momentum: 0.9,
+                int8: false,
             },
             Strategy::PsSync { servers: 2 },
             Strategy::PsAsync {

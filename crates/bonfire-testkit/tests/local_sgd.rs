@@ -5,12 +5,13 @@
 //!   replicas' steps is the step on the mean gradient (within rounding, 1e-6 after 20 steps).
 //! - DiLoCo over Adam equals a sequential oracle: the replicas trained one after the other in one
 //!   thread, their deltas averaged and the Nesterov step taken by hand.
-//! - DiLoCo with outer lr 1 and momentum 0 is local SGD, bit for bit; bf16 deltas halve the bytes.
+//! - DiLoCo with outer lr 1 and momentum 0 is local SGD, bit for bit; bf16 deltas halve the bytes,
+//!   int8 deltas quarter them, every replica ending with the same bits.
 //! - A record saved between meetings resumes bit for bit; replicas that start apart are named.
 
 use std::time::Duration;
 
-use bonfire::{GradDType, LocalSgd, Outer};
+use bonfire::{DeltaDType, GradDType, LocalSgd, Outer};
 use bonfire_testkit::nets::{
     Batch, DpFlex, Net, SmallCnn, loss, parameters, random_batches, seeded,
 };
@@ -247,6 +248,45 @@ fn diloco_with_lr_1_and_no_momentum_is_local_sgd_and_bf16_halves_the_bytes() {
 }
 
 #[test]
+fn int8_deltas_send_a_quarter_of_the_bytes_and_stay_close_to_f32() {
+    // Plain SGD inside, so that a parameter's difference is the rounding's, not Adam's
+    // normalisation of a near-zero gradient.
+    let b = batches(24, 6, 8);
+    let sgd = || SgdConfig::new().init::<DpFlex, Net2>();
+    let f32s = run(2, &b, false, move || bonfire::diloco(sgd(), 3));
+    let int8 = run(2, &b, false, move || {
+        bonfire::diloco(sgd(), 3).exchange_dtype(DeltaDType::Int8)
+    });
+    let bf16 = run(2, &b, false, move || {
+        bonfire::diloco(sgd(), 3).exchange_dtype(DeltaDType::Bf16)
+    });
+    assert_replicas_equal(&int8, "int8 deltas");
+    let diff = max_difference(&f32s[0].0, &int8[0].0);
+    let bf16_diff = max_difference(&f32s[0].0, &bf16[0].0);
+    assert!(
+        diff > 0.0 && diff < 1e-4,
+        "int8 deltas are {diff:e} from f32's after 2 meetings (bf16's: {bf16_diff:e})"
+    );
+    // n elements: n bytes and one f32 scale per 256 of each rank's half, per meeting.
+    let (full, stats) = (f32s[0].1.stats(), int8[0].1.stats());
+    assert_eq!(stats.meetings, 2);
+    let n = (full.elements / full.meetings) as usize;
+    let (first, second) = (n.div_ceil(2), n / 2);
+    let per_meeting = n + 4 * (first.div_ceil(256) + second.div_ceil(256));
+    assert_eq!(stats.bytes, 2 * per_meeting as u64);
+    // A quarter, and the scales (4 bytes per 256 values; 2.3% at this model's 1,066 elements).
+    assert!(
+        4 * stats.bytes < full.bytes * 103 / 100,
+        "{stats:?} against {full:?}"
+    );
+    // Both stages keep what they rounded away: rank 0's own delta, then the half it summed.
+    let residual = int8[0].1.outer_state().residual.as_ref().expect("residual");
+    assert_eq!(residual.len(), n + first);
+    assert!(residual[..n].iter().any(|&r| r != 0.0));
+    assert!(residual[n..].iter().any(|&r| r != 0.0));
+}
+
+#[test]
 fn a_record_saved_between_meetings_resumes_bit_for_bit() {
     const WORLD: usize = 2;
     let b = batches(24, 8, 8);
@@ -448,5 +488,22 @@ fn outer_state_of_another_size_is_named_on_every_rank() {
             })
         },
         "ranks [1] hold models or outer state of other sizes than rank 0's model",
+    );
+}
+
+#[test]
+fn deltas_in_another_dtype_are_named_on_every_rank() {
+    both_fail(
+        |_| 7,
+        |r| {
+            let dtype = if r == 0 {
+                DeltaDType::Int8
+            } else {
+                DeltaDType::Bf16
+            };
+            bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 1).exchange_dtype(dtype)
+        },
+        "ranks [1] send their deltas in another dtype than rank 0 at meeting 1 (by rank: \
+         [\"int8\", \"bf16\"])",
     );
 }

@@ -64,7 +64,7 @@ pub use world::{InitError, World, init, init_from, init_with, init_with_transpor
 pub use bonfire_launch::{LogFilterError, init_logging};
 
 pub use bonfire_backend::{
-    BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, Departure,
+    BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, DeltaDType, Departure,
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord,
     NoSyncGuard, Outer, OuterState, OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole,
     PsStats, Sharded, StepStats, ZeroStage, accumulate, broadcast_parameters, diloco,

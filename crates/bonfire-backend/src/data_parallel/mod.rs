@@ -17,6 +17,7 @@ mod context;
 mod device_pack;
 mod distributed;
 mod error;
+mod int8;
 #[cfg(feature = "cuda")]
 mod lane;
 mod local;
@@ -43,7 +44,8 @@ pub use error::SyncError;
 pub use lane::{CommCross, CommLink, NodeLane};
 pub use local::{LocalParts, register as register_local_parts};
 pub use outer::{
-    DILOCO_OUTER, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco, local_sgd,
+    DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco,
+    local_sgd,
 };
 pub use param_server::{Departure, ParamServer, PsMode, PsReport, PsRole, PsStats, param_server};
 pub use replicate::{

@@ -151,6 +151,10 @@ pub(crate) struct StrategyArgs {
     /// [default: 2]
     #[arg(long, value_name = "S")]
     staleness: Option<u64>,
+    /// Send local-sgd's or diloco's deltas in int8 (blocks of 256 with a scale each, a quarter
+    /// of f32's bytes), with error feedback
+    #[arg(long)]
+    int8_deltas: bool,
 }
 
 impl StrategyArgs {
@@ -163,6 +167,7 @@ impl StrategyArgs {
             outer_momentum: self.outer_momentum,
             servers: self.servers.map(|n| n as usize),
             staleness: self.staleness,
+            int8: self.int8_deltas,
         })
     }
 }
@@ -175,7 +180,7 @@ pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
     };
     match *strategy {
         Strategy::AllReduce => {}
-        Strategy::LocalSgd { every } => {
+        Strategy::LocalSgd { every, .. } => {
             flag("--strategy", "local-sgd".into());
             flag("--sync-every", every.to_string());
         }
@@ -183,6 +188,7 @@ pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
             every,
             outer_lr,
             outer_momentum,
+            ..
         } => {
             flag("--strategy", "diloco".into());
             flag("--sync-every", every.to_string());
@@ -198,6 +204,9 @@ pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
             flag("--servers", servers.to_string());
             flag("--staleness", staleness.to_string());
         }
+    }
+    if strategy.int8_deltas() {
+        v.push("--int8-deltas".into());
     }
 }
 

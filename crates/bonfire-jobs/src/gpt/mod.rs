@@ -609,6 +609,7 @@ impl Job for GptJob {
         data_dir: &Path,
         reporter: &mut dyn Reporter,
     ) -> Result<GptRunConfig, JobError> {
+        crate::strategy::check_deltas(&r.strategy.resolve(), r.bf16, "--bf16-comm")?;
         let (dataset, text) = match r.dataset {
             None => match GptData::Shakespeare.text(data_dir) {
                 Ok(text) => (GptData::Shakespeare, text),

@@ -320,6 +320,7 @@ impl Job for Vision {
     ) -> Result<VisionConfig, JobError> {
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
+        crate::strategy::check_deltas(&r.strategy.resolve(), r.bf16, "--bf16")?;
         if let Some(servers) = r.strategy.resolve().servers() {
             crate::strategy::check_servers(servers, ranks)?;
             if r.bf16 {

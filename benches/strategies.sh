@@ -17,6 +17,7 @@
 #   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
 #   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
 #   STRATEGIES=local-sgd LOCAL="--int8-deltas" bash benches/strategies.sh   # LOCAL: local-sgd's and diloco's
+#   JOB=vision EPOCHS=2 EXTRA="--non-iid" bash benches/strategies.sh         # EXTRA: every run's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 #   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
 #   JOB=vision RANKS=4 STRATEGIES="allreduce ps-sync ps-async" bash benches/strategies.sh
@@ -90,6 +91,8 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     [ "$s" = diloco ] && extra+=(${OUTER:-})
     # shellcheck disable=SC2206 # LOCAL's flags split on spaces, as written
     case "$s" in local-sgd | diloco) extra+=(${LOCAL:-}) ;; esac
+    # shellcheck disable=SC2206 # EXTRA's flags split on spaces, as written
+    extra+=(${EXTRA:-})
     t0=$(date +%s.%N)
     raw="$("${run[@]}" "${args[@]}" "${extra[@]}" --checkpoint-dir "$work/$s" 2>&1)" || {
         echo "$raw" >&2

@@ -249,13 +249,15 @@ impl Vision {
 }
 
 /// Which part of a split a rank reads: a consecutive shard under bonfire's one rule for data
-/// shards ([`Sharding`], from `bonfire-topology`), optionally of the split's first items only.
+/// shards ([`Sharding`], from `bonfire-topology`), optionally of the split's first items only,
+/// and optionally of the split sorted by label ([`Shard::by_label`]: a non-IID split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
     rank: usize,
     world: usize,
     sharding: Sharding,
     limit: Option<usize>,
+    by_label: bool,
 }
 
 impl Shard {
@@ -273,6 +275,7 @@ impl Shard {
             world,
             sharding: Sharding::EqualDrop,
             limit: None,
+            by_label: false,
         }
     }
 
@@ -284,6 +287,7 @@ impl Shard {
             world,
             sharding: Sharding::Balanced,
             limit: None,
+            by_label: false,
         }
     }
 
@@ -293,7 +297,34 @@ impl Shard {
         self
     }
 
-    /// The items of a split of `len` this shard holds.
+    /// The same shard of the split (its first items, under [`Shard::limit`]) sorted by label,
+    /// ties in split order: rank `r` of `world` holds the `r`-th share of that order, so each
+    /// rank sees only a few classes (MNIST over 2 ranks: about digits 0-4 on rank 0, 5-9 on
+    /// rank 1), the non-IID split of federated training. The whole (limited) split is read to
+    /// find them.
+    pub fn by_label(mut self) -> Shard {
+        self.by_label = true;
+        self
+    }
+
+    /// Whether the shard is taken from the split sorted by label.
+    pub fn is_by_label(&self) -> bool {
+        self.by_label
+    }
+
+    /// The positions in the split of the items this shard holds, in split order within a label,
+    /// given the split's `labels` (of its first items, under [`Shard::limit`]).
+    pub fn picks(self, labels: &[u8]) -> Result<Vec<usize>, DataError> {
+        let range = self.range(labels.len())?;
+        let mut order: Vec<usize> = (0..labels.len()).collect();
+        if self.by_label {
+            order.sort_by_key(|&i| labels[i]);
+        }
+        Ok(order[range].to_vec())
+    }
+
+    /// The items of a split of `len` this shard holds (for a shard [`Shard::by_label`], the
+    /// positions of its items in the split sorted by label).
     pub fn range(self, len: usize) -> Result<Range<usize>, DataError> {
         let len = self.limit.map_or(len, |n| n.min(len));
         let shard = self.sharding.shard(self.rank, self.world, len)?;
@@ -362,6 +393,30 @@ impl ImageSet {
                 .map_err(DataError::io(&path))
                 .map(|f| (f, path))
         };
+        let split_name = match split {
+            Split::Train => "training",
+            Split::Test => "test",
+        };
+        let description = format!("{} {split_name} images", set.name());
+        if shard.by_label {
+            // The whole (limited) split's labels, then its images, then this shard's picks.
+            let limit = shard.limit;
+            let (f, path) = open(labels)?;
+            let lab = idx::read(f, &path, 1, |n| Ok(0..limit.map_or(n, |l| l.min(n))))?;
+            let (f, path) = open(images)?;
+            let total = lab.dims[0];
+            let img = idx::read(f, &path, 3, |n| {
+                if n == total {
+                    Ok(0..lab.bytes.len())
+                } else {
+                    Err(DataError::Malformed {
+                        path: path.clone(),
+                        why: format!("{n} images for {total} labels"),
+                    })
+                }
+            })?;
+            return ImageSet::picked(description, img, &lab.bytes, shard, set.normalisation());
+        }
         let (f, path) = open(images)?;
         let mut range = None;
         let img = idx::read(f, &path, 3, |n| {
@@ -381,12 +436,8 @@ impl ImageSet {
                 })
             }
         })?;
-        let split_name = match split {
-            Split::Train => "training",
-            Split::Test => "test",
-        };
         ImageSet::new(
-            format!("{} {split_name} images", set.name()),
+            description,
             img,
             lab.bytes,
             range.start,
@@ -409,6 +460,22 @@ impl ImageSet {
                 .map_err(DataError::io("embedded MNIST slice"))
         };
         let path = Path::new("embedded MNIST slice");
+        let description = format!("embedded MNIST slice ({what} images, compiled in)");
+        if shard.by_label {
+            let limit = shard.limit;
+            let lab = idx::read(Cursor::new(unzip(labels)?), path, 1, |n| {
+                Ok(0..limit.map_or(n, |l| l.min(n)))
+            })?;
+            let n = lab.bytes.len();
+            let img = idx::read(Cursor::new(unzip(images)?), path, 3, |_| Ok(0..n))?;
+            return ImageSet::picked(
+                description,
+                img,
+                &lab.bytes,
+                shard,
+                Vision::Mnist.normalisation(),
+            );
+        }
         let mut range = None;
         let img = idx::read(Cursor::new(unzip(images)?), path, 3, |n| {
             let r = shard.range(n)?;
@@ -418,11 +485,40 @@ impl ImageSet {
         let range = range.expect("read computed the range");
         let lab = idx::read(Cursor::new(unzip(labels)?), path, 1, |_| Ok(range.clone()))?;
         ImageSet::new(
-            format!("embedded MNIST slice ({what} images, compiled in)"),
+            description,
             img,
             lab.bytes,
             range.start,
             Vision::Mnist.normalisation(),
+        )
+    }
+
+    /// The images `shard` picks ([`Shard::picks`]) out of `img` and `labels`, read from the
+    /// split's start.
+    fn picked(
+        description: String,
+        img: idx::Idx,
+        labels: &[u8],
+        shard: Shard,
+        normalisation: (f32, f32),
+    ) -> Result<ImageSet, DataError> {
+        let picks = shard.picks(labels)?;
+        let item: usize = img.dims[1..].iter().product();
+        let mut bytes = Vec::with_capacity(picks.len() * item);
+        for &i in &picks {
+            bytes.extend_from_slice(&img.bytes[i * item..(i + 1) * item]);
+        }
+        let picked = idx::Idx {
+            dims: img.dims,
+            bytes,
+        };
+        let labels = picks.iter().map(|&i| labels[i]).collect();
+        ImageSet::new(
+            format!("{description}, sorted by label"),
+            picked,
+            labels,
+            picks.first().copied().unwrap_or(0),
+            normalisation,
         )
     }
 
@@ -578,6 +674,57 @@ mod tests {
         assert_eq!((b.len(), b.first()), (1000, 1000));
         assert_eq!(b.pixels(0), all.pixels(1000));
         assert_eq!(b.get(3).unwrap().label, all.label(1003));
+    }
+
+    #[test]
+    fn shards_by_label_split_the_classes_and_keep_every_image_once() {
+        let all = ImageSet::embedded(Split::Train, Shard::whole()).unwrap();
+        let shards: Vec<ImageSet> = (0..2)
+            .map(|r| ImageSet::embedded(Split::Train, Shard::equal(r, 2).by_label()).unwrap())
+            .collect();
+        assert_eq!((shards[0].len(), shards[1].len()), (1000, 1000));
+        // Sorted by label on each rank, rank 0's classes all at or below rank 1's.
+        for s in &shards {
+            assert!((1..s.len()).all(|i| s.label(i - 1) <= s.label(i)));
+            assert!(
+                s.description().ends_with("sorted by label"),
+                "{}",
+                s.description()
+            );
+        }
+        assert!(shards[0].label(999) <= shards[1].label(0));
+        assert_eq!((shards[0].label(0), shards[1].label(999)), (0, 9));
+        // Every image once, with its own label: each shard image is the split's image of the
+        // same pixels, and the two shards together hold every one of the 2,000.
+        let mut left: std::collections::HashMap<(&[u8], u8), usize> = Default::default();
+        for j in 0..all.len() {
+            *left.entry((all.pixels(j), all.label(j))).or_default() += 1;
+        }
+        for s in &shards {
+            for i in 0..s.len() {
+                let n = left
+                    .get_mut(&(s.pixels(i), s.label(i)))
+                    .filter(|n| **n > 0)
+                    .expect("an image of the split, not taken twice");
+                *n -= 1;
+            }
+        }
+        assert!(left.values().all(|&n| n == 0));
+        // Ties keep split order; a limit sorts only the first items.
+        let labels = [3u8, 1, 3, 0, 1, 2];
+        assert_eq!(
+            Shard::equal(0, 2).by_label().picks(&labels).unwrap(),
+            vec![3, 1, 4]
+        );
+        assert_eq!(
+            Shard::equal(1, 2).by_label().picks(&labels).unwrap(),
+            vec![5, 0, 2]
+        );
+        let first = ImageSet::embedded(Split::Train, Shard::whole().limit(10).by_label()).unwrap();
+        assert_eq!(first.len(), 10);
+        let mut want: Vec<u8> = (0..10).map(|i| all.label(i)).collect();
+        want.sort();
+        assert_eq!((0..10).map(|i| first.label(i)).collect::<Vec<_>>(), want);
     }
 
     #[test]

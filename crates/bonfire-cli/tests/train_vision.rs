@@ -258,7 +258,8 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
 /// every 4 steps and at each epoch's end; the report counts the meetings; a run killed after its
 /// first checkpoint and resumed ends on the uninterrupted run's weights (the checkpoint holds
 /// both replicas' Adam states and the outer momentum); flags that do not go with the saved
-/// strategy are refused on resume.
+/// strategy are refused on resume. Then a short local-SGD run with int8 deltas over a non-IID
+/// split, and int8 deltas with bf16 refused.
 #[test]
 fn diloco_meets_learns_and_resumes_exactly() {
     let dir = scratch("train-diloco");
@@ -327,6 +328,57 @@ fn diloco_meets_learns_and_resumes_exactly() {
             b["history"][e]["test_accuracy"]
         );
     }
+
+    // Int8 deltas over a non-IID split reach the ranks (rank 0's report says both), and int8
+    // deltas with bf16 ones are refused.
+    let small = [
+        "train",
+        "vision",
+        "--dataset",
+        "embedded",
+        "--epochs",
+        "1",
+        "--train-limit",
+        "256",
+        "--test-limit",
+        "64",
+        "--strategy",
+        "local-sgd",
+        "--sync-every",
+        "1",
+        "--int8-deltas",
+        "--non-iid",
+        "--checkpoint-dir",
+    ];
+    let out = bonfire(&dir, &small)
+        .arg(dir.join("int8"))
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("sorted by label (256 images, 128 per rank)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("int8 deltas over 2 replica(s): 2 steps, 2 meetings")
+            && log.contains("exchanged per rank"),
+        "{log}"
+    );
+    let s = state(&dir.join("int8"), 1);
+    assert_eq!(s["config"]["non_iid"], true);
+    assert_eq!(s["config"]["strategy"]["int8"], true);
+    let (flags, last) = small.split_at(small.len() - 1); // "--checkpoint-dir" last
+    let out = bonfire(&dir, &[flags, &["--bf16"][..], last].concat())
+        .arg(dir.join("both"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("--int8-deltas with --bf16: the deltas travel in one dtype"),
+        "{}",
+        text(&out)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -15,8 +15,11 @@
 //!    Every rank decodes the same bytes, so every rank ends with the same mean, bit for bit.
 //!
 //! Each rank sends `2 (ranks - 1) / ranks` of the int8 message (its elements plus 4 bytes per
-//! block), where a ring all-reduce sends as much of the f32 buffer: 4x fewer bytes, less the
-//! scales' 1.6%.
+//! block), where a ring all-reduce sends as much of the f32 buffer: 4x fewer bytes per rank, less
+//! the scales' 1.6%. The first stage is a flat exchange between every pair of ranks, not
+//! arranged by node: across a link between nodes of several ranks each, where f32's hierarchical
+//! all-reduce sends each node's sum over the link once, int8 saves less than 4x (about 2x at two
+//! ranks per node) and, from about a dozen ranks per node, nothing.
 
 use std::ops::Range;
 

@@ -4,7 +4,8 @@
 //! [`LocalSgd`] wraps any Burn optimizer. Between meetings backward averages nothing (the wrapper
 //! keeps the parameters free of `DataParallel`'s averaging marks), so a step costs no
 //! communication. Every `H`-th step, every replica sends how far it moved since the last meeting
-//! (its delta, `anchor - parameters`) in one all-reduce over the data-parallel group, and the
+//! (its delta, `anchor - parameters`) in one all-reduce over the data-parallel group (under int8
+//! deltas, two stages of messages: [`super::int8`]), and the
 //! replicas take the mean delta as an outer gradient: local SGD applies it as it is (the new
 //! parameters are the replicas' mean); DiLoCo (Douillard et al., 2023) applies it with an outer
 //! SGD with Nesterov momentum. One exchange every `H` steps sends `1/H` of the bytes that
@@ -148,14 +149,14 @@ pub struct OuterState {
 pub struct OuterStats {
     /// Optimizer steps taken.
     pub steps: u64,
-    /// Meetings (one all-reduce each).
+    /// Meetings (one all-reduce each; two stages of messages under int8 deltas).
     pub meetings: u64,
-    /// Elements all-reduced, over all meetings.
+    /// Elements exchanged, over all meetings.
     pub elements: u64,
     /// Bytes exchanged (the buffer of the exchanged dtype: 4 bytes an element in f32, 2 in bf16,
     /// 1 and a scale per 256 in int8), over all meetings.
     pub bytes: u64,
-    /// Time spent meeting: reading the parameters, the all-reduce, writing them back.
+    /// Time spent meeting: reading the parameters, the exchange, writing them back.
     pub time: Duration,
 }
 

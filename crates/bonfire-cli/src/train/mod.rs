@@ -117,6 +117,11 @@ pub(crate) struct VisionArgs {
     /// Evaluate on the first N test images only
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     test_limit: Option<u64>,
+    /// Give each rank a share of the training images sorted by label, so that it sees only a
+    /// few classes (a non-IID split, as in federated training; with 2 ranks about digits 0-4
+    /// and 5-9)
+    #[arg(long)]
+    non_iid: bool,
     /// Set by the parent command on the ranks it starts: the flags are settled.
     #[arg(long, hide = true)]
     resolved: bool,
@@ -152,7 +157,7 @@ pub(crate) struct StrategyArgs {
     #[arg(long, value_name = "S")]
     staleness: Option<u64>,
     /// Send local-sgd's or diloco's deltas in int8 (blocks of 256 with a scale each, a quarter
-    /// of f32's bytes), with error feedback
+    /// of f32's bytes), with error feedback; not with the job's bf16 flag
     #[arg(long)]
     int8_deltas: bool,
 }
@@ -232,6 +237,7 @@ impl VisionArgs {
             seed: self.seed,
             train_limit: self.train_limit.map(|n| n as usize),
             test_limit: self.test_limit.map(|n| n as usize),
+            non_iid: self.non_iid,
         })
     }
 
@@ -306,6 +312,9 @@ fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
     strategy_flags(&mut v, &c.strategy);
     if c.bf16 {
         v.push("--bf16".into());
+    }
+    if c.non_iid {
+        v.push("--non-iid".into());
     }
     v
 }

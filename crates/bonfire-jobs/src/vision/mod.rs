@@ -129,6 +129,8 @@ pub struct VisionRequest {
     pub train_limit: Option<usize>,
     /// Evaluate on the first N test images only.
     pub test_limit: Option<usize>,
+    /// Each rank trains on a share of the training images sorted by label (a non-IID split).
+    pub non_iid: bool,
 }
 
 /// The settings that decide a vision run's result (`state.json`'s `config`); a resumed run must
@@ -158,6 +160,10 @@ pub struct VisionConfig {
     pub train_limit: Option<usize>,
     /// Evaluate on the first N test images only.
     pub test_limit: Option<usize>,
+    /// Each rank trains on a share of the training images sorted by label (left out of
+    /// `state.json` when off, as before it existed).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub non_iid: bool,
 }
 
 impl JobConfig for VisionConfig {
@@ -288,6 +294,9 @@ impl Job for Vision {
             r.strategy.clash(&s.strategy),
             Clash::check("--train-limit", train_limit.as_ref(), &s.train_limit, limit),
             Clash::check("--test-limit", test_limit.as_ref(), &s.test_limit, limit),
+            Clash::check("--non-iid", r.non_iid.then_some(&true), &s.non_iid, |on| {
+                if *on { "on" } else { "shards in split order" }.into()
+            }),
         ]
         .into_iter()
         .flatten()
@@ -365,6 +374,7 @@ impl Job for Vision {
             strategy: r.strategy.resolve(),
             train_limit: r.train_limit,
             test_limit: r.test_limit,
+            non_iid: r.non_iid,
         })
     }
 
@@ -402,6 +412,7 @@ mod tests {
             strategy: Strategy::AllReduce,
             train_limit: Some(768),
             test_limit: None,
+            non_iid: false,
         }
     }
 
@@ -465,6 +476,7 @@ mod tests {
             batch: Some(32),
             bf16: true,
             test_limit: Some(10),
+            non_iid: true,
             ..VisionRequest::default()
         };
         let c: Vec<String> = Vision
@@ -478,6 +490,7 @@ mod tests {
                 "--batch 32 (the checkpoint has 64)",
                 "--bf16 on (the checkpoint has f32 gradients)",
                 "--test-limit Some(10) (the checkpoint has None)",
+                "--non-iid on (the checkpoint has shards in split order)",
             ]
         );
     }

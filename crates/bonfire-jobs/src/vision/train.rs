@@ -168,7 +168,8 @@ pub(super) fn run<B: Backend>(
 }
 
 /// The training and test shards of this rank: equal shards of the training images (every rank
-/// runs the same number of steps), balanced shards of the test images (every one counts once).
+/// runs the same number of steps; under `--non-iid` of the images sorted by label), balanced
+/// shards of the test images (every one counts once).
 ///
 /// Under parameter servers only the first `workers` ranks train (a server loads one training
 /// image and trains on none); every rank evaluates its test shard.
@@ -184,7 +185,8 @@ fn load_data(
         None => shard,
     };
     let train_shard = if rank < workers {
-        limit(Shard::equal(rank, workers), c.train_limit)
+        let shard = limit(Shard::equal(rank, workers), c.train_limit);
+        if c.non_iid { shard.by_label() } else { shard }
     } else {
         // A server trains on nothing; it loads one image (a shard cannot be empty).
         Shard::whole().limit(1)

@@ -364,7 +364,8 @@ const EMBEDDED_TEST_LABELS: &[u8] = include_bytes!("../embedded/mnist-test-500-l
 
 impl ImageSet {
     /// Loads `shard` of `split` of `set` from the cache under `root` (see [`Vision::fetch`]);
-    /// only the shard's bytes are read.
+    /// only the shard's bytes are read (for a shard [`Shard::by_label`], the whole limited
+    /// split's).
     pub fn load(
         set: Vision,
         split: Split,
@@ -568,7 +569,8 @@ impl ImageSet {
         self.total
     }
 
-    /// The position in the split of this shard's first image.
+    /// The position in the split of this shard's first image (its images follow it in split
+    /// order, except in a shard [`Shard::by_label`], whose images are the split's in label order).
     pub fn first(&self) -> usize {
         self.first
     }

@@ -18,8 +18,8 @@
 //! block), where a ring all-reduce sends as much of the f32 buffer: 4x fewer bytes per rank, less
 //! the scales' 1.6%. The first stage is a flat exchange between every pair of ranks, not
 //! arranged by node: across a link between nodes of several ranks each, where f32's hierarchical
-//! all-reduce sends each node's sum over the link once, int8 saves less than 4x (about 2x at two
-//! ranks per node) and, from about a dozen ranks per node, nothing.
+//! all-reduce sends each node's sum over the link once, int8 saves less than 4x: about 2x at two
+//! ranks per node, nothing from about four, and beyond that it sends more than f32.
 
 use std::ops::Range;
 

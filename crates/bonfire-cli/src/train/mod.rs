@@ -331,3 +331,60 @@ fn vision(a: VisionArgs) -> Result<(), CliError> {
         .run()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bonfire_jobs::vision::VisionData;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Ranked {
+        #[command(flatten)]
+        args: VisionArgs,
+    }
+
+    /// The flags a launcher hands a vision rank ask for exactly the settled run: int8 deltas and
+    /// the non-IID split included.
+    #[test]
+    fn a_vision_rank_is_handed_every_setting() {
+        let config = VisionConfig {
+            dataset: VisionData::Mnist,
+            ranks: 4,
+            batch: 32,
+            lr: 0.002,
+            lr_decay: 0.5,
+            width: 8,
+            seed: 7,
+            bf16: false,
+            strategy: Strategy::LocalSgd {
+                every: 5,
+                int8: true,
+            },
+            train_limit: Some(512),
+            test_limit: None,
+            non_iid: true,
+        };
+        let s = Settings {
+            config: config.clone(),
+            epochs: 2,
+            checkpoint_dir: PathBuf::from("/tmp/run"),
+            resume: false,
+            backend: bonfire_jobs::BackendKind::Flex,
+            data_dir: PathBuf::from("/tmp/data"),
+            keep_checkpoints: None,
+            log_loss: false,
+            zero: None,
+            allow_unchecked: false,
+        };
+        let args = rank_args(&s);
+        assert_eq!(args[..2], ["train", "vision"]);
+        let parsed = Ranked::try_parse_from(
+            std::iter::once(OsString::from("vision")).chain(args[2..].iter().cloned()),
+        )
+        .unwrap_or_else(|e| panic!("{e}: {args:?}"));
+        let request = parsed.args.request().unwrap();
+        assert!(request.non_iid && request.strategy.int8, "{args:?}");
+        assert_eq!(request.strategy.resolve(), config.strategy);
+    }
+}

@@ -307,11 +307,6 @@ impl Shard {
         self
     }
 
-    /// Whether the shard is taken from the split sorted by label.
-    pub fn is_by_label(&self) -> bool {
-        self.by_label
-    }
-
     /// The positions in the split of the items this shard holds, in split order within a label,
     /// given the split's `labels` (of its first items, under [`Shard::limit`]).
     pub fn picks(self, labels: &[u8]) -> Result<Vec<usize>, DataError> {

@@ -270,18 +270,16 @@ impl StrategyRequest {
                 )
             }
         };
-        let kind = self.kind.unwrap_or(kind);
-        // The saved run's int8 deltas carry over to another local strategy, not to the others.
-        let int8 =
-            self.int8 || (int8 && matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco));
+        // The saved run's int8 deltas carry over to another local strategy (`resolve` drops them
+        // for the others).
         StrategyRequest {
-            kind: Some(kind),
+            kind: Some(self.kind.unwrap_or(kind)),
             every: self.every.or(every),
             outer_lr: self.outer_lr.or(lr),
             outer_momentum: self.outer_momentum.or(momentum),
             servers: self.servers.or(servers),
             staleness: self.staleness.or(staleness),
-            int8,
+            int8: self.int8 || int8,
         }
         .resolve()
     }

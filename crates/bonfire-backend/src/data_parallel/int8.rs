@@ -128,33 +128,29 @@ pub(crate) fn mean(
         bytes += msg.len();
         messages.push(msg);
     }
-    // Every send and receive at once: each rank sends to and receives from every other.
+    // Every send and receive at once: each rank sends every other its chunk, and receives that
+    // rank's message of its own chunk in the sent one's place (empty chunks travel not at all).
     let own_len = message_len(mine.len());
     let mut sends = Vec::new();
-    let mut recvs = Vec::with_capacity(ranks);
-    let mut own = None;
-    for (r, msg) in messages.into_iter().enumerate() {
-        if r == me {
-            own = Some(msg);
-            recvs.push(None);
-        } else {
-            if !msg.is_empty() {
-                sends.push(comm.send(msg, r));
-            }
-            recvs.push((own_len > 0).then(|| comm.recv(vec![0u8; own_len], r)));
+    let mut recvs = Vec::new();
+    for (r, msg) in messages.iter_mut().enumerate().filter(|&(r, _)| r != me) {
+        if !msg.is_empty() {
+            sends.push(comm.send(std::mem::take(msg), r));
+        }
+        if own_len > 0 {
+            recvs.push((r, comm.recv(vec![0u8; own_len], r)));
         }
     }
-    let own = own.expect("this rank's own chunk");
-    let mut sum = vec![0.0f32; mine.len()];
-    for (r, recv) in recvs.into_iter().enumerate() {
-        if r == me {
-            add_decoded(&own, &mut sum);
-        } else if let Some(work) = recv {
-            add_decoded(&work.wait()?, &mut sum);
-        }
+    for (r, work) in recvs {
+        messages[r] = work.wait()?;
     }
     for send in sends {
         send.wait()?;
+    }
+    // Summed in rank order, this rank's own chunk in its place.
+    let mut sum = vec![0.0f32; mine.len()];
+    for msg in &messages {
+        add_decoded(msg, &mut sum);
     }
     for (s, e) in sum.iter_mut().zip(second.iter()) {
         *s += e;

@@ -194,11 +194,6 @@ impl<O> LocalSgd<O> {
         }
     }
 
-    /// The dtype deltas travel in.
-    pub fn delta_dtype(&self) -> DeltaDType {
-        self.dtype
-    }
-
     /// Steps between meetings.
     pub fn every(&self) -> usize {
         self.every
@@ -350,15 +345,16 @@ impl<O> LocalSgd<O> {
         }
         let scale = 1.0 / ranks as f32;
         let delta: Vec<f32> = anchor.iter().zip(&params).map(|(a, p)| a - p).collect();
-        let what = |dtype: &str| {
-            let how = match self.dtype {
-                DeltaDType::Int8 => "exchange (two stages of messages)",
-                _ => "all-reduce",
-            };
+        let how = match dtype {
+            DeltaDType::Int8 => "exchange (two stages of messages)",
+            _ => "all-reduce",
+        };
+        let what = || {
             format!(
-                "{how} of the parameter deltas at meeting {} ({n} elements in {dtype}, after {} \
-                 local steps)",
+                "{how} of the parameter deltas at meeting {} ({n} elements in {}, after {} local \
+                 steps)",
                 self.state.meetings + 1,
+                dtype.name(),
                 self.state.since
             )
         };
@@ -367,7 +363,7 @@ impl<O> LocalSgd<O> {
             (_, 1) => delta,
             (DeltaDType::F32, _) => {
                 let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
-                summed(&rep, scaled, || what("f32"))
+                summed(&rep, scaled, what)
             }
             (DeltaDType::Int8, _) => {
                 let residual = self
@@ -381,7 +377,7 @@ impl<O> LocalSgd<O> {
                         mean
                     }
                     Err(source) => rep.fail(SyncError::Outer {
-                        what: what("int8"),
+                        what: what(),
                         source: Some(source),
                     }),
                 }
@@ -391,7 +387,7 @@ impl<O> LocalSgd<O> {
                 let residual = self.state.residual.get_or_insert_with(|| vec![0.0; n]);
                 let packed: Vec<bf16> =
                     pack_with_feedback_reference::<f32, bf16>(&[&delta], residual, scale);
-                summed(&rep, packed, || what("bf16"))
+                summed(&rep, packed, what)
                     .into_iter()
                     .map(f32::from)
                     .collect()

@@ -7,8 +7,11 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use bonfire_topology::Sharding;
+#[cfg(feature = "burn")]
 use burn::data::dataset::Dataset;
+#[cfg(feature = "burn")]
 use burn::tensor::backend::Backend;
+#[cfg(feature = "burn")]
 use burn::tensor::{Int, Tensor, TensorData};
 use flate2::read::GzDecoder;
 
@@ -586,12 +589,9 @@ impl ImageSet {
         self.labels[i]
     }
 
-    /// Images `indices` of the shard as a normalised `[n, 1, height, width]` batch and their labels.
-    pub fn batch<B: Backend>(
-        &self,
-        indices: &[usize],
-        device: &B::Device,
-    ) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
+    /// Images `indices` of the shard, normalised, one after another (`indices.len() * height *
+    /// width` values, for a `[n, 1, height, width]` batch), and their labels.
+    pub fn normalised(&self, indices: &[usize]) -> (Vec<f32>, Vec<i64>) {
         let (mean, std) = self.normalisation;
         let mut pixels = Vec::with_capacity(indices.len() * self.height * self.width);
         let mut labels = Vec::with_capacity(indices.len());
@@ -603,6 +603,17 @@ impl ImageSet {
             );
             labels.push(self.labels[i] as i64);
         }
+        (pixels, labels)
+    }
+
+    /// Images `indices` of the shard as a normalised `[n, 1, height, width]` batch and their labels.
+    #[cfg(feature = "burn")]
+    pub fn batch<B: Backend>(
+        &self,
+        indices: &[usize],
+        device: &B::Device,
+    ) -> (Tensor<B, 4>, Tensor<B, 1, Int>) {
+        let (pixels, labels) = self.normalised(indices);
         let n = indices.len();
         let images = Tensor::from_data(
             TensorData::new(pixels, [n, 1, self.height, self.width]),
@@ -613,6 +624,7 @@ impl ImageSet {
     }
 }
 
+#[cfg(feature = "burn")]
 impl Dataset<ImageItem> for ImageSet {
     fn get(&self, index: usize) -> Option<ImageItem> {
         (index < self.len()).then(|| ImageItem {

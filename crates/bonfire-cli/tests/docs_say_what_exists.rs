@@ -188,6 +188,14 @@ fn code() -> Code {
             }
         }
     }
+    // Programs of ours that read their flags by hand (the Burn 0.22 guide): a match arm
+    // `"--flag" =>`.
+    let arm = Regex::new(r#""--([a-z0-9_-]+)"\s*=>"#).unwrap();
+    for src in sources() {
+        for c in arm.captures_iter(&src) {
+            code.script_flags.insert(c[1].to_string());
+        }
+    }
     code
 }
 
@@ -195,6 +203,8 @@ fn code() -> Code {
 /// peers' (in comparisons).
 const FOREIGN_TYPES: &[&str] = &[
     "GradientsAccumulator",
+    // Burn 0.22's one-process strategy (`ExecutionStrategy::MultiDevice`).
+    "MultiDevice",
     "Autodiff",
     "Wgpu",
     "WgpuDevice",

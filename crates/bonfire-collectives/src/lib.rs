@@ -28,6 +28,8 @@
 //! - The *driver* runs a program over a transport, with an arrival exchange that compares every
 //!   rank's [`Fingerprint`], a timeout on every wait, and abort notices on failure.
 //! - Reductions go through the [`Reducer`] trait; [`HostReducer`] is the CPU implementation.
+//! - [`checkpoint`]: a program's checkpoint directories with checksums, and the ranks' agreement
+//!   on the newest readable one after a restart (its files sent to the ranks that lack it).
 //!
 //! # Determinism
 //! A collective gives the same bits on every rank and in every run, whatever the arrival order of
@@ -37,6 +39,7 @@
 //! every rank for the same call.
 
 mod algorithm;
+pub mod checkpoint;
 mod collective;
 mod communicator;
 mod driven;

@@ -49,7 +49,7 @@
 //!
 //! With default features off, bonfire builds without wgpu, the data sets and the models.
 
-pub mod checkpoint;
+pub use bonfire_collectives::checkpoint;
 mod compute;
 mod world;
 

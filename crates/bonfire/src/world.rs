@@ -1,14 +1,13 @@
 //! Joining the job a process was started in: [`init`].
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bonfire_backend::{ConfigError, DataParallelConfig};
 use bonfire_collectives::{CollectiveError, CommConfig, Communicator, MeshGroups, runtime};
-use bonfire_launch::{EnvError, EnvSource, JobEnv, SecretSource};
+use bonfire_launch::{EnvError, JobEnv, JoinError};
 use bonfire_topology::{Mesh, NodeLayout, Rank};
 use bonfire_transport::shm::{ShmConfig, ShmConfigError};
-use bonfire_transport::{JobTransport, JobTransportError, Lane, QuicConfig, Secret, SecretError};
+use bonfire_transport::{JobTransport, JobTransportError, Lane, SecretError};
 
 /// Why [`init`] failed. Its message says what to fix.
 ///
@@ -82,6 +81,17 @@ pub enum InitError {
     /// `BONFIRE_DEVICE_PACK`) is malformed.
     #[error("bonfire::init: {0}")]
     Config(#[from] ConfigError),
+}
+
+impl From<JoinError> for InitError {
+    fn from(e: JoinError) -> Self {
+        match e {
+            JoinError::SecretVar(e) => InitError::SecretVar(e),
+            JoinError::SecretFile(e) => InitError::SecretFile(e),
+            JoinError::NoSecret { world_size, hint } => InitError::NoSecret { world_size, hint },
+            JoinError::Connect(e) => InitError::Connect(e),
+        }
+    }
 }
 
 impl std::fmt::Debug for InitError {
@@ -261,7 +271,8 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
     let dp = DataParallelConfig::from_env()?;
     let tp = tp_from_env(env.world_size)?;
     let pp = pp_from_env(env.world_size, tp)?;
-    if env.world_size == 1 {
+    let Some(transport) = bonfire_launch::connect(&env, &shm, runtime().handle())? else {
+        // A job of one rank: no links.
         let comm = Communicator::in_process(1, config).remove(0);
         let (mesh, g) = groups(&comm, tp, pp)?;
         bonfire_backend::install(g.dp.clone(), dp);
@@ -276,43 +287,8 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
             env,
             transport: None,
         });
-    }
-    let secret = match &env.secret {
-        SecretSource::Env => Secret::new(
-            std::env::var(bonfire_launch::env::vars::SECRET)
-                .unwrap_or_default()
-                .as_bytes(),
-        )
-        .map_err(InitError::SecretVar)?,
-        SecretSource::File(path) => Secret::from_file(path).map_err(InitError::SecretFile)?,
-        SecretSource::Missing => {
-            let hint = match env.source {
-                EnvSource::Slurm => "set BONFIRE_SECRET_FILE to a file on a shared file system",
-                _ => {
-                    "run under `bonfire launch` (which makes one), or set BONFIRE_SECRET_FILE to a file holding it (the same on every node)"
-                }
-            };
-            return Err(InitError::NoSecret {
-                world_size: env.world_size,
-                hint,
-            });
-        }
     };
-    let mut quic = QuicConfig::new(env.rank, env.world_size, env.master.clone(), secret);
-    quic.node = env.node_rank;
-    quic.round = env.round;
-    quic.advertise = env.advertise;
-    if let Some(bind) = env.bind {
-        quic.bind = bind;
-    }
-    if let Some(t) = env.peer_timeout {
-        quic.peer_timeout = t;
-    }
-    if let Some(c) = env.congestion {
-        quic.congestion = c;
-    }
-    quic.connect_timeout = env.connect_timeout.unwrap_or(Duration::from_secs(120));
-    let transport = Arc::new(runtime().block_on(JobTransport::connect(quic, &shm))?);
+    let transport = Arc::new(transport);
     let nodes = transport.nodes().clone();
     let rank = bonfire_transport::Transport::rank(transport.as_ref());
     let comm = Communicator::builder(transport.clone())

@@ -9,6 +9,10 @@
 //! some rank can read: the one [`resume_or_start`] returns, after sending it to the ranks that
 //! lack it (nodes that do not share the checkpoint directory).
 //!
+//! Nothing here depends on Burn (the files are whatever the closure writes; ranks agree and send
+//! them with this crate's collectives): the Burn 0.21 crate re-exports it as
+//! `bonfire::checkpoint`, and the Burn 0.22 crate as `bonfire_burn022::checkpoint`.
+//!
 //! Under `bonfire launch --max-restarts N`, a failure starts every rank again; a program that
 //! calls [`resume_or_start`] first continues from the newest checkpoint instead of from scratch.
 
@@ -18,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::Digest;
 
-use bonfire_collectives::{CollectiveError, Communicator};
+use crate::{CollectiveError, Communicator};
 
 /// The file naming the newest checkpoint under a root.
 pub const LATEST: &str = "latest";
@@ -412,8 +416,11 @@ fn newest_usable(root: &Path, at_most: usize) -> (Option<(usize, PathBuf)>, Vec<
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let world = bonfire::init()?;
-/// let first_epoch = match bonfire::resume_or_start(world.comm(), "checkpoints")? {
+/// # let comm = bonfire_collectives::Communicator::in_process(1, Default::default()).remove(0);
+/// use bonfire_collectives::checkpoint::{resume_or_start, save_checkpoint};
+///
+/// // comm: the job's communicator, `bonfire::init()?.comm()` (or bonfire_burn022's).
+/// let first_epoch = match resume_or_start(&comm, "checkpoints")? {
 ///     Some(resume) => {
 ///         // model = model.load_file(resume.dir.join("model"), &recorder, &device)?; ...
 ///         resume.epoch
@@ -422,7 +429,7 @@ fn newest_usable(root: &Path, at_most: usize) -> (Option<(usize, PathBuf)>, Vec<
 /// };
 /// for epoch in first_epoch..10 {
 ///     // ...train one epoch...
-///     bonfire::save_checkpoint(world.comm(), "checkpoints", epoch + 1, |dir| {
+///     save_checkpoint(&comm, "checkpoints", epoch + 1, |dir| {
 ///         std::fs::write(dir.join("notes.txt"), format!("epoch {}", epoch + 1))
 ///         // model.clone().save_file(dir.join("model"), &recorder)
 ///     })?;
@@ -469,7 +476,7 @@ pub fn resume_or_start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bonfire_collectives::CommConfig;
+    use crate::CommConfig;
 
     fn worlds(n: usize) -> Vec<Communicator> {
         Communicator::in_process(n, CommConfig::default())

@@ -1,0 +1,320 @@
+//! Data parallelism as a burn-train 0.22 training strategy: [`DataParallel`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bonfire_collectives::Communicator;
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Device;
+use burn::train::train::WorkerFailure;
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
+    TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
+};
+
+use crate::world::World;
+
+/// Data parallelism for burn-train 0.22's `SupervisedTraining`: every rank of the job runs the
+/// same program, trains on its share of the training loader ([`World::shard`]) from rank 0's
+/// parameters ([`World::replicate`]), and averages its gradients with the other ranks' before
+/// each optimizer step ([`World::average`]; with `grads_accumulation(n)`, once every `n`
+/// batches). Rank 0 alone validates, feeds the metrics and the renderer, writes checkpoints and
+/// decides early stopping. The ranks agree before every optimizer step whether any of them
+/// wants to stop (its interrupter, a batch its loader failed to make), and after each epoch
+/// whether to go on (rank 0's early stopping), so a stop on any rank stops them all at the same
+/// step or epoch.
+///
+/// The device is made an autodiff device here; burn-train's `gradient_checkpointing()` applies
+/// to its own strategies only, so with this one pass
+/// `device.autodiff().gradient_checkpointing()` to [`DataParallel::new`] instead.
+///
+/// ```no_run
+/// # use burn::train::{LearnerModel, SupervisedTraining, TrainingStrategy};
+/// # fn f<M: LearnerModel>(training: SupervisedTraining<M>) -> Result<(), bonfire_burn022::InitError> {
+/// let world = bonfire_burn022::init()?;
+/// let device = burn::tensor::Device::default();
+/// let training = training.with_training_strategy(
+///     bonfire_burn022::DataParallel::new(&world, device).into(),
+/// );
+/// # let _ = training; Ok(()) }
+/// ```
+///
+/// A collective that fails (a peer died or timed out) stops this rank's training with the
+/// error in the [`LearningResult`](burn::train::LearningResult)'s `error`, naming the rank, the
+/// collective and the sizes. With `.checkpoint(epoch)`, every rank loads the checkpoint from its
+/// own directory before training, so the directory must be reachable from every rank (one host,
+/// or a shared file system); rank 0's parameters are then copied to the others.
+#[derive(Clone, Debug)]
+pub struct DataParallel {
+    world: World,
+    device: Device,
+    epoch_end_timeout: Duration,
+    /// Optimizer steps taken, shared by the clones.
+    steps: Arc<AtomicUsize>,
+}
+
+/// How long the other ranks wait at the end of an epoch for rank 0's validation and checkpoint,
+/// unless [`DataParallel::with_epoch_end_timeout`] says otherwise: one hour.
+pub const DEFAULT_EPOCH_END_TIMEOUT: Duration = Duration::from_secs(3600);
+
+impl DataParallel {
+    /// Trains on `device` (made an autodiff device if it is not one, keeping its gradient
+    /// checkpointing when it is) as this rank of `world`.
+    pub fn new(world: &World, device: Device) -> Self {
+        Self {
+            world: world.clone(),
+            device,
+            epoch_end_timeout: DEFAULT_EPOCH_END_TIMEOUT,
+            steps: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Optimizer steps this rank has taken under this strategy and its clones (keep a clone,
+    /// hand the other to `with_training_strategy`, read it after `launch`).
+    pub fn steps(&self) -> usize {
+        self.steps.load(Ordering::Relaxed)
+    }
+
+    /// How long the other ranks wait at the end of each epoch while rank 0 validates and writes
+    /// its checkpoint ([`DEFAULT_EPOCH_END_TIMEOUT`] unless set). Every other wait keeps the
+    /// job's collective timeout (`BONFIRE_TIMEOUT`).
+    pub fn with_epoch_end_timeout(mut self, timeout: Duration) -> Self {
+        self.epoch_end_timeout = timeout;
+        self
+    }
+}
+
+impl<M: LearnerModel> From<DataParallel> for TrainingStrategy<M> {
+    fn from(strategy: DataParallel) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// A failed collective as burn-train reports a failed worker: this rank, and the error.
+fn failure(world: &World, error: impl std::fmt::Display) -> TrainingError {
+    TrainingError::Workers(vec![WorkerFailure {
+        device_id: world.comm().rank(),
+        message: format!("bonfire rank {}: {error}", world.rank().0),
+    }])
+}
+
+impl DataParallel {
+    /// True on every rank when any rank wants to stop (the flag's maximum over the ranks). A rank
+    /// that cannot agree (a peer is gone) stops and records why.
+    fn agree_to_stop(&self, stop: bool, comm: &Communicator, interrupter: &Interrupter) -> bool {
+        let flag = vec![if stop { 1.0f32 } else { 0.0 }];
+        match comm
+            .all_reduce(flag, bonfire_topology::ReduceOp::Max)
+            .wait()
+        {
+            Ok(v) => v[0] > 0.0,
+            Err(e) => {
+                interrupter.fail(failure(
+                    &self.world,
+                    format!("agreeing whether to stop: {e}"),
+                ));
+                true
+            }
+        }
+    }
+
+    /// One epoch of training on this rank's share. Before each optimizer step the ranks agree
+    /// whether any of them wants to stop (its interrupter, a failed batch): then all of them
+    /// stop at that step, and the ones that did not ask are stopped with a reason.
+    fn train_epoch<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        loader: &TrainLoader<M>,
+        epoch: usize,
+        grad_accumulation: Option<usize>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+    ) {
+        let main = self.world.is_main();
+        let comm = self.world.comm();
+        let mut iterator = loader.iter();
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::new();
+        let mut accumulated = 0;
+        tracing::debug!(epoch, "training epoch");
+        while let Some(item) = iterator.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(err) => {
+                    interrupter.fail(err);
+                    // Meet the others at their next step's agreement, so they stop too.
+                    self.agree_to_stop(true, comm, interrupter);
+                    return;
+                }
+            };
+            iteration += 1;
+            let progress = iterator.progress();
+            let output = learner.train_step(item);
+            let grads: Option<GradientsParams> = match grad_accumulation {
+                Some(n) => {
+                    accumulator.accumulate(&learner.model(), output.grads);
+                    accumulated += 1;
+                    if n <= accumulated || progress.is_completed() {
+                        accumulated = 0;
+                        Some(accumulator.grads())
+                    } else {
+                        None
+                    }
+                }
+                None => Some(output.grads),
+            };
+            if let Some(grads) = grads {
+                let asked = interrupter.should_stop();
+                if self.agree_to_stop(asked, comm, interrupter) {
+                    if !asked && !interrupter.should_stop() {
+                        interrupter.stop(Some("another rank of the job stopped its training"));
+                    }
+                    return;
+                }
+                match self.world.average(grads, &learner.model()) {
+                    Ok(grads) => {
+                        learner.lr_step();
+                        learner.optimizer_step(grads);
+                        self.steps.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        interrupter.fail(failure(&self.world, e));
+                        return;
+                    }
+                }
+            }
+            if main {
+                let item = TrainingItem::new(
+                    output.item,
+                    progress,
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                );
+                interrupter
+                    .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+        }
+    }
+
+    /// Rank 0's validation epoch.
+    fn valid_epoch<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        loader: &ValidLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+    ) {
+        let model = learner.model().valid();
+        let mut iterator = loader.iter();
+        let mut iteration = 0;
+        while let Some(item) = iterator.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(err) => {
+                    interrupter.fail(err);
+                    break;
+                }
+            };
+            iteration += 1;
+            let progress = iterator.progress();
+            let item = InferenceStep::step(&model, item);
+            let item = TrainingItem::new(item, progress, Some(iteration), None);
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(item)));
+            if interrupter.should_stop() {
+                break;
+            }
+        }
+    }
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let main = self.world.is_main();
+        let device = if self.device.is_autodiff() {
+            self.device.clone()
+        } else {
+            self.device.clone().autodiff()
+        };
+        let train = self.world.shard(dataloader_train).to_device(&device);
+        let train_items = train.num_items();
+        let valid = dataloader_valid.to_device(&device.clone().inner());
+        let valid_items = valid.num_items();
+        let interrupter = components.interrupter;
+        let mut processor = components.event_processor;
+        let mut checkpointer = components.checkpointer;
+        let mut early_stopping = components.early_stopping;
+        // Rank 0 validates while the others wait for its decision.
+        let epoch_end = self.world.comm().with_timeout(self.epoch_end_timeout);
+
+        learner.fork(&device);
+        match self.world.replicate(learner.model()) {
+            Ok(model) => {
+                learner.load_model(model.into_record());
+                learner.fork(&device);
+            }
+            Err(e) => {
+                interrupter.fail(failure(&self.world, e));
+                return (learner.model(), processor);
+            }
+        }
+
+        for epoch in starting_epoch..=components.num_epochs {
+            if main {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: train_items,
+                }));
+            }
+            self.train_epoch(
+                &mut learner,
+                &train,
+                epoch,
+                components.grad_accumulation,
+                &mut processor,
+                &interrupter,
+            );
+            if main {
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+            }
+            if self.agree_to_stop(interrupter.should_stop(), self.world.comm(), &interrupter) {
+                break;
+            }
+
+            let mut stop = false;
+            if main {
+                interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: valid_items,
+                }));
+                self.valid_epoch(&learner, &valid, &mut processor, &interrupter);
+                interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+                interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+                if checkpointer.is_some() || early_stopping.is_some() {
+                    interrupter.fail_on_error(processor.flush());
+                }
+                if !interrupter.should_stop() {
+                    if let Some(checkpointer) = &mut checkpointer {
+                        checkpointer.checkpoint(&learner, epoch, &components.event_store);
+                    }
+                    if let Some(early_stopping) = &mut early_stopping {
+                        stop = early_stopping.should_stop(epoch, &components.event_store);
+                    }
+                }
+            }
+            if self.agree_to_stop(stop || interrupter.should_stop(), &epoch_end, &interrupter) {
+                break;
+            }
+        }
+        (learner.model(), processor)
+    }
+}

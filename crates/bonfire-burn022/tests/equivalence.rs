@@ -1,0 +1,354 @@
+//! Two ranks averaging with `average` train exactly as one device on the union of their batches,
+//! on the guide's model and the embedded MNIST sample, on Flex (whatever other backend the build
+//! has).
+
+#[path = "../src/bin/guide/model.rs"]
+#[allow(dead_code)]
+mod model;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bonfire_burn022::{
+    CommConfig, Communicator, DEFAULT_BUCKET_CAP_BYTES, DataParallel, World, average, replicate,
+};
+use bonfire_datasets::{ImageSet, Shard, Split};
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::{Dataset, DatasetError};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::prelude::*;
+use burn::train::{Learner, SupervisedTraining};
+
+use model::{MnistBatcher, Model, ModelConfig};
+
+const TOLERANCE: f32 = 1e-5;
+
+/// Every float parameter's values (or its gradient's, with `grads`), by id.
+struct Values<'a> {
+    grads: Option<&'a GradientsParams>,
+    out: HashMap<ParamId, Vec<f32>>,
+}
+
+impl ModuleVisitor for Values<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let tensor = match self.grads {
+            Some(grads) => match grads.get::<D>(param.id) {
+                Some(g) => g,
+                None => return,
+            },
+            None => param.val(),
+        };
+        let data = tensor.into_data().convert::<f32>();
+        self.out
+            .insert(param.id, data.as_slice::<f32>().unwrap().to_vec());
+    }
+}
+
+fn params(model: &Model) -> HashMap<ParamId, Vec<f32>> {
+    let mut v = Values {
+        grads: None,
+        out: HashMap::new(),
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+fn grads_of(model: &Model, grads: &GradientsParams) -> HashMap<ParamId, Vec<f32>> {
+    let mut v = Values {
+        grads: Some(grads),
+        out: HashMap::new(),
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+fn max_diff(a: &HashMap<ParamId, Vec<f32>>, b: &HashMap<ParamId, Vec<f32>>) -> f32 {
+    assert_eq!(a.len(), b.len(), "different parameter sets");
+    let mut worst = 0.0f32;
+    for (id, x) in a {
+        let y = &b[id];
+        assert_eq!(x.len(), y.len());
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs());
+        }
+    }
+    worst
+}
+
+fn setup() -> (Device, Model, MnistBatcher) {
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    // No dropout: the two sides must compute the same function.
+    let model = ModelConfig::new(10, 64).with_dropout(0.0).init(&device);
+    let images = ImageSet::embedded(Split::Train, Shard::whole().limit(64)).unwrap();
+    (device, model, MnistBatcher(Arc::new(images)))
+}
+
+/// One step's gradients of `model` on images `indices`.
+fn gradients(
+    model: &Model,
+    batcher: &MnistBatcher,
+    indices: &[usize],
+    device: &Device,
+) -> GradientsParams {
+    let batch = batcher.batch_of(indices, device);
+    let loss = model
+        .forward_classification(batch.images, batch.targets)
+        .loss;
+    GradientsParams::from_grads(loss.backward(), model)
+}
+
+/// Runs `f(rank, comm)` on two in-process ranks and returns what each returned, in rank order.
+fn two_ranks<T: Send + 'static>(
+    f: impl Fn(usize, Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = Communicator::in_process(2, CommConfig::default())
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let f = f.clone();
+            std::thread::spawn(move || f(rank, comm))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn two_ranks_average_to_the_union_batch_gradient() {
+    let (device, model, batcher) = setup();
+    let union: Vec<usize> = (0..16).collect();
+    let expected = grads_of(&model, &gradients(&model, &batcher, &union, &device));
+
+    // A bucket cap of 64 KiB splits the model (about 70,000 parameters) into several buckets.
+    let per_rank = two_ranks(move |rank, comm| {
+        let mine: Vec<usize> = (rank * 8..rank * 8 + 8).collect();
+        let grads = gradients(&model, &batcher, &mine, &device);
+        let grads = average(&comm, grads, &model, 64 * 1024).unwrap();
+        grads_of(&model, &grads)
+    });
+    let diff = max_diff(&per_rank[0], &expected);
+    assert!(
+        diff <= TOLERANCE,
+        "rank 0 differs from the union batch by {diff}"
+    );
+    assert_eq!(per_rank[0], per_rank[1], "the ranks' averages differ");
+}
+
+#[test]
+fn ten_adam_steps_on_two_ranks_equal_one_device() {
+    let (device, model, batcher) = setup();
+    let steps = 10;
+    let lr = 1e-3;
+
+    let mut single = model.clone();
+    let mut optim = AdamConfig::new().init();
+    for step in 0..steps {
+        let union: Vec<usize> = (step * 4..step * 4 + 4).collect();
+        let grads = gradients(&single, &batcher, &union, &device);
+        single = optim.step(lr, single, grads);
+    }
+    let expected = params(&single);
+
+    let per_rank = two_ranks(move |rank, comm| {
+        let mut replica = model.clone();
+        let mut optim = AdamConfig::new().init();
+        for step in 0..steps {
+            let mine: Vec<usize> = (step * 4 + rank * 2..step * 4 + rank * 2 + 2).collect();
+            let grads = gradients(&replica, &batcher, &mine, &device);
+            let grads = average(&comm, grads, &replica, DEFAULT_BUCKET_CAP_BYTES).unwrap();
+            replica = optim.step(lr, replica, grads);
+        }
+        params(&replica)
+    });
+    let diff = max_diff(&per_rank[0], &expected);
+    assert!(
+        diff <= TOLERANCE,
+        "after {steps} steps rank 0 differs from one device by {diff}"
+    );
+    assert_eq!(per_rank[0], per_rank[1], "the replicas drifted apart");
+}
+
+#[test]
+fn replicate_gives_every_rank_rank_0s_parameters_and_keeps_them_trainable() {
+    let per_rank = two_ranks(|rank, comm| {
+        let device = Device::flex().autodiff();
+        // Each rank draws its own parameters.
+        let model = {
+            let _guard = SEED.lock().unwrap();
+            device.seed(100 + rank as u64);
+            ModelConfig::new(10, 32).init(&device)
+        };
+        let before = params(&model);
+        let model = replicate(&comm, model, 16 * 1024).unwrap();
+        // Still trainable: a backward pass reaches every parameter.
+        let images = ImageSet::embedded(Split::Train, Shard::whole().limit(4)).unwrap();
+        let batcher = MnistBatcher(Arc::new(images));
+        let grads = gradients(&model, &batcher, &[0, 1, 2, 3], &device);
+        (before, params(&model), grads_of(&model, &grads).len())
+    });
+    let (before0, after0, grads0) = &per_rank[0];
+    let (before1, after1, grads1) = &per_rank[1];
+    assert_ne!(
+        before0.values().next(),
+        before1.values().next(),
+        "the ranks should start apart"
+    );
+    assert_eq!(after0, before0, "rank 0's parameters changed");
+    // Ids are each rank's own, values rank 0's.
+    let sorted = |m: &HashMap<ParamId, Vec<f32>>| {
+        let mut v: Vec<Vec<f32>> = m.values().cloned().collect();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v
+    };
+    assert_eq!(
+        sorted(after1),
+        sorted(after0),
+        "rank 1 did not receive rank 0's values"
+    );
+    for (grads, after) in [(grads0, after0), (grads1, after1)] {
+        assert_eq!(
+            *grads,
+            after.len(),
+            "a replicated parameter no longer gets a gradient"
+        );
+    }
+    let ids = |m: &HashMap<ParamId, Vec<f32>>| {
+        let mut v: Vec<ParamId> = m.keys().copied().collect();
+        v.sort_by_key(|id| id.val());
+        v
+    };
+    assert_eq!(ids(after1), ids(before1), "rank 1's parameter ids changed");
+}
+
+static SEED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn a_rank_with_another_model_gets_an_error_naming_it() {
+    let per_rank = two_ranks(move |rank, comm| {
+        let device = Device::flex().autodiff();
+        let hidden = if rank == 0 { 32 } else { 48 };
+        let model = ModelConfig::new(10, hidden).with_dropout(0.0).init(&device);
+        let images = ImageSet::embedded(Split::Train, Shard::whole().limit(2)).unwrap();
+        let grads = gradients(&model, &MnistBatcher(Arc::new(images)), &[0, 1], &device);
+        average(&comm, grads, &model, DEFAULT_BUCKET_CAP_BYTES)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    for (rank, result) in per_rank.iter().enumerate() {
+        let message = result.as_ref().expect_err("mismatched models must fail");
+        assert!(
+            message.contains("average: the gradients on rank(s) [1]"),
+            "rank {rank}: {message}"
+        );
+    }
+}
+
+/// Two models of the same size but other shapes ([4, 6] against [6, 4]): the all-reduce alone
+/// would average them without noticing; the layout check refuses.
+#[test]
+fn models_of_the_same_size_but_other_shapes_are_refused_too() {
+    let per_rank = two_ranks(move |rank, comm| {
+        let device = Device::flex().autodiff();
+        let (d_in, d_out) = if rank == 0 { (4, 6) } else { (6, 4) };
+        let model = burn::nn::LinearConfig::new(d_in, d_out)
+            .with_bias(false)
+            .init(&device);
+        let loss = model.forward(Tensor::<2>::ones([1, d_in], &device)).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        average(&comm, grads, &model, DEFAULT_BUCKET_CAP_BYTES)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    for (rank, result) in per_rank.iter().enumerate() {
+        let message = result.as_ref().expect_err("other shapes must fail");
+        assert!(message.contains("rank(s) [1]"), "rank {rank}: {message}");
+    }
+}
+
+/// A data set of indices whose item `fail_at` cannot be read.
+struct Failing {
+    len: usize,
+    fail_at: Option<usize>,
+}
+
+impl Dataset<usize> for Failing {
+    fn get(&self, index: usize) -> Result<usize, DatasetError> {
+        match Some(index) == self.fail_at {
+            true => Err(DatasetError::new(std::io::Error::other(format!(
+                "item {index} is unreadable"
+            )))),
+            false => Ok(index),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// burn-train with `DataParallel` on two in-process ranks; rank 1's third batch fails. Both stop
+/// at the same step (neither waits for the other, neither gets a mismatch), with the same
+/// parameters; rank 1 reports the data set's error, rank 0 that another rank stopped.
+#[test]
+fn a_batch_that_fails_on_one_rank_stops_both_at_the_same_step() {
+    let per_rank = two_ranks(|rank, comm| {
+        let world = World::from_communicator(comm);
+        let device = Device::flex();
+        let images = ImageSet::embedded(Split::Train, Shard::whole().limit(64)).unwrap();
+        let batcher = MnistBatcher(Arc::new(images));
+        // Rank 1's share is items 32..64, in batches of 8: its third batch holds item 52.
+        let fail_at = (rank == 1).then_some(52);
+        let train = DataLoaderBuilder::new(batcher.clone())
+            .batch_size(8)
+            .build(Failing { len: 64, fail_at });
+        let valid = DataLoaderBuilder::new(batcher)
+            .batch_size(8)
+            .build(Failing {
+                len: 16,
+                fail_at: None,
+            });
+        // Each rank draws its own; `DataParallel` starts both from rank 0's.
+        let model = ModelConfig::new(10, 32)
+            .with_dropout(0.0)
+            .init(&device.clone().autodiff());
+        let dir = std::env::temp_dir().join(format!(
+            "bonfire-burn022-stop-{}-{rank}",
+            std::process::id()
+        ));
+        let strategy = DataParallel::new(&world, device);
+        let result = SupervisedTraining::new(&dir, train, valid)
+            .num_epochs(2)
+            .with_application_logger(None)
+            .with_training_strategy(strategy.clone().into())
+            .launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+        std::fs::remove_dir_all(&dir).ok();
+        (
+            strategy.steps(),
+            result.error.map(|e| e.to_string()),
+            result.interrupted.and_then(|i| i.reason),
+            params(&result.model),
+        )
+    });
+    let (steps0, error0, reason0, params0) = &per_rank[0];
+    let (steps1, error1, _, params1) = &per_rank[1];
+    assert_eq!(
+        (*steps0, *steps1),
+        (2, 2),
+        "both ranks take the two steps before the failure"
+    );
+    assert_eq!(error0, &None, "rank 0 stops cleanly");
+    assert_eq!(
+        reason0.as_deref(),
+        Some("another rank of the job stopped its training")
+    );
+    let error1 = error1.as_deref().unwrap_or("no error");
+    assert!(error1.contains("item 52 is unreadable"), "rank 1: {error1}");
+    let sorted = |m: &HashMap<ParamId, Vec<f32>>| {
+        let mut v: Vec<Vec<f32>> = m.values().cloned().collect();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v
+    };
+    assert_eq!(sorted(params0), sorted(params1), "the replicas differ");
+}

@@ -45,9 +45,11 @@ fn epochs(dir: &Path) -> Vec<usize> {
 
 /// On every rank, before `SupervisedTraining::launch`: the newest epoch whose burn-train
 /// checkpoint (`with_default_checkpointers`: `ARTIFACTS/checkpoint/{model,optim,scheduler}-N.bpk`)
-/// every rank can load, for `.checkpoint(n)`; `None` when some rank has none, and the run
+/// every rank can load, for `.checkpoint(n)`; `None` when the ranks share none, and the run
 /// starts from scratch. A checkpoint whose files do not load (a rank killed while writing
-/// them) is passed over for the one before, with a warning. Every rank gets the same answer.
+/// them) is passed over for the one before, with a warning. Every rank gets the same answer;
+/// an error when the ranks' files of that epoch differ (directories that are not one, holding
+/// other runs).
 ///
 /// Under `bonfire launch --max-restarts N`, a program that calls it continues after a failure
 /// from the last checkpoint every rank reaches instead of from the first epoch.
@@ -83,25 +85,46 @@ pub fn resume_epoch(
         ranks: comm.size(),
         source: Box::new(source),
     };
-    let mine = readable.first().map_or(-1, |&n| n as i64);
-    let newest = comm.all_gather(vec![mine]).wait().map_err(collective)?;
-    let agreed = newest.iter().copied().min().unwrap_or(-1);
-    if agreed < 0 {
-        return Ok(None);
+    // Rounds in lockstep: every decision below comes from gathered values, the same on every
+    // rank. Each round offers every rank's newest readable epoch at or below the candidate.
+    let mut candidate = i64::MAX;
+    loop {
+        let mine = readable
+            .iter()
+            .map(|&n| n as i64)
+            .find(|&n| n <= candidate)
+            .unwrap_or(-1);
+        let offers = comm.all_gather(vec![mine]).wait().map_err(collective)?;
+        let epoch = offers.iter().copied().min().unwrap_or(-1);
+        if epoch < 0 {
+            return Ok(None);
+        }
+        let has = i64::from(readable.contains(&(epoch as usize)));
+        let all = comm.all_gather(vec![has]).wait().map_err(collective)?;
+        if all.iter().all(|&h| h == 1) {
+            let epoch = epoch as usize;
+            // The same epoch, but the same files? (Separate directories may hold other runs.)
+            let sums = comm
+                .all_gather(vec![digest(&dir, epoch) as i64])
+                .wait()
+                .map_err(collective)?;
+            let differ: Vec<usize> = (0..sums.len()).filter(|&r| sums[r] != sums[0]).collect();
+            if !differ.is_empty() {
+                return Err(SyncError::Resume { epoch, differ, dir });
+            }
+            return Ok(Some(epoch));
+        }
+        candidate = epoch - 1;
     }
-    let agreed = agreed as usize;
-    // A rank may lack the agreed epoch though it has newer ones: then every rank says so.
-    let has = comm
-        .all_gather(vec![i64::from(readable.contains(&agreed))])
-        .wait()
-        .map_err(collective)?;
-    let lacking: Vec<usize> = (0..has.len()).filter(|&r| has[r] == 0).collect();
-    if !lacking.is_empty() {
-        return Err(SyncError::Resume {
-            epoch: agreed,
-            lacking,
-            dir,
-        });
+}
+
+/// A digest of the three files of epoch `n` (FNV-1a over their bytes).
+fn digest(dir: &Path, n: usize) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for path in files(dir, n) {
+        for b in std::fs::read(&path).unwrap_or_default() {
+            hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
     }
-    Ok(Some(agreed))
+    hash
 }

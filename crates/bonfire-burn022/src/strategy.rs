@@ -93,6 +93,15 @@ impl<M: LearnerModel> From<DataParallel> for TrainingStrategy<M> {
     }
 }
 
+/// Verdicts of the ranks' agreements: go on; finish cleanly (rank 0's early stopping); stop
+/// (an interrupter, a failure), which the ranks that did not ask record as their reason.
+const GO_ON: f32 = 0.0;
+const FINISH: f32 = 1.0;
+const STOP: f32 = 2.0;
+
+/// The reason a rank records when another rank stopped the training.
+const STOPPED_BY_ANOTHER: &str = "another rank of the job stopped its training";
+
 /// A failed collective as burn-train reports a failed worker: this rank, and the error.
 fn failure(world: &World, error: impl std::fmt::Display) -> TrainingError {
     TrainingError::Workers(vec![WorkerFailure {
@@ -102,23 +111,36 @@ fn failure(world: &World, error: impl std::fmt::Display) -> TrainingError {
 }
 
 impl DataParallel {
-    /// True on every rank when any rank wants to stop (the flag's maximum over the ranks). A rank
-    /// that cannot agree (a peer is gone) stops and records why.
-    fn agree_to_stop(&self, stop: bool, comm: &Communicator, interrupter: &Interrupter) -> bool {
-        let flag = vec![if stop { 1.0f32 } else { 0.0 }];
-        match comm
-            .all_reduce(flag, bonfire_topology::ReduceOp::Max)
+    /// An agreement among the ranks on whether to go on: the maximum of each rank's verdict
+    /// ([`GO_ON`], [`FINISH`], [`STOP`]), sent `width` times. Per-step agreements send one value
+    /// and the two at each epoch's end two, so that a rank out of step with the others (a
+    /// loader of another length) fails at once with a mismatch instead of pairing one with the
+    /// other. A rank that cannot agree (a peer is gone) stops and records why. A rank that did
+    /// not ask to stop but is stopped by another's [`STOP`] records that as its reason.
+    fn agree(
+        &self,
+        mine: f32,
+        width: usize,
+        comm: &Communicator,
+        interrupter: &Interrupter,
+    ) -> f32 {
+        let verdict = match comm
+            .all_reduce(vec![mine; width], bonfire_topology::ReduceOp::Max)
             .wait()
         {
-            Ok(v) => v[0] > 0.0,
+            Ok(v) => v[0],
             Err(e) => {
                 interrupter.fail(failure(
                     &self.world,
                     format!("agreeing whether to stop: {e}"),
                 ));
-                true
+                STOP
             }
+        };
+        if verdict >= STOP && mine < STOP && !interrupter.should_stop() {
+            interrupter.stop(Some(STOPPED_BY_ANOTHER));
         }
+        verdict
     }
 
     /// One epoch of training on this rank's share. Before each optimizer step the ranks agree
@@ -146,7 +168,7 @@ impl DataParallel {
                 Err(err) => {
                     interrupter.fail(err);
                     // Meet the others at their next step's agreement, so they stop too.
-                    self.agree_to_stop(true, comm, interrupter);
+                    self.agree(STOP, 1, comm, interrupter);
                     return;
                 }
             };
@@ -167,11 +189,12 @@ impl DataParallel {
                 None => Some(output.grads),
             };
             if let Some(grads) = grads {
-                let asked = interrupter.should_stop();
-                if self.agree_to_stop(asked, comm, interrupter) {
-                    if !asked && !interrupter.should_stop() {
-                        interrupter.stop(Some("another rank of the job stopped its training"));
-                    }
+                let mine = if interrupter.should_stop() {
+                    STOP
+                } else {
+                    GO_ON
+                };
+                if self.agree(mine, 1, comm, interrupter) > GO_ON {
                     return;
                 }
                 match self.world.average(grads, &learner.model()) {
@@ -286,11 +309,16 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
             if main {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
             }
-            if self.agree_to_stop(interrupter.should_stop(), self.world.comm(), &interrupter) {
+            let mine = if interrupter.should_stop() {
+                STOP
+            } else {
+                GO_ON
+            };
+            if self.agree(mine, 2, self.world.comm(), &interrupter) > GO_ON {
                 break;
             }
 
-            let mut stop = false;
+            let mut finish = false;
             if main {
                 interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
                     epoch_number: epoch,
@@ -307,11 +335,16 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
                         checkpointer.checkpoint(&learner, epoch, &components.event_store);
                     }
                     if let Some(early_stopping) = &mut early_stopping {
-                        stop = early_stopping.should_stop(epoch, &components.event_store);
+                        finish = early_stopping.should_stop(epoch, &components.event_store);
                     }
                 }
             }
-            if self.agree_to_stop(stop || interrupter.should_stop(), &epoch_end, &interrupter) {
+            let mine = match (interrupter.should_stop(), finish) {
+                (true, _) => STOP,
+                (false, true) => FINISH,
+                (false, false) => GO_ON,
+            };
+            if self.agree(mine, 2, &epoch_end, &interrupter) > GO_ON {
                 break;
             }
         }

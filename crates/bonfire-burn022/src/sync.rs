@@ -22,8 +22,9 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 * 1024 * 1024;
 
 /// Why gradients could not be averaged or parameters replicated. Every rank of the job gets an
-/// error (a rank that fails before its collective leaves its peers to time out with an error
-/// naming it), never a hang.
+/// error, never a hang and never a silent reduction of mismatched data: a rank that fails
+/// before one of its collectives leaves its peers a mismatch at that collective or a timeout,
+/// and the cause in its own log and error.
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
     /// A bucket of tensors could not be read back from its device.
@@ -63,21 +64,21 @@ pub enum SyncError {
     /// The ranks hold gradients of different parameters (other shapes, dtypes or order), even
     /// where their total size agrees.
     #[error(
-        "average: the gradients on rank(s) {differ:?} are not of the parameters rank 0 holds gradients for (shapes, dtypes and order in the model differ); every rank must run the same model, and every parameter must get a gradient on every rank or on none"
+        "average: the gradients on rank(s) {differ:?} are not of the parameters rank 0 holds gradients for (shapes, dtypes or order in the model differ), or their bucket cap (BONFIRE_BUCKET_CAP_MB) differs from rank 0's; every rank must run the same model, and every parameter must get a gradient on every rank or on none"
     )]
     Layout {
         /// The ranks whose layout differs from rank 0's.
         differ: Vec<usize>,
     },
-    /// The ranks' newest common checkpoint cannot be loaded by some of them.
+    /// The ranks' files of their newest common checkpoint differ.
     #[error(
-        "resume_epoch: the ranks' newest common checkpoint is epoch {epoch}, which rank(s) {lacking:?} cannot load from {dir}; every rank must reach the same checkpoint directory"
+        "resume_epoch: the checkpoint of epoch {epoch} on rank(s) {differ:?} differs from rank 0's (this rank looked in {dir}); every rank must reach the same checkpoint directory"
     )]
     Resume {
         /// The epoch agreed on.
         epoch: usize,
-        /// The ranks that cannot load it.
-        lacking: Vec<usize>,
+        /// The ranks whose files differ from rank 0's.
+        differ: Vec<usize>,
         /// Where this rank looked.
         dir: std::path::PathBuf,
     },
@@ -155,8 +156,8 @@ impl<'a> Buckets<'a> {
     }
 
     /// Reads the open bucket back and starts its collective; after a failed read, starts no
-    /// collective any more (the peers then time out naming this rank, rather than reduce a
-    /// bucket that is not the one they expect).
+    /// collective any more (the peers then fail at that bucket, with a mismatch or a timeout,
+    /// rather than reduce a bucket that is not the one they expect).
     fn flush(&mut self) {
         let Some((device, dtype)) = self.open_kind.take() else {
             return;
@@ -263,7 +264,9 @@ impl ModuleVisitor for Layout<'_> {
                 for d in grad.shape().iter() {
                     self.mix(*d as u64);
                 }
-                self.mix(grad.dtype().size() as u64);
+                for b in format!("{:?}", grad.dtype()).bytes() {
+                    self.mix(u64::from(b));
+                }
             }
             None => self.mix(0),
         }
@@ -275,11 +278,14 @@ fn check_layout<M: Module>(
     comm: &Communicator,
     grads: &GradientsParams,
     model: &M,
+    bucket_cap_bytes: usize,
 ) -> Result<(), SyncError> {
     let mut layout = Layout {
         grads,
         hash: 0xcbf2_9ce4_8422_2325,
     };
+    // The buckets follow from the layout and the cap: both must agree.
+    layout.mix(bucket_cap_bytes as u64);
     model.visit(&mut layout);
     let all = comm
         .all_gather(vec![layout.hash as i64])
@@ -339,7 +345,7 @@ impl ModuleVisitor for PutGrads<'_> {
 /// earlier run. Gradients of parameters that are not in `model` are left as they are.
 ///
 /// Before any bucket, the ranks compare which parameters have gradients, with their shapes and
-/// dtypes (one 8-byte all-gather): a rank whose model or set of gradients differs from rank 0's
+/// dtypes, and the bucket cap (one 8-byte all-gather): a rank whose model or set of gradients differs from rank 0's
 /// makes every rank return an error naming it. Values travel as f32: f16 and bf16 gradients
 /// exactly, f64 ones rounded to f32.
 pub fn average<M: Module>(
@@ -351,7 +357,7 @@ pub fn average<M: Module>(
     if comm.size() == 1 {
         return Ok(grads);
     }
-    check_layout(comm, &grads, model)?;
+    check_layout(comm, &grads, model, bucket_cap_bytes)?;
     let mut take = TakeGrads {
         grads: &mut grads,
         buckets: Buckets::new("average", comm, bucket_cap_bytes, |comm, buf| {

@@ -120,6 +120,7 @@ fn two_ranks_average_to_the_union_batch_gradient() {
     let (device, model, batcher) = setup();
     let union: Vec<usize> = (0..16).collect();
     let expected = grads_of(&model, &gradients(&model, &batcher, &union, &device));
+    assert_eq!(expected.len(), 8, "every weight and bias has a gradient");
 
     // A bucket cap of 64 KiB splits the model (about 70,000 parameters) into several buckets.
     let per_rank = two_ranks(move |rank, comm| {
@@ -190,18 +191,13 @@ fn replicate_gives_every_rank_rank_0s_parameters_and_keeps_them_trainable() {
     });
     let (before0, after0, grads0) = &per_rank[0];
     let (before1, after1, grads1) = &per_rank[1];
-    assert_ne!(
-        before0.values().next(),
-        before1.values().next(),
-        "the ranks should start apart"
-    );
     assert_eq!(after0, before0, "rank 0's parameters changed");
     // Ids are each rank's own, values rank 0's.
-    let sorted = |m: &HashMap<ParamId, Vec<f32>>| {
-        let mut v: Vec<Vec<f32>> = m.values().cloned().collect();
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v
-    };
+    assert_ne!(
+        sorted(before0),
+        sorted(before1),
+        "the ranks should start apart"
+    );
     assert_eq!(
         sorted(after1),
         sorted(after0),
@@ -288,67 +284,159 @@ impl Dataset<usize> for Failing {
     }
 }
 
-/// burn-train with `DataParallel` on two in-process ranks; rank 1's third batch fails. Both stop
-/// at the same step (neither waits for the other, neither gets a mismatch), with the same
-/// parameters; rank 1 reports the data set's error, rank 0 that another rank stopped.
-#[test]
-fn a_batch_that_fails_on_one_rank_stops_both_at_the_same_step() {
-    let per_rank = two_ranks(|rank, comm| {
+/// A map's values sorted (ids differ from rank to rank).
+fn sorted(m: &HashMap<ParamId, Vec<f32>>) -> Vec<Vec<f32>> {
+    let mut v: Vec<Vec<f32>> = m.values().cloned().collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v
+}
+
+/// What one rank of [`burn_train_on_two_ranks`] ended with.
+struct Ended {
+    steps: usize,
+    error: Option<String>,
+    reason: Option<String>,
+    params: HashMap<ParamId, Vec<f32>>,
+}
+
+/// burn-train's `SupervisedTraining` with `DataParallel` on two in-process ranks, from `start`,
+/// over the first `items` training images in batches of 8 without shuffling (rank r's share is
+/// the r-th half), Adam at 1e-3; `fail[r]` makes rank r's training item, `fail_valid[r]` its
+/// validation item, unreadable.
+fn burn_train_on_two_ranks(
+    start: &Model,
+    items: usize,
+    epochs: usize,
+    accumulation: Option<usize>,
+    fail: [Option<usize>; 2],
+    fail_valid: [Option<usize>; 2],
+) -> Vec<Ended> {
+    let start = start.clone();
+    two_ranks(move |rank, comm| {
         let world = World::from_communicator(comm);
         let device = Device::flex();
-        let images = ImageSet::embedded(Split::Train, Shard::whole().limit(64)).unwrap();
+        let images = ImageSet::embedded(Split::Train, Shard::whole().limit(items)).unwrap();
         let batcher = MnistBatcher(Arc::new(images));
-        // Rank 1's share is items 32..64, in batches of 8: its third batch holds item 52.
-        let fail_at = (rank == 1).then_some(52);
         let train = DataLoaderBuilder::new(batcher.clone())
             .batch_size(8)
-            .build(Failing { len: 64, fail_at });
+            .build(Failing {
+                len: items,
+                fail_at: fail[rank],
+            });
         let valid = DataLoaderBuilder::new(batcher)
             .batch_size(8)
             .build(Failing {
                 len: 16,
-                fail_at: None,
+                fail_at: fail_valid[rank],
             });
-        // Each rank draws its own; `DataParallel` starts both from rank 0's.
-        let model = ModelConfig::new(10, 32)
-            .with_dropout(0.0)
-            .init(&device.clone().autodiff());
         let dir = std::env::temp_dir().join(format!(
-            "bonfire-burn022-stop-{}-{rank}",
-            std::process::id()
+            "bonfire-burn022-train-{}-{rank}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
         ));
         let strategy = DataParallel::new(&world, device);
-        let result = SupervisedTraining::new(&dir, train, valid)
-            .num_epochs(2)
+        let training = SupervisedTraining::new(&dir, train, valid)
+            .num_epochs(epochs)
             .with_application_logger(None)
-            .with_training_strategy(strategy.clone().into())
-            .launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+            .with_training_strategy(strategy.clone().into());
+        let training = match accumulation {
+            Some(n) => training.grads_accumulation(n),
+            None => training,
+        };
+        let result = training.launch(Learner::new(start.clone(), AdamConfig::new().init(), 1e-3));
         std::fs::remove_dir_all(&dir).ok();
-        (
-            strategy.steps(),
-            result.error.map(|e| e.to_string()),
-            result.interrupted.and_then(|i| i.reason),
-            params(&result.model),
-        )
-    });
-    let (steps0, error0, reason0, params0) = &per_rank[0];
-    let (steps1, error1, _, params1) = &per_rank[1];
+        Ended {
+            steps: strategy.steps(),
+            error: result.error.map(|e| e.to_string()),
+            reason: result.interrupted.and_then(|i| i.reason),
+            params: params(&result.model),
+        }
+    })
+}
+
+fn start_model() -> Model {
+    ModelConfig::new(10, 32)
+        .with_dropout(0.0)
+        .init(&Device::flex().autodiff())
+}
+
+/// Rank 1's third batch fails. Both stop at the same step (neither waits for the other, neither
+/// gets a mismatch), with the same parameters; rank 1 reports the data set's error, rank 0 that
+/// another rank stopped.
+#[test]
+fn a_batch_that_fails_on_one_rank_stops_both_at_the_same_step() {
+    // Rank 1's share is items 32..64, in batches of 8: its third batch holds item 52.
+    let ended = burn_train_on_two_ranks(&start_model(), 64, 2, None, [None, Some(52)], [None; 2]);
     assert_eq!(
-        (*steps0, *steps1),
+        (ended[0].steps, ended[1].steps),
         (2, 2),
-        "both ranks take the two steps before the failure"
+        "the two steps before the failure"
     );
-    assert_eq!(error0, &None, "rank 0 stops cleanly");
+    assert_eq!(ended[0].error, None, "rank 0 stops cleanly");
     assert_eq!(
-        reason0.as_deref(),
+        ended[0].reason.as_deref(),
         Some("another rank of the job stopped its training")
     );
-    let error1 = error1.as_deref().unwrap_or("no error");
-    assert!(error1.contains("item 52 is unreadable"), "rank 1: {error1}");
-    let sorted = |m: &HashMap<ParamId, Vec<f32>>| {
-        let mut v: Vec<Vec<f32>> = m.values().cloned().collect();
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v
-    };
-    assert_eq!(sorted(params0), sorted(params1), "the replicas differ");
+    let error = ended[1].error.as_deref().unwrap_or("no error");
+    assert!(error.contains("item 52 is unreadable"), "rank 1: {error}");
+    assert_eq!(
+        sorted(&ended[0].params),
+        sorted(&ended[1].params),
+        "the replicas differ"
+    );
+}
+
+/// Rank 0's validation fails after the first epoch: rank 1, which validates nothing, stops at
+/// the same epoch's end and says why.
+#[test]
+fn a_validation_that_fails_on_rank_0_stops_both_after_that_epoch() {
+    let ended = burn_train_on_two_ranks(&start_model(), 64, 3, None, [None; 2], [Some(3), None]);
+    assert_eq!(
+        (ended[0].steps, ended[1].steps),
+        (4, 4),
+        "one epoch of 4 steps each"
+    );
+    let error = ended[0].error.as_deref().unwrap_or("no error");
+    assert!(error.contains("item 3 is unreadable"), "rank 0: {error}");
+    assert_eq!(ended[1].error, None);
+    assert_eq!(
+        ended[1].reason.as_deref(),
+        Some("another rank of the job stopped its training")
+    );
+}
+
+/// With `grads_accumulation(3)` over 5 batches per rank (steps after batches 3 and 5), the two
+/// ranks end where one device ends that sums the gradients of the same union batches.
+#[test]
+fn accumulation_on_two_ranks_equals_one_device() {
+    let start = start_model();
+    let ended = burn_train_on_two_ranks(&start, 80, 1, Some(3), [None; 2], [None; 2]);
+    assert_eq!((ended[0].steps, ended[1].steps), (2, 2));
+
+    let device = Device::flex().autodiff();
+    let images = ImageSet::embedded(Split::Train, Shard::whole().limit(80)).unwrap();
+    let batcher = MnistBatcher(Arc::new(images));
+    let mut single = start;
+    let mut optim = AdamConfig::new().init();
+    for group in [0..3, 3..5] {
+        let mut sum = burn::optim::GradientsAccumulator::new();
+        for b in group {
+            // Batch b of each rank: items 8b.. of the first half and 40 + 8b.. of the second.
+            let union: Vec<usize> = (8 * b..8 * b + 8)
+                .chain(40 + 8 * b..40 + 8 * b + 8)
+                .collect();
+            sum.accumulate(&single, gradients(&single, &batcher, &union, &device));
+        }
+        single = optim.step(1e-3, single, sum.grads());
+    }
+    let diff = max_diff(&ended[0].params, &params(&single));
+    assert!(
+        diff <= TOLERANCE,
+        "two ranks differ from one device by {diff}"
+    );
+    assert_eq!(
+        sorted(&ended[0].params),
+        sorted(&ended[1].params),
+        "the replicas differ"
+    );
 }

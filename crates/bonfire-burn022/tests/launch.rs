@@ -81,6 +81,7 @@ fn the_guide_trains_as_two_processes_and_as_two_nodes_to_the_same_parameters() {
     let two_nodes = out_dir("two-nodes");
     let secret = two_nodes.join("secret");
     std::fs::write(&secret, "guide-two-nodes-secret-0123456789abcdef").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let port = free_local_port().unwrap();
     let launchers: Vec<_> = (0..2)
         .map(|node| {

@@ -1,8 +1,10 @@
 //! Data parallelism as a burn-train 0.22 training strategy: [`DataParallel`].
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bonfire_launch::stragglers::{RankTimes, THRESHOLD, report_line, stragglers};
 
 use bonfire_collectives::Communicator;
 
@@ -54,6 +56,8 @@ pub struct DataParallel {
     epoch_end_timeout: Duration,
     /// Optimizer steps taken, shared by the clones.
     steps: Arc<AtomicUsize>,
+    /// Every rank's times in each epoch trained, shared by the clones.
+    times: Arc<Mutex<Vec<EpochTimes>>>,
 }
 
 /// How long the other ranks wait at the end of an epoch for rank 0's validation and checkpoint,
@@ -69,7 +73,23 @@ impl DataParallel {
             device,
             epoch_end_timeout: DEFAULT_EPOCH_END_TIMEOUT,
             steps: Arc::new(AtomicUsize::new(0)),
+            times: Arc::default(),
         }
+    }
+
+    /// The straggler line of the epochs trained so far, the same on every rank (bonfire's rule,
+    /// as the Burn 0.21 jobs report it): `stragglers      rank 1 in epochs 2, 3 (compute; up to
+    /// 41% slower than the median of the others)`, that there were none, or `None` for a job of
+    /// one rank. Each epoch's stragglers are also in rank 0's log as the epoch ends.
+    pub fn straggler_report(&self) -> Option<String> {
+        let epochs = self.times.lock().unwrap_or_else(|e| e.into_inner());
+        report_line(epochs.iter().map(|(e, t)| (*e, t.as_slice())))
+    }
+
+    /// Every rank's seconds in each epoch trained so far (making batches, computing, waiting),
+    /// by epoch and rank.
+    pub fn epoch_times(&self) -> Vec<EpochTimes> {
+        self.times.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Optimizer steps this rank has taken under this strategy and its clones (keep a clone,
@@ -92,6 +112,10 @@ impl<M: LearnerModel> From<DataParallel> for TrainingStrategy<M> {
         TrainingStrategy::Custom(Arc::new(strategy))
     }
 }
+
+/// An epoch's number and every rank's seconds in it (making batches, computing, waiting), by
+/// rank.
+pub type EpochTimes = (usize, Vec<RankTimes>);
 
 /// Verdicts of the ranks' agreements: go on; finish cleanly (rank 0's early stopping); stop
 /// (an interrupter, a failure), which the ranks that did not ask record as their reason.
@@ -154,22 +178,37 @@ impl DataParallel {
         grad_accumulation: Option<usize>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
-    ) {
+    ) -> RankTimes {
         let main = self.world.is_main();
         let comm = self.world.comm();
         let mut iterator = loader.iter();
         let mut iteration = 0;
         let mut accumulator = GradientsAccumulator::new();
         let mut accumulated = 0;
+        // Seconds making batches, waiting for the others (agreements and averages), and the
+        // rest of the epoch's steps (forward, backward, optimizer).
+        let mut times = RankTimes::default();
+        let began = Instant::now();
+        let mut mark = Instant::now();
+        let since = |mark: &mut Instant| {
+            let now = Instant::now();
+            let secs = now.duration_since(*mark).as_secs_f64();
+            *mark = now;
+            secs
+        };
         tracing::debug!(epoch, "training epoch");
-        while let Some(item) = iterator.next() {
+        loop {
+            let item = iterator.next();
+            times.input += since(&mut mark);
+            let Some(item) = item else { break };
             let item = match item {
                 Ok(item) => item,
                 Err(err) => {
                     interrupter.fail(err);
                     // Meet the others at their next step's agreement, so they stop too.
                     self.agree(STOP, 1, comm, interrupter);
-                    return;
+                    times.wait += since(&mut mark);
+                    break;
                 }
             };
             iteration += 1;
@@ -194,18 +233,21 @@ impl DataParallel {
                 } else {
                     GO_ON
                 };
-                if self.agree(mine, 1, comm, interrupter) > GO_ON {
-                    return;
-                }
-                match self.world.average(grads, &learner.model()) {
-                    Ok(grads) => {
+                let _ = since(&mut mark);
+                let verdict = self.agree(mine, 1, comm, interrupter);
+                let averaged =
+                    (verdict == GO_ON).then(|| self.world.average(grads, &learner.model()));
+                times.wait += since(&mut mark);
+                match averaged {
+                    None => break,
+                    Some(Ok(grads)) => {
                         learner.lr_step();
                         learner.optimizer_step(grads);
                         self.steps.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(e) => {
+                    Some(Err(e)) => {
                         interrupter.fail(failure(&self.world, e));
-                        return;
+                        break;
                     }
                 }
             }
@@ -219,7 +261,48 @@ impl DataParallel {
                 interrupter
                     .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
             }
+            let _ = since(&mut mark);
         }
+        let total = began.elapsed().as_secs_f64();
+        times.compute = (total - times.input - times.wait).max(0.0);
+        times
+    }
+
+    /// Every rank's times of the epoch, gathered on every rank (3 values each); rank 0 names
+    /// the stragglers in its log, and every rank keeps the epoch for [`Self::straggler_report`].
+    fn gather_times(&self, epoch: usize, mine: RankTimes, interrupter: &Interrupter) {
+        let gathered = self
+            .world
+            .comm()
+            .all_gather(vec![mine.input, mine.compute, mine.wait])
+            .wait();
+        let all = match gathered {
+            Ok(all) => all,
+            Err(e) => {
+                interrupter.fail(failure(
+                    &self.world,
+                    format!("gathering the epoch's times: {e}"),
+                ));
+                return;
+            }
+        };
+        let times: Vec<RankTimes> = all
+            .chunks(3)
+            .map(|c| RankTimes {
+                input: c[0],
+                compute: c[1],
+                wait: c[2],
+            })
+            .collect();
+        if self.world.is_main() {
+            for s in stragglers(&times, THRESHOLD) {
+                tracing::warn!("epoch {epoch}: straggler: {}", s.describe());
+            }
+        }
+        self.times
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((epoch, times));
     }
 
     /// Rank 0's validation epoch.
@@ -298,7 +381,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
                     total_items: train_items,
                 }));
             }
-            self.train_epoch(
+            let times = self.train_epoch(
                 &mut learner,
                 &train,
                 epoch,
@@ -306,6 +389,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
                 &mut processor,
                 &interrupter,
             );
+            self.gather_times(epoch, times, &interrupter);
             if main {
                 interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
             }

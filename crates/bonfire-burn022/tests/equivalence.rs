@@ -8,12 +8,14 @@ mod model;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bonfire_burn022::{
     CommConfig, Communicator, DEFAULT_BUCKET_CAP_BYTES, DataParallel, World, average, replicate,
 };
 use bonfire_datasets::{ImageSet, Shard, Split};
 use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamConfig, GradientsParams};
@@ -294,6 +296,7 @@ fn sorted(m: &HashMap<ParamId, Vec<f32>>) -> Vec<Vec<f32>> {
 /// What one rank of [`burn_train_on_two_ranks`] ended with.
 struct Ended {
     steps: usize,
+    stragglers: Option<String>,
     error: Option<String>,
     reason: Option<String>,
     params: HashMap<ParamId, Vec<f32>>,
@@ -302,7 +305,8 @@ struct Ended {
 /// burn-train's `SupervisedTraining` with `DataParallel` on two in-process ranks, from `start`,
 /// over the first `items` training images in batches of 8 without shuffling (rank r's share is
 /// the r-th half), Adam at 1e-3; `fail[r]` makes rank r's training item, `fail_valid[r]` its
-/// validation item, unreadable.
+/// validation item, unreadable; rank r takes `slow[r]` longer to make each training batch.
+#[allow(clippy::too_many_arguments)]
 fn burn_train_on_two_ranks(
     start: &Model,
     items: usize,
@@ -310,6 +314,7 @@ fn burn_train_on_two_ranks(
     accumulation: Option<usize>,
     fail: [Option<usize>; 2],
     fail_valid: [Option<usize>; 2],
+    slow: [Duration; 2],
 ) -> Vec<Ended> {
     let start = start.clone();
     two_ranks(move |rank, comm| {
@@ -317,7 +322,7 @@ fn burn_train_on_two_ranks(
         let device = Device::flex();
         let images = ImageSet::embedded(Split::Train, Shard::whole().limit(items)).unwrap();
         let batcher = MnistBatcher(Arc::new(images));
-        let train = DataLoaderBuilder::new(batcher.clone())
+        let train = DataLoaderBuilder::new(Slow(batcher.clone(), slow[rank]))
             .batch_size(8)
             .build(Failing {
                 len: items,
@@ -347,12 +352,26 @@ fn burn_train_on_two_ranks(
         std::fs::remove_dir_all(&dir).ok();
         Ended {
             steps: strategy.steps(),
+            stragglers: strategy.straggler_report(),
             error: result.error.map(|e| e.to_string()),
             reason: result.interrupted.and_then(|i| i.reason),
             params: params(&result.model),
         }
     })
 }
+
+/// A batcher that takes `.1` longer for each batch.
+#[derive(Clone)]
+struct Slow(MnistBatcher, Duration);
+
+impl Batcher<usize, model::MnistBatch> for Slow {
+    fn batch(&self, items: Vec<usize>, device: &Device) -> model::MnistBatch {
+        std::thread::sleep(self.1);
+        self.0.batch(items, device)
+    }
+}
+
+const FAST: [Duration; 2] = [Duration::ZERO; 2];
 
 fn start_model() -> Model {
     ModelConfig::new(10, 32)
@@ -366,7 +385,15 @@ fn start_model() -> Model {
 #[test]
 fn a_batch_that_fails_on_one_rank_stops_both_at_the_same_step() {
     // Rank 1's share is items 32..64, in batches of 8: its third batch holds item 52.
-    let ended = burn_train_on_two_ranks(&start_model(), 64, 2, None, [None, Some(52)], [None; 2]);
+    let ended = burn_train_on_two_ranks(
+        &start_model(),
+        64,
+        2,
+        None,
+        [None, Some(52)],
+        [None; 2],
+        FAST,
+    );
     assert_eq!(
         (ended[0].steps, ended[1].steps),
         (2, 2),
@@ -390,7 +417,15 @@ fn a_batch_that_fails_on_one_rank_stops_both_at_the_same_step() {
 /// the same epoch's end and says why.
 #[test]
 fn a_validation_that_fails_on_rank_0_stops_both_after_that_epoch() {
-    let ended = burn_train_on_two_ranks(&start_model(), 64, 3, None, [None; 2], [Some(3), None]);
+    let ended = burn_train_on_two_ranks(
+        &start_model(),
+        64,
+        3,
+        None,
+        [None; 2],
+        [Some(3), None],
+        FAST,
+    );
     assert_eq!(
         (ended[0].steps, ended[1].steps),
         (4, 4),
@@ -410,7 +445,7 @@ fn a_validation_that_fails_on_rank_0_stops_both_after_that_epoch() {
 #[test]
 fn accumulation_on_two_ranks_equals_one_device() {
     let start = start_model();
-    let ended = burn_train_on_two_ranks(&start, 80, 1, Some(3), [None; 2], [None; 2]);
+    let ended = burn_train_on_two_ranks(&start, 80, 1, Some(3), [None; 2], [None; 2], FAST);
     assert_eq!((ended[0].steps, ended[1].steps), (2, 2));
 
     let device = Device::flex().autodiff();
@@ -439,4 +474,23 @@ fn accumulation_on_two_ranks_equals_one_device() {
         sorted(&ended[1].params),
         "the replicas differ"
     );
+}
+
+/// Rank 1 makes its batches 60 ms slower: every epoch names it, as the Burn 0.21 jobs would, and
+/// rank 0's time went to waiting for it.
+#[test]
+fn a_rank_with_slow_batches_is_named_a_straggler_on_every_rank() {
+    let slow = [Duration::ZERO, Duration::from_millis(60)];
+    let ended = burn_train_on_two_ranks(&start_model(), 64, 2, None, [None; 2], [None; 2], slow);
+    for (rank, e) in ended.iter().enumerate() {
+        let line = e.stragglers.as_deref().unwrap_or("no report");
+        eprintln!("rank {rank}: {line}");
+        assert!(
+            line.starts_with("stragglers      rank 1 in epochs 1, 2 (input;"),
+            "rank {rank}: {line}"
+        );
+    }
+    let ended = burn_train_on_two_ranks(&start_model(), 64, 1, None, [None; 2], [None; 2], FAST);
+    let line = ended[0].stragglers.as_deref().unwrap_or("no report");
+    assert!(line.starts_with("stragglers      none"), "{line}");
 }

@@ -130,7 +130,8 @@ pub mod kernels {
 pub mod launch {
     pub use bonfire_launch::{
         AddrError, EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
-        SecretSource, env, free_local_port, launch, logging, netns, probe_leader, slurm, wan,
+        SecretSource, env, free_local_port, launch, logging, netns, probe_leader, slurm,
+        stragglers, wan,
     };
 }
 

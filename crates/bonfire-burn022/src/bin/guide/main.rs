@@ -236,6 +236,11 @@ fn run(args: Args) -> Result<(), Box<dyn Error>> {
         &summary,
     )?;
     if world.is_main() {
+        if args.burn_multi_device.is_none()
+            && let Some(line) = strategy.straggler_report()
+        {
+            println!("guide: {line}");
+        }
         let saved = args.artifacts.join("model.bpk");
         model.clone().save_file(&saved)?;
         println!("guide: trained model saved to {}", saved.display());

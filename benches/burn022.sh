@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target="${CARGO_TARGET_DIR:-target}"
-target022="${CARGO_TARGET_DIR022:-crates/bonfire-burn022/target}"
+target022="${CARGO_TARGET_DIR022:-${CARGO_TARGET_DIR:-crates/bonfire-burn022/target}}"
 bonfire="$target/release/bonfire"
 guide021="$target/release/guide-021"
 guide022="$target022/release/guide"
@@ -37,7 +37,7 @@ run() {
     "$@" > "$out" 2>&1 || { echo "$label failed:" >&2; tail -20 "$out" >&2; exit 1; }
     local ms
     ms="$(grep -o 'rank 0 of [0-9]*: [0-9]* steps of [0-9]* images in [0-9.]* s ([0-9.]* ms per step)' "$out" \
-        | sed -E 's/.*\(([0-9.]+) ms per step\)/\1/')"
+        | sed -E 's/.*\(([0-9.]+) ms per step\)/\1/' || true)"
     if [ -z "$ms" ]; then
         echo "$label: no summary line" >&2
         tail -20 "$out" >&2

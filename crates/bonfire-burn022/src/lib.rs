@@ -32,8 +32,9 @@ mod strategy;
 mod sync;
 mod world;
 
-/// The straggler rule's types (bonfire's, shared with the Burn 0.21 jobs).
-pub use bonfire_launch::stragglers::{RankTimes, Straggler};
+/// The straggler rule (bonfire's, shared with the Burn 0.21 jobs).
+pub use bonfire_launch::stragglers;
+pub use bonfire_launch::stragglers::RankTimes;
 pub use resume::resume_epoch;
 pub use strategy::{DEFAULT_EPOCH_END_TIMEOUT, DataParallel, EpochTimes};
 pub use sync::{DEFAULT_BUCKET_CAP_BYTES, SyncError, average, replicate, shard};

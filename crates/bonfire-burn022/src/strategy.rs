@@ -80,7 +80,8 @@ impl DataParallel {
     /// The straggler line of the epochs trained so far, the same on every rank (bonfire's rule,
     /// as the Burn 0.21 jobs report it): `stragglers      rank 1 in epochs 2, 3 (compute; up to
     /// 41% slower than the median of the others)`, that there were none, or `None` for a job of
-    /// one rank. Each epoch's stragglers are also in rank 0's log as the epoch ends.
+    /// one rank or before any epoch (an epoch whose times could not be gathered is left out).
+    /// Each epoch's stragglers are also in rank 0's log as the epoch ends.
     pub fn straggler_report(&self) -> Option<String> {
         let epochs = self.times.lock().unwrap_or_else(|e| e.into_inner());
         report_line(epochs.iter().map(|(e, t)| (*e, t.as_slice())))
@@ -174,29 +175,32 @@ impl DataParallel {
         &self,
         learner: &mut Learner<M>,
         loader: &TrainLoader<M>,
-        epoch: usize,
         grad_accumulation: Option<usize>,
         processor: &mut SupervisedTrainingEventProcessor<M>,
         interrupter: &Interrupter,
+        device: &Device,
     ) -> RankTimes {
         let main = self.world.is_main();
         let comm = self.world.comm();
-        let mut iterator = loader.iter();
-        let mut iteration = 0;
-        let mut accumulator = GradientsAccumulator::new();
-        let mut accumulated = 0;
-        // Seconds making batches, waiting for the others (agreements and averages), and the
-        // rest of the epoch's steps (forward, backward, optimizer).
+        // Seconds making batches, waiting for the others (agreements and averages, after the
+        // device has finished the step's work, so that a GPU's queued forward and backward
+        // count as compute), and the rest of the epoch's steps (forward, backward, optimizer);
+        // rank 0's metrics and renderer count in none of them.
         let mut times = RankTimes::default();
+        let mut elsewhere = 0.0;
         let began = Instant::now();
-        let mut mark = Instant::now();
+        let mut mark = began;
         let since = |mark: &mut Instant| {
             let now = Instant::now();
             let secs = now.duration_since(*mark).as_secs_f64();
             *mark = now;
             secs
         };
-        tracing::debug!(epoch, "training epoch");
+        let mut iterator = loader.iter();
+        times.input += since(&mut mark);
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::new();
+        let mut accumulated = 0;
         loop {
             let item = iterator.next();
             times.input += since(&mut mark);
@@ -233,6 +237,8 @@ impl DataParallel {
                 } else {
                     GO_ON
                 };
+                // The step's work done, the rest is waiting (an error here shows again below).
+                device.sync().ok();
                 let _ = since(&mut mark);
                 let verdict = self.agree(mine, 1, comm, interrupter);
                 let averaged =
@@ -252,6 +258,7 @@ impl DataParallel {
                 }
             }
             if main {
+                let _ = since(&mut mark);
                 let item = TrainingItem::new(
                     output.item,
                     progress,
@@ -260,11 +267,11 @@ impl DataParallel {
                 );
                 interrupter
                     .fail_on_error(processor.process_train(LearnerEvent::ProcessedItem(item)));
+                elsewhere += since(&mut mark);
             }
-            let _ = since(&mut mark);
         }
         let total = began.elapsed().as_secs_f64();
-        times.compute = (total - times.input - times.wait).max(0.0);
+        times.compute = (total - times.input - times.wait - elsewhere).max(0.0);
         times
     }
 
@@ -381,13 +388,14 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DataParallel {
                     total_items: train_items,
                 }));
             }
+            tracing::debug!(epoch, "training epoch");
             let times = self.train_epoch(
                 &mut learner,
                 &train,
-                epoch,
                 components.grad_accumulation,
                 &mut processor,
                 &interrupter,
+                &device,
             );
             self.gather_times(epoch, times, &interrupter);
             if main {

@@ -297,6 +297,7 @@ fn sorted(m: &HashMap<ParamId, Vec<f32>>) -> Vec<Vec<f32>> {
 struct Ended {
     steps: usize,
     stragglers: Option<String>,
+    times: Vec<bonfire_burn022::EpochTimes>,
     error: Option<String>,
     reason: Option<String>,
     params: HashMap<ParamId, Vec<f32>>,
@@ -353,6 +354,7 @@ fn burn_train_on_two_ranks(
         Ended {
             steps: strategy.steps(),
             stragglers: strategy.straggler_report(),
+            times: strategy.epoch_times(),
             error: result.error.map(|e| e.to_string()),
             reason: result.interrupted.and_then(|i| i.reason),
             params: params(&result.model),
@@ -476,21 +478,26 @@ fn accumulation_on_two_ranks_equals_one_device() {
     );
 }
 
-/// Rank 1 makes its batches 60 ms slower: every epoch names it, as the Burn 0.21 jobs would, and
-/// rank 0's time went to waiting for it.
+/// Rank 1 makes its batches 60 ms slower: every epoch names it on both ranks, as the Burn 0.21
+/// jobs would, and rank 0's time went to waiting for it.
 #[test]
 fn a_rank_with_slow_batches_is_named_a_straggler_on_every_rank() {
     let slow = [Duration::ZERO, Duration::from_millis(60)];
     let ended = burn_train_on_two_ranks(&start_model(), 64, 2, None, [None; 2], [None; 2], slow);
     for (rank, e) in ended.iter().enumerate() {
         let line = e.stragglers.as_deref().unwrap_or("no report");
-        eprintln!("rank {rank}: {line}");
         assert!(
             line.starts_with("stragglers      rank 1 in epochs 1, 2 (input;"),
             "rank {rank}: {line}"
         );
     }
-    let ended = burn_train_on_two_ranks(&start_model(), 64, 1, None, [None; 2], [None; 2], FAST);
+    // Rank 0 spent the difference waiting: 4 steps of 60 ms each epoch.
+    for (epoch, times) in &ended[0].times {
+        assert!(times[0].wait > 0.15, "epoch {epoch}: {times:?}");
+    }
+    // Both slow alike (epochs long enough for the rule to judge): nobody is named.
+    let both = [Duration::from_millis(60); 2];
+    let ended = burn_train_on_two_ranks(&start_model(), 64, 1, None, [None; 2], [None; 2], both);
     let line = ended[0].stragglers.as_deref().unwrap_or("no report");
     assert!(line.starts_with("stragglers      none"), "{line}");
 }

@@ -96,6 +96,23 @@ DECORATORS = {
                 "Vec<FloatTensor<Self>>": "{a}.into_iter().map({conv}::alone::<{tf}>).collect()",
             },
         },
+        # In a fully sharded data-parallel group (ZeRO stage 3, `tensor_parallel/fsdp.rs`) the
+        # ranks' activations differ: a rule may only see tensors every rank agrees on. A method
+        # whose inputs include a whole float tensor (`fallback::private`), an int or bool tensor
+        # (indices, masks: the rank's own data), or that draws random numbers, falls back there.
+        "private": {
+            "check": "crate::tensor_parallel::context::fully_sharded()",
+            "args": {
+                "FloatTensor<Self>": "{conv}::private::<{tf}>(&{a})",
+                "Option<FloatTensor<Self>>": "{a}.as_ref().is_some_and({conv}::private::<{tf}>)",
+                "Vec<FloatTensor<Self>>": "{a}.iter().any({conv}::private::<{tf}>)",
+            },
+            "always": ["IntTensor<Self>", "BoolTensor<Self>"],
+            "draws": ["float_random"],
+            # Its rule is local for every placement, and places a loaded optimizer state as its
+            # parameter (`fsdp::place_state`).
+            "exempt": ["float_to_device"],
+        },
         "float_is_inner": False,
         "args": {
             # Float data inside them is gathered, and counted under the method's name.
@@ -340,6 +357,23 @@ def generate(key, dec, ops, version, crate_dir):
                     inner = forward(key, dec, alone["args"], name, args, rtype)
                     guard = f"if {alone['check']} {{ return {inner}; }}"
                     counts["alone"] = counts.get("alone", 0) + 1
+                private = dec.get("private")
+                if private and not by_ref and not (rtype or "").startswith("impl ") and name not in private["exempt"]:
+                    tests = []
+                    for n, t in args:
+                        t = self_type(t)
+                        if any(a in t for a in private["always"]):
+                            tests = ["true"]
+                            break
+                        if t in private["args"]:
+                            tests.append(private["args"][t].format(conv=dec["conv"], tf=dec["tf"], a=n))
+                    if name in private["draws"]:
+                        tests = ["true"]
+                    if tests:
+                        fall = forward(key, dec, dec["args"], name, args, rtype)
+                        cond = private["check"] if tests == ["true"] else f"{private['check']} && ({' || '.join(tests)})"
+                        guard = (guard + "\n        " if guard else "") + f"if {cond} {{ return {fall}; }}"
+                        counts["private"] = counts.get("private", 0) + 1
             else:
                 counts["default"] += 1
                 call = forward(key, dec, dec["args"], name, args, rtype)

@@ -32,12 +32,13 @@ pub use data_parallel::{
     InOrder, LatePeer, LocalParts, LocalSgd, LocalSgdRecord, NoSyncGuard, Outer, OuterState,
     OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole, PsStats, Sharded, StepStats,
     SyncError, ZeroStage, abort, accumulate, bind_thread, broadcast_parameters, communicator,
-    diloco, discard_kept_gradients, forgot_init_message, gradient_bytes, install, keep_gradients,
-    last_step_stats, local_sgd, no_sync, param_server, register_local_parts, replicate, sharded,
-    sync_buffers, total_stats,
+    diloco, discard_kept_gradients, forgot_init_message, gradient_bytes, held_bytes, install,
+    keep_gradients, last_step_stats, local_sgd, no_sync, param_server, register_local_parts,
+    replicate, sharded, sync_buffers, total_stats,
 };
 #[cfg(feature = "cuda")]
 pub use data_parallel::{CommCross, CommLink, NodeLane};
+pub use tensor_parallel::fsdp::fully_shard;
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 
 /// Data x tensor parallelism: `Autodiff<Hybrid<B>>` splits each model over its rank's

@@ -807,6 +807,7 @@ variants!(
         PlanError::Broadcast { .. },
         PlanError::OtherGroup { .. },
         PlanError::Group(..),
+        PlanError::NotFullySharded { .. },
     ]
 );
 
@@ -845,6 +846,7 @@ fn plan_examples() -> Vec<PlanError> {
         },
         PlanError::OtherGroup { given: 7, bound: 9 },
         PlanError::Group(Box::new(peer_lost())),
+        PlanError::NotFullySharded { ranks: 2 },
     ]
 }
 

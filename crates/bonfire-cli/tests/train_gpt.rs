@@ -375,7 +375,7 @@ fn accumulation_and_bf16_gradients_train() {
 #[test]
 fn bad_input_exits_2_with_a_message() {
     let dir = scratch("gpt-bad");
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["--tp", "3"],
             "--tp 3 with --heads 4: the tensor-parallel size must divide the heads",
@@ -395,7 +395,11 @@ fn bad_input_exits_2_with_a_message() {
         ),
         (&["--resume", "--checkpoint-dir", "nowhere"], "nowhere"),
         (&["--sample", "x", "--checkpoint-dir", "nowhere"], "nowhere"),
-        (&["--zero", "3"], "3 is not in 1..=2"),
+        (&["--zero", "4"], "4 is not in 1..=3"),
+        (
+            &["--zero", "3", "--tp", "2"],
+            "--zero 3 with --tp 2: ZeRO-3 shards the parameters over the data-parallel replicas",
+        ),
     ];
     for (args, needle) in cases {
         let out = bonfire(&dir, &[&["train", "gpt"], args].concat())
@@ -427,7 +431,8 @@ fn digests(dir: &std::path::Path, evals: usize) -> Vec<String> {
 /// hold the whole state, so a run killed without `--zero` resumes with it, and the other way
 /// round, and both end where the uninterrupted run does. With gradient accumulation and bf16
 /// gradients too. `--zero 2` also shards the gradients (the report shows each rank holds its
-/// share) and, at 2 ranks, changes no bit either.
+/// share) and, at 2 ranks, changes no bit either; nor does `--zero 3`, which shards the
+/// parameters too, and resumes after a kill.
 #[test]
 fn zero_shards_the_optimizer_and_changes_no_bit() {
     let dir = scratch("gpt-zero");
@@ -475,6 +480,38 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
         "{share}% of the gradients on one of 2 ranks: {log}"
     );
     assert_eq!(digests(&dir.join("zero2"), 6), plain);
+    // `--zero 3` shards the parameters too: each rank holds half of them, of their gradients and
+    // of Adam's state (the report shows each share), gathering a parameter where a layer reads
+    // it; at 2 ranks the weights are the bits of the run without it. A run killed with it
+    // resumes with it to the same bits.
+    let log = train_tiny(&dir, "60", &dir.join("zero3"), &["--zero", "3"]);
+    let shares: Vec<f64> = log
+        .split("(ZeRO-3: ")
+        .skip(1)
+        .filter_map(|rest| rest.split('%').next()?.parse().ok())
+        .collect();
+    assert_eq!(shares.len(), 3, "parameters, gradients, state: {log}");
+    assert!(
+        shares.iter().all(|s| (49.0..56.0).contains(s)),
+        "{shares:?}% on one of 2 ranks: {log}"
+    );
+    assert!(
+        log.contains("fully sharded   on rank 0, training: ")
+            && log.contains("parameter gathers of"),
+        "{log}"
+    );
+    assert_eq!(digests(&dir.join("zero3"), 6), plain);
+    let killed = dir.join("zero3-killed");
+    let done = kill_tiny(&dir, "60", &killed, &["--zero", "3"]);
+    assert_ne!(done, "epoch-6", "the job finished before it was killed");
+    let mut resume = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"]);
+    let out = resume.arg(&killed).args(["--zero", "3"]).output().unwrap();
+    let log = text(&out);
+    assert!(
+        out.status.success() && log.contains("resuming from"),
+        "{log}"
+    );
+    assert_eq!(digests(&killed, 6), plain, "resumed with --zero 3");
 
     for (name, first, then) in [("to-zero", false, true), ("from-zero", true, false)] {
         let killed = dir.join(name);

@@ -35,6 +35,10 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn local_strategy(&self) -> bool {
         false
     }
+    /// Whether the job can shard its parameters at rest over the replicas (`--zero 3`).
+    fn fully_shards(&self) -> bool {
+        false
+    }
 }
 
 /// The state of a run of job `J`, as its checkpoints hold it.

@@ -185,6 +185,21 @@ where
         JobOptimizer { optim, ..self }
     }
 
+    /// Under ZeRO stage 3, the state (loaded whole before the model was sharded) sharded as
+    /// `module`'s parameters now are, each rank keeping its slices; otherwise unchanged.
+    pub(crate) fn shard_state(self, module: &M) -> Self {
+        match self.optim {
+            Kind::Sharded(o) if o.zero_stage() == ZeroStage::Three => {
+                let record = o.inner().to_record();
+                JobOptimizer {
+                    optim: Kind::Sharded(o.load_consolidated_record(record, module)),
+                    ..self
+                }
+            }
+            optim => JobOptimizer { optim, ..self },
+        }
+    }
+
     /// The ZeRO stage it shards at; `None` for whole on every rank.
     pub(crate) fn zero_stage(&self) -> Option<ZeroStage> {
         match &self.optim {
@@ -201,12 +216,14 @@ where
             Kind::Local(o) => o.inner().to_record(),
             Kind::Served(o) => o.inner().to_record(),
         };
-        let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
-            .record(record, ())
-            .map_err(|source| JobError::EncodeRecord {
-                what: "optimizer state",
-                source,
-            })?;
+        // This rank's parts (under ZeRO-3, its slices: nothing is gathered).
+        let bytes = bonfire::backend::tensor_parallel::read_parts(|| {
+            BinBytesRecorder::<FullPrecisionSettings>::default().record(record, ())
+        })
+        .map_err(|source| JobError::EncodeRecord {
+            what: "optimizer state",
+            source,
+        })?;
         // A local strategy's outer state: the anchor between meetings, the outer momentum and
         // the rounding error of bf16 or int8 deltas, f32 each.
         let outer = self.as_local().map_or(0, |o| {
@@ -266,20 +283,20 @@ where
     Ok(whole)
 }
 
-/// Bytes of a module's float parameters.
-#[derive(Default)]
-struct ParamBytes(usize);
+/// Bytes of the parameters this rank holds, and of the whole parameters.
+struct ParamBytes(usize, usize);
 
-impl<B: Backend> ModuleVisitor<B> for ParamBytes {
+impl<B: AutodiffBackend> ModuleVisitor<B> for ParamBytes {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
-        self.0 += t.shape().num_elements() * t.dtype().size();
+        self.0 += bonfire::held_bytes(&t);
+        self.1 += t.shape().num_elements() * t.dtype().size();
     }
 }
 
 /// What each rank holds of the model's state after training (every rank's gradients, optimizer
 /// share and peak resident memory, gathered over the ranks; every rank calls it). For
-/// data-parallel runs (the parameters are whole on every rank).
+/// data-parallel runs (the parameters whole on every rank, or sharded alike under ZeRO-3).
 pub(crate) fn model_memory<J: Job, O, M, B>(
     ctx: &RankContext<'_, J>,
     model: &M,
@@ -290,7 +307,7 @@ where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
 {
-    let mut params = ParamBytes::default();
+    let mut params = ParamBytes(0, 0);
     model.visit(&mut params);
     let (rank, ranks) = (ctx.rank(), ctx.world_size());
     // Each rank fills its own slots; the sum over ranks is every rank's figures.
@@ -302,6 +319,7 @@ where
     let bytes = |part: &[f64]| part.iter().map(|&b| b as usize).collect();
     Ok(ModelMemory {
         parameters: params.0,
+        parameters_whole: params.1,
         gradients: bytes(&all[..ranks]),
         optimizer: bytes(&all[ranks..2 * ranks]),
         peak_resident: all[2 * ranks..]

@@ -270,8 +270,11 @@ pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String
 /// peak resident memory: the end report's `model state` line.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ModelMemory {
-    /// Bytes of the parameters, whole on every rank.
+    /// Bytes of the parameters each rank holds: whole on every rank, or under ZeRO-3 its
+    /// slices (the same on every rank).
     pub parameters: usize,
+    /// Bytes of the whole parameters.
+    pub parameters_whole: usize,
     /// Bytes of the gradients each rank's last optimizer step got, by rank: every trained
     /// parameter's, whole on every rank, without ZeRO or with stage 1 (which averages whole
     /// gradients); this rank's share under stage 2.
@@ -310,9 +313,20 @@ impl ModelMemory {
             (most, 100.0 * most as f64 / whole.max(1) as f64, whole)
         };
         let (grads, grads_share, grads_whole) = most(&self.gradients);
-        let gradients = if self.zero == Some(bonfire::ZeroStage::Two) {
+        let stage = self.zero.map(bonfire::ZeroStage::number);
+        let parameters = if stage == Some(3) {
             format!(
-                "gradients {:.2} MiB on the rank with most (ZeRO-2: {grads_share:.0}% of the \
+                "parameters {:.2} MiB (ZeRO-3: {:.0}% of the whole {:.2} MiB)",
+                mib(self.parameters),
+                100.0 * self.parameters as f64 / self.parameters_whole.max(1) as f64,
+                mib(self.parameters_whole)
+            )
+        } else {
+            format!("parameters {:.2} MiB", mib(self.parameters))
+        };
+        let gradients = if let Some(n @ (2 | 3)) = stage {
+            format!(
+                "gradients {:.2} MiB on the rank with most (ZeRO-{n}: {grads_share:.0}% of the \
                  whole {:.2} MiB)",
                 mib(grads),
                 mib(grads_whole)
@@ -346,9 +360,8 @@ impl ModelMemory {
             .map(|p| p.map_or_else(|| "?".into(), |b| format!("{:.0}", mib(b))))
             .collect();
         format!(
-            "model state     per rank: parameters {:.2} MiB, {gradients}, {optimizer}: {:.2} \
-             MiB; peak resident memory by rank {} MiB",
-            mib(self.parameters),
+            "model state     per rank: {parameters}, {gradients}, {optimizer}: {:.2} MiB; peak \
+             resident memory by rank {} MiB",
             mib(self.per_rank()),
             peaks.join(", ")
         )
@@ -380,6 +393,7 @@ mod tests {
         let mib = 1 << 20;
         let sharded = ModelMemory {
             parameters: 3 * mib,
+            parameters_whole: 3 * mib,
             gradients: vec![3 * mib; 2],
             optimizer: vec![3 * mib, 3 * mib + mib / 2],
             peak_resident: vec![Some(200 * mib), None],
@@ -409,7 +423,7 @@ mod tests {
             gradients: vec![2 * mib, mib],
             optimizer: vec![2 * mib, 4 * mib],
             zero: Some(bonfire::ZeroStage::Two),
-            ..sharded
+            ..sharded.clone()
         };
         assert_eq!(zero2.per_rank(), 8 * mib);
         assert!(
@@ -420,6 +434,25 @@ mod tests {
             ),
             "{}",
             zero2.line()
+        );
+        // Stage 3: the parameters are each rank's slices too.
+        let zero3 = ModelMemory {
+            parameters: mib + mib / 2,
+            gradients: vec![mib + mib / 2; 2],
+            optimizer: vec![3 * mib; 2],
+            zero: Some(bonfire::ZeroStage::Three),
+            ..sharded
+        };
+        assert_eq!(zero3.per_rank(), 6 * mib);
+        assert!(
+            zero3.line().contains(
+                "per rank: parameters 1.50 MiB (ZeRO-3: 50% of the whole 3.00 MiB), gradients \
+                 1.50 MiB on the rank with most (ZeRO-3: 50% of the whole 3.00 MiB), optimizer \
+                 state 3.00 MiB on the rank with most (ZeRO-3: 50% of the whole 6.00 MiB): 6.00 \
+                 MiB"
+            ),
+            "{}",
+            zero3.line()
         );
         // This process has touched more than a MiB by now.
         assert!(peak_resident_bytes().is_some_and(|b| b > mib));

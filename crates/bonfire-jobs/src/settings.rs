@@ -132,8 +132,8 @@ pub fn settle<J: Job>(
         return Err(JobError::Invalid {
             flag: "--zero",
             given: stage.to_string(),
-            why: "bonfire has ZeRO stages 1 (the optimizer's state sharded over the replicas) and \
-                  2 (the gradients too)",
+            why: "bonfire has ZeRO stages 1 (the optimizer's state sharded over the replicas), \
+                  2 (the gradients too) and 3 (the parameters too)",
         });
     }
     // A resumed run's ranks are the checkpoint's (with what the request may change): checked
@@ -162,8 +162,29 @@ pub fn settle<J: Job>(
     Ok(settings)
 }
 
-/// `--zero` with pipeline stages or a local strategy: refused (a fresh run refuses it before making its directory).
+/// `--zero` with pipeline stages or a local strategy, and `--zero 3` with tensor parallelism or
+/// in a job that does not shard its parameters: refused (a fresh run refuses it before making
+/// its directory).
 fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
+    if options.zero == Some(3) {
+        if !config.fully_shards() {
+            return Err(JobError::Invalid {
+                flag: "--zero",
+                given: "3".into(),
+                why: "this job shards the optimizer's state and the gradients (--zero 1 or 2); \
+                      the GPT job shards its parameters too",
+            });
+        }
+        let tp = config.tensor_parallel();
+        if tp > 1 {
+            return Err(JobError::Invalid {
+                flag: "--zero",
+                given: format!("3 with --tp {tp}"),
+                why: "ZeRO-3 shards the parameters over the data-parallel replicas, and \
+                      tensor parallelism splits them already; use --zero 1 or 2 with --tp",
+            });
+        }
+    }
     let stages = config.pipeline_stages();
     match options.zero.filter(|_| stages > 1) {
         Some(zero) => Err(JobError::Invalid {

@@ -68,11 +68,11 @@ pub use bonfire_backend::{
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord,
     NoSyncGuard, Outer, OuterState, OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole,
     PsStats, Sharded, StepStats, ZeroStage, accumulate, broadcast_parameters, diloco,
-    discard_kept_gradients, gradient_bytes, keep_gradients, last_step_stats, local_sgd, no_sync,
-    param_server, replicate, sharded, sync_buffers, total_stats,
+    discard_kept_gradients, gradient_bytes, held_bytes, keep_gradients, last_step_stats, local_sgd,
+    no_sync, param_server, replicate, sharded, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
-    Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel,
+    Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, fully_shard, tensor_parallel,
 };
 
 /// Pipeline parallelism: a model's blocks split into stages over a group, micro-batches flowing

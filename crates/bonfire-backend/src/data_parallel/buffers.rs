@@ -115,7 +115,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Buffers {
                 TensorData::new(mean, shape).convert_dtype(dtype)
             }
         };
-        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
+        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device, Some(id.val()));
         let tensor = Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed)));
         Param::from_mapped_value(id, tensor, mapper)
     }

@@ -209,6 +209,13 @@ pub(crate) fn current(device: Option<DeviceId>) -> Option<Arc<Replica>> {
     PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// Whether a call on `device` from this thread finds the process's replica (one process per
+/// rank, as under `bonfire launch`), not one bound to this thread or claimed for its device
+/// (ranks that are threads of one process).
+pub(crate) fn process_wide<D: burn_backend::DeviceOps>(device: &D) -> bool {
+    THREAD.with(|t| t.borrow().is_none()) && from_pool(device.id()).is_none()
+}
+
 fn from_pool(id: DeviceId) -> Option<Arc<Replica>> {
     let mut map = devices().lock().unwrap_or_else(|e| e.into_inner());
     CLAIMS.with(|claims| {
@@ -244,6 +251,11 @@ fn from_pool(id: DeviceId) -> Option<Arc<Replica>> {
 /// to agree with the other ranks (burn-train's data-parallel strategy does).
 pub fn communicator<D: burn_backend::DeviceOps>(device: &D) -> Communicator {
     for_device(device).comm.clone()
+}
+
+/// The failure policy of the replica for a call on `device`.
+pub(crate) fn failure_policy<D: burn_backend::DeviceOps>(device: &D) -> crate::FailurePolicy {
+    for_device(device).config.failure
 }
 
 /// The replica for a call on `device`: [`current`]'s, or a world of one.

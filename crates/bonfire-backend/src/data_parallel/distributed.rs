@@ -71,6 +71,7 @@ impl<B: Backend> DistributedBackend for DataParallel<B> {
             dtype,
             &device,
             Some(&like),
+            None,
         ))
     }
 

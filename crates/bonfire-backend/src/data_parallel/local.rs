@@ -22,6 +22,18 @@ pub trait LocalParts: Send + Sync {
     fn read(&self, tensor: &dyn Any) -> Result<TensorData, ExecutionError>;
     /// A tensor placed as `like` whose part on this rank is `data` (of [`LocalParts::shape`]).
     fn write(&self, like: &dyn Any, data: TensorData) -> Box<dyn Any>;
+    /// [`LocalParts::write`] for the value or gradient of parameter `param` (its id's number):
+    /// a backend that keeps parameters in a layout of their own (sharded at rest) places the
+    /// result as the parameter is placed. By default, `write`.
+    fn write_param(&self, like: &dyn Any, data: TensorData, param: u64) -> Box<dyn Any> {
+        let _ = param;
+        self.write(like, data)
+    }
+    /// The shape of what this rank holds of `tensor` in memory (its bytes), where that differs
+    /// from the part it averages ([`LocalParts::shape`]). By default, `shape`.
+    fn held(&self, tensor: &dyn Any) -> Shape {
+        self.shape(tensor)
+    }
 }
 
 type Registry = RwLock<HashMap<TypeId, &'static dyn LocalParts>>;
@@ -60,19 +72,30 @@ pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> Result<TensorData, Executio
     }
 }
 
-/// A tensor on `device` whose part on this rank is `data`, placed as `like` (when given).
+/// The shape of what this rank holds of `t` in memory.
+pub(crate) fn held<B: Backend>(t: &FloatTensor<B>) -> Shape {
+    match parts_of::<FloatTensor<B>>() {
+        Some(parts) => parts.held(t),
+        None => t.shape(),
+    }
+}
+
+/// A tensor on `device` whose part on this rank is `data`, placed as `like` (when given), or as
+/// parameter `param` is (the number of its id, when the tensor is its value or gradient).
 pub(crate) fn write<B: Backend>(
     like: Option<&FloatTensor<B>>,
     data: TensorData,
     device: &B::Device,
+    param: Option<u64>,
 ) -> FloatTensor<B> {
-    match (parts_of::<FloatTensor<B>>(), like) {
-        (Some(parts), Some(like)) => *parts
-            .write(like, data)
-            .downcast::<FloatTensor<B>>()
-            .expect("LocalParts::write returns the primitive it was registered for"),
-        _ => B::float_from_data(data, device),
-    }
+    let placed = match (parts_of::<FloatTensor<B>>(), like, param) {
+        (Some(parts), Some(like), Some(param)) => parts.write_param(like, data, param),
+        (Some(parts), Some(like), None) => parts.write(like, data),
+        _ => return B::float_from_data(data, device),
+    };
+    *placed
+        .downcast::<FloatTensor<B>>()
+        .expect("LocalParts::write returns the primitive it was registered for")
 }
 
 /// This rank's part of parameter `id`'s value `t` as f32, in host memory; a failed read fails
@@ -115,7 +138,7 @@ pub(crate) fn with_values<B: burn::tensor::backend::AutodiffBackend, const D: us
     let inner = t.clone().inner().into_primitive().tensor();
     let shape = shape::<B::InnerBackend>(&inner);
     let data = TensorData::new(values.to_vec(), shape).convert_dtype(t.dtype());
-    let placed = write::<B::InnerBackend>(Some(&inner), data, &t.device());
+    let placed = write::<B::InnerBackend>(Some(&inner), data, &t.device(), Some(id.val()));
     let mut fresh: burn::tensor::Tensor<B, D> = burn::tensor::Tensor::from_inner(
         burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(placed)),
     );

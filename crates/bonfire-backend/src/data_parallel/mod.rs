@@ -39,6 +39,7 @@ pub use context::{
     BindGuard, abort, bind_thread, communicator, forgot_init_message, install, last_step_stats,
     total_stats,
 };
+pub(crate) use context::{failure_policy, process_wide};
 pub use error::SyncError;
 #[cfg(feature = "cuda")]
 pub use lane::{CommCross, CommLink, NodeLane};
@@ -52,6 +53,6 @@ pub use replicate::{
     accumulate, broadcast_parameters, discard_kept_gradients, keep_gradients, replicate,
 };
 pub use sampler::DistributedSampler;
-pub use sharded::{InOrder, Sharded, ZeroStage, gradient_bytes, sharded};
+pub use sharded::{InOrder, Sharded, ZeroStage, gradient_bytes, held_bytes, sharded};
 pub use stats::{BucketTimes, LatePeer, StepStats};
 pub use sync::{NoSyncGuard, no_sync};

@@ -921,7 +921,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradWriter<'_, B> {
         let shape = local::shape::<B::InnerBackend>(&inner);
         let dtype = burn_backend::TensorMetadata::dtype(&inner);
         let data = TensorData::new(values.clone(), shape).convert_dtype(dtype);
-        let placed = local::write::<B::InnerBackend>(Some(&inner), data, &param.val().device());
+        let placed = local::write::<B::InnerBackend>(
+            Some(&inner),
+            data,
+            &param.val().device(),
+            Some(param.id.val()),
+        );
         let grad: Tensor<B::InnerBackend, D> =
             Tensor::from_primitive(TensorPrimitive::Float(placed));
         self.grads.register::<B::InnerBackend, D>(param.id, grad);

@@ -236,7 +236,8 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Replicator {
                     })
                 });
             let data = TensorData::from_bytes_vec(bytes, shape, dtype);
-            let placed = local::write::<B::InnerBackend>(Some(&inner), data, &device);
+            let placed =
+                local::write::<B::InnerBackend>(Some(&inner), data, &device, Some(ids[0] as u64));
             (
                 ParamId::from(ids[0] as u64),
                 Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(placed))),

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::LearningRate;
 use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::record::AdaptorRecord;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SimpleOptimizer};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, PrecisionSettings, Record, Recorder};
 use burn::tensor::Tensor;
@@ -77,14 +78,21 @@ pub enum ZeroStage {
     /// The optimizer's state and the gradients (ZeRO-2): gradients are reduce-scattered to their
     /// owners and freed elsewhere.
     Two,
+    /// The parameters too (ZeRO-3, FSDP): the model is sharded at rest by
+    /// [`crate::fully_shard`], each rank holding a slice of every parameter, of its gradient
+    /// and of the optimizer's state. The wrapper then steps each rank's slices with the wrapped
+    /// optimizer as it is (every rank owns a slice of everything; nothing is gathered after the
+    /// step).
+    Three,
 }
 
 impl ZeroStage {
-    /// The stage numbered `n` (1 or 2), as `--zero N` or DeepSpeed's `stage` writes it.
+    /// The stage numbered `n` (1 to 3), as `--zero N` or DeepSpeed's `stage` writes it.
     pub fn from_number(n: u8) -> Option<ZeroStage> {
         match n {
             1 => Some(ZeroStage::One),
             2 => Some(ZeroStage::Two),
+            3 => Some(ZeroStage::Three),
             _ => None,
         }
     }
@@ -94,6 +102,7 @@ impl ZeroStage {
         match self {
             ZeroStage::One => 1,
             ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
         }
     }
 }
@@ -190,6 +199,10 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
+        if self.stage == ZeroStage::Three {
+            check_fully_sharded::<M, B>(&module);
+            return self.inner.step(lr, module, grads);
+        }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step(lr, module, grads);
         };
@@ -203,6 +216,10 @@ where
     }
 
     fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
+        if self.stage == ZeroStage::Three {
+            check_fully_sharded::<M, B>(&module);
+            return self.inner.step_multi(lr, module, grads);
+        }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step_multi(lr, module, grads);
         };
@@ -225,6 +242,33 @@ where
             stage: self.stage,
             plan: self.plan,
         }
+    }
+}
+
+/// At ZeRO stage 3, fails the rank unless `module`'s ranks run in a fully sharded group (a
+/// model only replicated would be stepped whole on every rank, sharding nothing).
+fn check_fully_sharded<M, B>(module: &M)
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    let mut sizes = Sizes::<B> {
+        params: None,
+        device: None,
+    };
+    module.visit(&mut sizes);
+    let Some(device) = sizes.device else {
+        return;
+    };
+    let rep = context::for_device(&device);
+    if rep.comm.size() > 1 && !crate::tensor_parallel::fsdp::active() {
+        rep.fail(SyncError::Sharded {
+            what: "ZeRO stage 3 steps a model sharded by bonfire::fully_shard, and this rank has \
+                   no fully sharded group (shard the model with fully_shard(model) in place of \
+                   replicate(model))"
+                .into(),
+            source: None,
+        });
     }
 }
 
@@ -521,6 +565,21 @@ where
         mut record: <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record,
         module: &M,
     ) -> Self {
+        if self.stage == ZeroStage::Three {
+            // Every rank keeps its slices of every parameter's state, placed as the parameter.
+            let device = device_of::<M, B>(module);
+            let mut shards = StateShards::<O, B> {
+                record: record.into_iter().collect(),
+                device,
+                out: Default::default(),
+            };
+            module.visit(&mut shards);
+            return Sharded {
+                inner: self.inner.load_record(shards.out.into_iter().collect()),
+                stage: self.stage,
+                plan: self.plan,
+            };
+        }
         let mut sizes = Sizes::<B> {
             params: Some(Vec::new()),
             device: None,
@@ -540,6 +599,53 @@ where
             plan: self.plan,
         }
     }
+}
+
+/// The device of `module`'s first float parameter (the default device without one).
+fn device_of<M: AutodiffModule<B>, B: AutodiffBackend>(module: &M) -> B::Device {
+    let mut sizes = Sizes::<B> {
+        params: None,
+        device: None,
+    };
+    module.visit(&mut sizes);
+    sizes.device.unwrap_or_default()
+}
+
+/// A whole optimizer state, each parameter's placed as the parameter is (ZeRO stage 3).
+struct StateShards<O, B>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    B: AutodiffBackend,
+{
+    record: HashMap<ParamId, AdaptorRecord<O, B>>,
+    device: B::Device,
+    out: HashMap<ParamId, AdaptorRecord<O, B>>,
+}
+
+impl<O, B> ModuleVisitor<B> for StateShards<O, B>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    B: AutodiffBackend,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(state) = self.record.remove(&param.id) else {
+            return;
+        };
+        let state = state.into_state::<D>();
+        let placed = crate::tensor_parallel::fsdp::place_state(param.id.val(), || {
+            O::to_device(state, &self.device)
+        });
+        self.out.insert(param.id, AdaptorRecord::from_state(placed));
+    }
+}
+
+/// Bytes this rank holds of `tensor` (a parameter's value, at its dtype): the whole tensor, or
+/// this rank's part where the backend splits it (under tensor parallelism, or sharded at rest
+/// by [`crate::fully_shard`]).
+pub fn held_bytes<B: AutodiffBackend, const D: usize>(tensor: &Tensor<B, D>) -> usize {
+    let size = tensor.dtype().size();
+    let part = local::held::<B::InnerBackend>(&tensor.clone().inner().into_primitive().tensor());
+    part.num_elements() * size
 }
 
 /// Bytes of the gradients `grads` holds for `module`'s float parameters (at their dtype; of this
@@ -569,7 +675,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for HeldGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let size = g.dtype().size();
-            let part = local::shape::<B::InnerBackend>(&g.into_primitive().tensor());
+            let part = local::held::<B::InnerBackend>(&g.into_primitive().tensor());
             self.bytes += part.num_elements() * size;
         }
     }

@@ -380,7 +380,7 @@ fn release<B: Backend>(r: GradRef<B>) {
     if let Some(first) = shape.first_mut() {
         *first = 0;
     }
-    let empty = from_host::<B>(Vec::new(), shape, r.dtype, &device, None);
+    let empty = from_host::<B>(Vec::new(), shape, r.dtype, &device, None, None);
     // SAFETY: as above.
     unsafe { *r.tensor.0 = empty };
 }
@@ -559,7 +559,14 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
                 // SAFETY: as in `gradient`; backward has not returned yet.
                 let like = unsafe { &*r.tensor.0 };
                 let values = reduced[off..off + n].to_vec();
-                let t = from_host::<B>(values, r.shape, r.dtype, device, Some(like));
+                let t = from_host::<B>(
+                    values,
+                    r.shape,
+                    r.dtype,
+                    device,
+                    Some(like),
+                    Some(params[p].id),
+                );
                 // SAFETY: as above.
                 unsafe { *r.tensor.0 = t };
             }
@@ -755,6 +762,7 @@ fn write_back_share<B: Backend>(
                     r.dtype,
                     device,
                     Some(like),
+                    Some(params[bucket.params[k]].id),
                 );
                 // SAFETY: as above.
                 unsafe { *r.tensor.0 = t };
@@ -971,19 +979,21 @@ pub(crate) fn to_host<B: Backend>(rep: &Replica, t: FloatTensor<B>, what: &str) 
 }
 
 /// A float tensor of `shape` and `dtype` on `device`, from f32 values: this rank's part of a
-/// tensor placed as `like` (when given; see `local`).
+/// tensor placed as `like` (when given), or as parameter `param` (its id's number: the tensor is
+/// its gradient) is placed (see `local`).
 pub(crate) fn from_host<B: Backend>(
     values: Vec<f32>,
     shape: Shape,
     dtype: DType,
     device: &B::Device,
     like: Option<&FloatTensor<B>>,
+    param: Option<u64>,
 ) -> FloatTensor<B> {
     let mut data = TensorData::new(values, shape);
     if dtype != DType::F32 {
         data = data.convert_dtype(dtype);
     }
-    local::write::<B>(like, data, device)
+    local::write::<B>(like, data, device, param)
 }
 
 /// The number inside a parameter id (Burn keeps it private; it is serialised as the bare number).

@@ -48,6 +48,10 @@ pub struct TpStats {
     pub gathers: u64,
     /// Bytes this rank contributed to them.
     pub gather_bytes: u64,
+    /// Time the gathers held up this rank's thread, from reading its part to the whole tensor
+    /// received (none overlaps compute: under ZeRO stage 3 this is the time its parameter
+    /// gathers cost the step).
+    pub gather_time: Duration,
     /// Broadcasts run (a plan's parameters from rank 0).
     pub broadcasts: u64,
     /// Gathers made by ops without a rule for their inputs, by op name.
@@ -58,6 +62,21 @@ impl TpStats {
     /// Fallback gathers over every op.
     pub fn fallback_total(&self) -> u64 {
         self.fallbacks.values().sum()
+    }
+
+    /// Adds what `other` counted (a total over several stretches of a run).
+    pub fn add(&mut self, other: &TpStats) {
+        self.all_reduces += other.all_reduces;
+        self.all_reduce_bytes += other.all_reduce_bytes;
+        self.all_reduce_time += other.all_reduce_time;
+        self.all_reduce_peer_wait += other.all_reduce_peer_wait;
+        self.gathers += other.gathers;
+        self.gather_bytes += other.gather_bytes;
+        self.gather_time += other.gather_time;
+        self.broadcasts += other.broadcasts;
+        for (op, n) in &other.fallbacks {
+            *self.fallbacks.entry(op).or_default() += n;
+        }
     }
 
     /// What happened between `earlier` (an earlier reading) and `self`.
@@ -71,6 +90,7 @@ impl TpStats {
                 .saturating_sub(earlier.all_reduce_peer_wait),
             gathers: self.gathers - earlier.gathers,
             gather_bytes: self.gather_bytes - earlier.gather_bytes,
+            gather_time: self.gather_time.saturating_sub(earlier.gather_time),
             broadcasts: self.broadcasts - earlier.broadcasts,
             fallbacks: self
                 .fallbacks
@@ -90,19 +110,34 @@ pub(crate) struct TpRank {
     pub(crate) failure: FailurePolicy,
     rng: Mutex<StdRng>,
     stats: Mutex<TpStats>,
+    /// The group is a data-parallel one sharding parameters at rest (ZeRO stage 3, see
+    /// `fsdp`): its ranks' activations differ, so only tensors every rank agrees on (parameters,
+    /// their gradients and optimizer state, constants) may follow the rules; an op that reads
+    /// anything else gathers its sharded inputs and runs locally.
+    pub(crate) fully_sharded: bool,
+    /// In a fully sharded group: each sharded parameter's placement, by the number of its id
+    /// (this rank's: ranks that are threads of one process share ids).
+    placed: Mutex<std::collections::HashMap<u64, crate::Placement>>,
     /// Log the first fallback of each op at info level (`BONFIRE_TP_LOG=1`; at debug level
     /// otherwise).
     log: bool,
 }
 
 impl TpRank {
-    fn new(comm: Communicator, failure: FailurePolicy, seed: u64) -> Arc<TpRank> {
+    fn new(
+        comm: Communicator,
+        failure: FailurePolicy,
+        seed: u64,
+        fully_sharded: bool,
+    ) -> Arc<TpRank> {
         let log = std::env::var("BONFIRE_TP_LOG").is_ok_and(|v| !matches!(v.trim(), "" | "0"));
         Arc::new(TpRank {
             comm,
             failure,
             rng: Mutex::new(StdRng::seed_from_u64(seed)),
             stats: Mutex::new(TpStats::default()),
+            fully_sharded,
+            placed: Mutex::new(std::collections::HashMap::new()),
             log,
         })
     }
@@ -127,6 +162,18 @@ impl TpRank {
 
     pub(crate) fn stats(&self) -> MutexGuard<'_, TpStats> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where parameter `param` (its id's number) is sharded, if it is.
+    pub(crate) fn placed(&self, param: u64) -> Option<crate::Placement> {
+        let placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+        placed.get(&param).copied()
+    }
+
+    /// Records that parameter `param` is sharded as `placement`.
+    pub(crate) fn place(&self, param: u64, placement: crate::Placement) {
+        let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+        placed.insert(param, placement);
     }
 
     /// Counts a fallback gather for `op` (and says so once per op, when logging is on).
@@ -222,8 +269,17 @@ fn agreed_seed(comm: &Communicator) -> Result<u64, CollectiveError> {
 /// rank, as under `bonfire launch`), failing as `failure` says. Collective: every member calls
 /// it (they agree on a random seed). Replaces an earlier group.
 pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), CollectiveError> {
+    install_group(comm, failure, false)
+}
+
+pub(crate) fn install_group(
+    comm: Communicator,
+    failure: FailurePolicy,
+    fully_sharded: bool,
+) -> Result<(), CollectiveError> {
     let seed = agreed_seed(&comm)?;
-    *PROCESS.write().unwrap_or_else(|e| e.into_inner()) = Some(TpRank::new(comm, failure, seed));
+    *PROCESS.write().unwrap_or_else(|e| e.into_inner()) =
+        Some(TpRank::new(comm, failure, seed, fully_sharded));
     Ok(())
 }
 
@@ -231,8 +287,15 @@ pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), Collect
 /// this thread shard over it, and a failed collective panics (ranks run as threads: the thread's
 /// join reports it). A thread's binding wins over [`install`]'s. Collective.
 pub fn bind_thread(comm: Communicator) -> Result<TpBindGuard, CollectiveError> {
+    bind_group(comm, false)
+}
+
+pub(crate) fn bind_group(
+    comm: Communicator,
+    fully_sharded: bool,
+) -> Result<TpBindGuard, CollectiveError> {
     let seed = agreed_seed(&comm)?;
-    let rank = TpRank::new(comm, FailurePolicy::Panic, seed);
+    let rank = TpRank::new(comm, FailurePolicy::Panic, seed, fully_sharded);
     let previous = THREAD.with(|t| t.replace(Some(rank)));
     Ok(TpBindGuard {
         previous,
@@ -272,6 +335,63 @@ pub(crate) fn alone() -> bool {
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
         .is_none_or(|r| r.size() == 1)
+}
+
+/// Whether the calling thread's group shards parameters at rest over data-parallel ranks (see
+/// `fsdp`): then an op whose inputs include a tensor the ranks do not agree on falls back.
+pub(crate) fn fully_sharded() -> bool {
+    if let Some(f) = THREAD.with(|t| t.borrow().as_ref().map(|r| r.fully_sharded)) {
+        return f;
+    }
+    PROCESS
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_some_and(|r| r.fully_sharded)
+}
+
+thread_local! {
+    static READING_PARTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PLACING: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with every whole tensor moved to a device on this thread (`to_device`) placed as
+/// parameter `param` (its id's number) is sharded in the fully sharded group: how a loaded
+/// optimizer state is sharded like its parameter (see `fsdp::place_state`).
+pub(crate) fn placing<R>(param: u64, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<u64>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            PLACING.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(PLACING.with(|c| c.replace(Some(param))));
+    f()
+}
+
+/// The parameter whose placement `to_device` gives whole tensors on this thread, if any.
+pub(crate) fn placing_param() -> Option<u64> {
+    PLACING.with(std::cell::Cell::get)
+}
+
+/// Runs `f` with every read of a tensor on this thread (`into_data`, and so every record Burn
+/// encodes) giving this rank's part of it (a shard's slice, a pending sum's term) instead of
+/// gathering it: what a rank holds in memory, as a per-rank checkpoint saves it. No
+/// communication.
+pub fn read_parts<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            READING_PARTS.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(READING_PARTS.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether reads on this thread give this rank's part (see [`read_parts`]).
+pub(crate) fn reading_parts() -> bool {
+    READING_PARTS.with(std::cell::Cell::get)
 }
 
 /// The communicator of the calling thread's group, if one is bound or installed.

@@ -30,6 +30,20 @@ pub(crate) fn alone<I: Backend>(t: TpTensor<I>) -> FloatTensor<I> {
     }
 }
 
+/// Whether `t` is a whole tensor of this rank's own: in a fully sharded data-parallel group (see
+/// `fsdp`) the ranks' whole tensors may differ (activations of different batches), so an op that
+/// reads one must not follow a rule that assumes the group agrees on it. Shards, pending sums and
+/// constants are of tensors every rank agrees on.
+pub(crate) fn private<I: Backend>(t: &TpTensor<I>) -> bool {
+    matches!(
+        t.repr,
+        Repr::Local {
+            placement: super::Placement::Replicate,
+            ..
+        }
+    )
+}
+
 /// Every tensor of `ts` whole, for the inner backend's `op`.
 pub(crate) fn full_all<I: Backend>(ts: Vec<TpTensor<I>>, op: &'static str) -> Vec<FloatTensor<I>> {
     ts.into_iter().map(|t| full::<I>(t, op)).collect()

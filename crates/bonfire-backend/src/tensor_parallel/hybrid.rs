@@ -15,6 +15,7 @@ use crate::data_parallel::{LocalParts, register_local_parts};
 use super::placement::{Placement, local_shape};
 use super::redistribute::{Why, local_of, ranks, whole};
 use super::tensor::TpTensor;
+use super::{context, fsdp};
 
 /// Registers `TensorParallel<B>`'s parts with `DataParallel` (once; later calls do nothing).
 pub(crate) fn register<B: Backend>() {
@@ -29,7 +30,18 @@ fn tp<B: Backend>(t: &dyn Any) -> &TpTensor<B> {
 }
 
 impl<B: Backend> LocalParts for Parts<B> {
+    // In a fully sharded group (ZeRO stage 3, `fsdp`) the data-parallel ranks are the group's
+    // ranks, so a shard is averaged whole (each rank's shard is another part of the tensor), and
+    // a parameter's value or gradient is written back as the parameter is sharded.
     fn shape(&self, tensor: &dyn Any) -> Shape {
+        let t = tp::<B>(tensor);
+        if context::fully_sharded() {
+            return t.shape.clone();
+        }
+        self.held(tensor)
+    }
+
+    fn held(&self, tensor: &dyn Any) -> Shape {
         let t = tp::<B>(tensor);
         match t.placement() {
             shard @ Placement::Shard { .. } => local_shape(&t.shape, shard, ranks()),
@@ -41,6 +53,9 @@ impl<B: Backend> LocalParts for Parts<B> {
         let t = tp::<B>(tensor).clone();
         let local = match t.placement() {
             Placement::Partial => whole::<B>(t, Why::Rule("a data-parallel gradient average")),
+            Placement::Shard { .. } if context::fully_sharded() => {
+                whole::<B>(t, Why::Rule("a fully sharded gradient average"))
+            }
             _ => local_of::<B>(t),
         };
         futures::executor::block_on(B::float_into_data(local))
@@ -50,12 +65,24 @@ impl<B: Backend> LocalParts for Parts<B> {
         let like = tp::<B>(like);
         let local = B::float_from_data(data, &like.device());
         let placed: TpTensor<B> = match like.placement() {
-            shard @ Placement::Shard { .. } => {
+            shard @ Placement::Shard { .. } if !context::fully_sharded() => {
                 TpTensor::local(local, shard, Some(like.shape.clone()))
             }
-            // A pending sum was summed when it was read: every rank now holds the whole.
-            Placement::Replicate | Placement::Partial => TpTensor::replicated(local),
+            // A pending sum was summed when it was read: every rank now holds the whole (and in
+            // a fully sharded group a shard was read whole).
+            _ => TpTensor::replicated(local),
         };
         Box::new(placed)
+    }
+
+    fn write_param(&self, like: &dyn Any, data: TensorData, param: u64) -> Box<dyn Any> {
+        let placed = self.write(like, data);
+        if !context::fully_sharded() {
+            return placed;
+        }
+        let placed = *placed
+            .downcast::<TpTensor<B>>()
+            .expect("write returns TpTensor<B>");
+        Box::new(fsdp::place_as_param::<B>(placed, param))
     }
 }

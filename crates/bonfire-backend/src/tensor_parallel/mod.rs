@@ -15,6 +15,7 @@ mod checkpoint;
 mod context;
 mod distribute;
 mod fallback;
+pub mod fsdp;
 mod hybrid;
 mod ops;
 mod placement;
@@ -25,7 +26,7 @@ mod tensor;
 
 pub use backend::{TensorParallel, TensorParallelBackend};
 pub use checkpoint::{CheckpointError, gathered, load_shards, load_whole, save_shards, shard_file};
-pub use context::{TpBindGuard, TpStats, bind_thread, group, install, stats};
+pub use context::{TpBindGuard, TpStats, bind_thread, group, install, read_parts, stats};
 pub use distribute::{distribute, from_terms, local_part, placement};
 pub use placement::Placement;
 pub use plan::{PlanError, Split, TpPlan, placements, tensor_parallel};

@@ -219,6 +219,17 @@ pub enum PlanError {
     /// Installing the group failed (agreeing on a random seed).
     #[error("joining the tensor-parallel group: {0}")]
     Group(#[source] Box<CollectiveError>),
+    /// `fully_shard` was called on a thread bound to a tensor-parallel group: parameters are
+    /// sharded at rest over a fully sharded data-parallel group only (ZeRO stage 3 does not
+    /// combine with tensor parallelism).
+    #[error(
+        "fully_shard needs a fully sharded data-parallel group, but this thread's group of {ranks} \
+         ranks is a tensor-parallel one (ZeRO stage 3 does not combine with tensor parallelism)"
+    )]
+    NotFullySharded {
+        /// Ranks in the bound group.
+        ranks: usize,
+    },
 }
 
 /// The placement `split` gives a parameter of `rank` dimensions.

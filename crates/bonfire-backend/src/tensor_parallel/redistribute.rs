@@ -100,6 +100,7 @@ fn all_gather<B: Backend>(
     blocks: usize,
     why: Why,
 ) -> FloatTensor<B> {
+    let began = Instant::now();
     let n = g.size();
     let (lshape, dtype, device) = (local.shape(), local.dtype(), B::float_device(&local));
     let values = to_host::<B>(local);
@@ -114,6 +115,7 @@ fn all_gather<B: Backend>(
         .all_gather(values)
         .wait()
         .unwrap_or_else(|e| g.fail(why.op(), e));
+    g.stats().gather_time += began.elapsed();
     let parts: Vec<FloatTensor<B>> = (0..n)
         .map(|i| {
             from_host::<B>(

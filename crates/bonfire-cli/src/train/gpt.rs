@@ -116,8 +116,10 @@ pub(crate) struct GptArgs {
     /// Shard over the data-parallel ranks: 1, Adam's state (each rank keeps and updates its
     /// share of the parameters, then they all-gather the updated ones; the same weights, bit for
     /// bit); 2, the gradients too (reduce-scattered to their owners; the same weights at 2
-    /// ranks, within rounding above)
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2))]
+    /// ranks, within rounding above); 3, the parameters too (each rank holds a slice of every
+    /// parameter, of its gradient and of Adam's state, and gathers a parameter where a layer
+    /// reads it; not with --tp)
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint any rank can read (sent to ranks that lack it) [default: 0]

@@ -287,6 +287,10 @@ impl JobConfig for GptRunConfig {
     fn local_strategy(&self) -> bool {
         self.strategy.is_local()
     }
+
+    fn fully_shards(&self) -> bool {
+        true
+    }
 }
 
 /// What one round of a GPT run measured (an entry of `state.json`'s `history`).
@@ -331,8 +335,12 @@ pub struct GptReport {
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
     pub stats: Option<StepStats>,
-    /// The tensor-parallel decorator's totals on this rank, in a tensor-parallel run.
+    /// The tensor-parallel decorator's totals on this rank, in a tensor-parallel run or a fully
+    /// sharded one (ZeRO-3, whose parameter gathers it counts).
     pub tp_stats: Option<bonfire::backend::tensor_parallel::TpStats>,
+    /// Under ZeRO-3, what the decorator communicated while training only (the parameters'
+    /// gathers in forward and backward; not evaluations and samples).
+    pub train_tp_stats: Option<bonfire::backend::tensor_parallel::TpStats>,
     /// What each stage of replica 0 measured, in a pipeline-parallel run.
     pub pipeline: Option<Vec<pipeline::StageSummary>>,
     /// A local strategy, and what this rank's meetings sent.

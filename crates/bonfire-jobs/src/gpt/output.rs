@@ -72,6 +72,9 @@ pub(super) fn start_line(
             Some(bonfire::ZeroStage::Two) => {
                 ", its state and the gradients sharded over the replicas (ZeRO-2)"
             }
+            Some(bonfire::ZeroStage::Three) => {
+                ", its state, the gradients and the parameters sharded over the replicas (ZeRO-3)"
+            }
             None => "",
         },
     )
@@ -137,7 +140,18 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
         ));
     }
     lines.extend(report.memory.as_ref().map(crate::report::ModelMemory::line));
-    if let Some(tp) = &report.tp_stats {
+    if let (Some(all), Some(train)) = (&report.tp_stats, &report.train_tp_stats) {
+        // ZeRO-3: the parameters' gathers, none of them overlapped with compute.
+        lines.push(format!(
+            "fully sharded   on rank 0, training: {} parameter gathers of {:.1} MiB, waited {:.2} \
+             s ({:.0}% of the training time); evaluations and samples: {} more gathers",
+            train.gathers,
+            train.gather_bytes as f64 / (1 << 20) as f64,
+            train.gather_time.as_secs_f64(),
+            100.0 * train.gather_time.as_secs_f64() / report.throughput.seconds.max(1e-9),
+            all.gathers.saturating_sub(train.gathers),
+        ));
+    } else if let Some(tp) = &report.tp_stats {
         lines.push(format!(
             "tensor parallel {} rank(s) per replica; on rank 0 this run (evaluations and samples \
              included): {} all-reduces of {:.1} MiB, {} gathers of {:.1} MiB, {} fallback \

@@ -143,6 +143,7 @@ pub(super) fn run<A: AutodiffBackend>(
         throughput,
         stats: bonfire::total_stats(),
         tp_stats: None,
+        train_tp_stats: None,
         pipeline,
         outer: None,
         checkpoint_dir: s.checkpoint_dir.clone(),

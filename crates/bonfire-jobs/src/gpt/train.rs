@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use bonfire::{DataParallel, Hybrid, InOrder};
+use bonfire::{DataParallel, Hybrid, InOrder, ZeroStage};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
 use bonfire_models::{Gpt, Sampling};
@@ -42,30 +42,39 @@ const CURVE_POINTS: usize = 10;
 /// Validation windows evaluated at once.
 const EVAL_BATCH: usize = 64;
 
-/// Trains on backend `B`: under `DataParallel`, or with `tp` > 1 under `Hybrid`.
+/// Trains on backend `B`: under `DataParallel`, or with `tp` > 1 or ZeRO stage 3 under
+/// `Hybrid`.
 pub(super) fn run<B: Backend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: B::Device,
 ) -> Result<(GptState, GptReport), JobError> {
+    let strategy = ctx.settings().config.strategy;
     if ctx.settings().config.pp > 1 {
         super::pipeline::run::<Autodiff<DataParallel<B>>>(ctx, device)
     } else if ctx.settings().config.tp > 1 {
         let group = ctx.world().tp_group().clone();
-        let split = move |model| Ok(bonfire::tensor_parallel(model, &super::plan(), &group)?);
-        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &split)
+        let layout = move |model| {
+            let split = bonfire::tensor_parallel(model, &super::plan(), &group)?;
+            Ok(strategy.start(split))
+        };
+        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &layout)
+    } else if ctx.settings().zero_stage() == Some(ZeroStage::Three) {
+        // Sharded over the replicas, through a communicator of its own that `fully_shard` makes.
+        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &|model| Ok(bonfire::fully_shard(model)?))
     } else {
-        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &Ok)
+        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &|model| Ok(strategy.start(model)))
     }
 }
 
-/// How a rank lays out the whole model it built or loaded: as it is, or split by the plan.
-type Split<'a, A> = dyn Fn(Gpt<A>) -> Result<Gpt<A>, JobError> + 'a;
+/// How a rank lays out the whole model it built or loaded over the job: replicated (or, for a
+/// local strategy, started from rank 0's parameters), split by the plan, or sharded (ZeRO-3).
+type Layout<'a, A> = dyn Fn(Gpt<A>) -> Result<Gpt<A>, JobError> + 'a;
 
-/// Trains on autodiff backend `A`, with the model laid out by `split`.
+/// Trains on autodiff backend `A`, with the model laid out by `layout`.
 fn run_on<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: A::Device,
-    split: &Split<'_, A>,
+    layout: &Layout<'_, A>,
 ) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -91,19 +100,23 @@ fn run_on<A: AutodiffBackend>(
         s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
-    let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
+    let (model, optim) = resume(ctx, model, optim, &mut state, &device)?;
     // A local strategy's replicas start from rank 0's parameters, with its parameter ids (the
     // keys of each replica's optimizer state in the checkpoint), and average nothing in
-    // backward.
-    let mut model = c.strategy.start(split(model)?);
+    // backward. Under ZeRO-3 a resumed state is then sharded as the parameters are.
+    let mut model = layout(model)?;
+    let mut optim = optim.shard_state(&model);
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
         ranks: ctx.world_size(),
         ..Throughput::default()
     };
+    // What the tensor-parallel decorator communicated while training (not evaluating).
+    let mut train_tp = bonfire::backend::tensor_parallel::TpStats::default();
     for round in state.epochs_done..s.epochs {
         let t0 = Instant::now();
+        let tp_before = bonfire::backend::tensor_parallel::stats();
         let trained;
         (model, trained) = train_round(
             ctx,
@@ -115,6 +128,10 @@ fn run_on<A: AutodiffBackend>(
             split.batches,
             &device,
         )?;
+        if let (Some(before), Some(after)) = (tp_before, bonfire::backend::tensor_parallel::stats())
+        {
+            train_tp.add(&after.since(&before));
+        }
         // A local strategy's replicas agree on one model before it is evaluated and saved.
         model = optim.meet(model);
         let train_secs = t0.elapsed().as_secs_f64();
@@ -131,8 +148,8 @@ fn run_on<A: AutodiffBackend>(
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
-    // Under tensor parallelism a rank's parameters are parts, which the model's shapes do not
-    // show, and reading the optimizer's state gathers it: data-parallel runs only.
+    // Under tensor parallelism a rank's parameters are parts, and the optimizer's state is
+    // split as they are: data-parallel runs only (ZeRO-3 included: its shards are counted).
     let memory = if c.tp == 1 {
         Some(model_memory(ctx, &model, &optim)?)
     } else {
@@ -143,9 +160,10 @@ fn run_on<A: AutodiffBackend>(
         split,
         throughput,
         stats: bonfire::total_stats(),
-        tp_stats: (c.tp > 1)
+        tp_stats: (c.tp > 1 || s.zero_stage() == Some(ZeroStage::Three))
             .then(bonfire::backend::tensor_parallel::stats)
             .flatten(),
+        train_tp_stats: (s.zero_stage() == Some(ZeroStage::Three)).then_some(train_tp),
         pipeline: None,
         outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
         checkpoint_dir: s.checkpoint_dir.clone(),
@@ -501,10 +519,30 @@ fn validate<A: AutodiffBackend>(
     let valid = model.valid();
     let idx: Vec<usize> = mine.positions().collect();
     let mut sum = 0.0f64;
-    for chunk in idx.chunks(EVAL_BATCH) {
-        let (x, y) = batch::<A::InnerBackend>(val, chunk.iter().copied(), device);
-        let l: f64 = valid.loss(x, y).into_scalar().elem();
-        sum += l * chunk.len() as f64;
+    if ctx.settings().zero_stage() == Some(bonfire::ZeroStage::Three) {
+        // Every forward gathers the parameters over the replicas, so every rank runs as many:
+        // the largest shard's count of batches, each rank's windows spread over them (a rank
+        // with none left runs one window and does not count it).
+        let passes = n.div_ceil(dp.size()).div_ceil(EVAL_BATCH).max(1);
+        let size = idx.len().div_ceil(passes).max(1);
+        for p in 0..passes {
+            let chunk = idx
+                .get(p * size..idx.len().min((p + 1) * size))
+                .unwrap_or(&[]);
+            let counted = !chunk.is_empty();
+            let windows = if counted { chunk } else { &[0][..] };
+            let (x, y) = batch::<A::InnerBackend>(val, windows.iter().copied(), device);
+            let l: f64 = valid.loss(x, y).into_scalar().elem();
+            if counted {
+                sum += l * chunk.len() as f64;
+            }
+        }
+    } else {
+        for chunk in idx.chunks(EVAL_BATCH) {
+            let (x, y) = batch::<A::InnerBackend>(val, chunk.iter().copied(), device);
+            let l: f64 = valid.loss(x, y).into_scalar().elem();
+            sum += l * chunk.len() as f64;
+        }
     }
     ctx.sum(vec![sum, idx.len() as f64], "summing the validation loss")
 }

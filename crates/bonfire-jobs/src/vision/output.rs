@@ -55,6 +55,10 @@ pub(super) fn start_line(
             Some(bonfire::ZeroStage::Two) => {
                 ", its state and the gradients sharded over the ranks (ZeRO-2)"
             }
+            // Refused when the run is settled (`fully_shards` is false for this job).
+            Some(bonfire::ZeroStage::Three) => {
+                ", its state, the gradients and the parameters sharded over the ranks (ZeRO-3)"
+            }
             None => "",
         },
     )

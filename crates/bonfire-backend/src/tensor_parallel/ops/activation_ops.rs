@@ -15,12 +15,27 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 negative_slope,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::leaky_relu(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "leaky_relu"),
+                negative_slope,
+            ));
+        }
         crate::tensor_parallel::rules::leaky_relu::<I>(tensor, negative_slope)
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::relu(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::relu(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "relu"),
             ));
         }
         crate::tensor_parallel::rules::relu::<I>(tensor)
@@ -32,12 +47,28 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(grad),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&output)
+                || crate::tensor_parallel::fallback::private::<I>(&grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::relu_backward(
+                crate::tensor_parallel::fallback::full::<I>(output, "relu_backward"),
+                crate::tensor_parallel::fallback::full::<I>(grad, "relu_backward"),
+            ));
+        }
         crate::tensor_parallel::rules::relu_backward::<I>(output, grad)
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::gelu(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::gelu(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "gelu"),
             ));
         }
         crate::tensor_parallel::rules::gelu::<I>(tensor)
@@ -55,12 +86,28 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(grad),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&x)
+                || crate::tensor_parallel::fallback::private::<I>(&grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::gelu_backward(
+                crate::tensor_parallel::fallback::full::<I>(x, "gelu_backward"),
+                crate::tensor_parallel::fallback::full::<I>(grad, "gelu_backward"),
+            ));
+        }
         crate::tensor_parallel::rules::gelu_backward::<I>(x, grad)
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "sigmoid"),
             ));
         }
         crate::tensor_parallel::rules::sigmoid::<I>(tensor)
@@ -70,6 +117,15 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid_backward(
                 crate::tensor_parallel::fallback::alone::<I>(output),
                 crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&output)
+                || crate::tensor_parallel::fallback::private::<I>(&grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::sigmoid_backward(
+                crate::tensor_parallel::fallback::full::<I>(output, "sigmoid_backward"),
+                crate::tensor_parallel::fallback::full::<I>(grad, "sigmoid_backward"),
             ));
         }
         crate::tensor_parallel::rules::sigmoid_backward::<I>(output, grad)
@@ -82,6 +138,15 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 beta,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::hard_sigmoid(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "hard_sigmoid"),
+                alpha,
+                beta,
+            ));
+        }
         crate::tensor_parallel::rules::hard_sigmoid::<I>(tensor, alpha, beta)
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -90,12 +155,27 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_sigmoid(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "log_sigmoid"),
+            ));
+        }
         crate::tensor_parallel::rules::log_sigmoid::<I>(tensor)
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::softmax(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::softmax(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "softmax"),
                 dim,
             ));
         }
@@ -108,12 +188,28 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
                 dim,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_softmax(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "log_softmax"),
+                dim,
+            ));
+        }
         crate::tensor_parallel::rules::log_softmax::<I>(tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::softmin(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::softmin(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "softmin"),
                 dim,
             ));
         }
@@ -124,6 +220,15 @@ impl<I: Backend> ActivationOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::log_sigmoid_backward(
                 crate::tensor_parallel::fallback::alone::<I>(x),
                 crate::tensor_parallel::fallback::alone::<I>(grad),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&x)
+                || crate::tensor_parallel::fallback::private::<I>(&grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::log_sigmoid_backward(
+                crate::tensor_parallel::fallback::full::<I>(x, "log_sigmoid_backward"),
+                crate::tensor_parallel::fallback::full::<I>(grad, "log_sigmoid_backward"),
             ));
         }
         crate::tensor_parallel::rules::log_sigmoid_backward::<I>(x, grad)

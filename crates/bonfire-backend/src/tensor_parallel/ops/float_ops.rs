@@ -31,6 +31,14 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 dtype,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_random(
+                shape,
+                distribution,
+                device,
+                dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_random::<I>(shape, distribution, device, dtype)
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
@@ -107,12 +115,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_add(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_add"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_add"),
+            ));
+        }
         crate::tensor_parallel::rules::float_add::<I>(lhs, rhs)
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_add_scalar(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_add_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_add_scalar"),
                 rhs,
             ));
         }
@@ -125,12 +150,28 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 min,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp_min(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_clamp_min"),
+                min,
+            ));
+        }
         crate::tensor_parallel::rules::float_clamp_min::<I>(tensor, min)
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp_max(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                max,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp_max(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_clamp_max"),
                 max,
             ));
         }
@@ -144,6 +185,15 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 max,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_clamp(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_clamp"),
+                min,
+                max,
+            ));
+        }
         crate::tensor_parallel::rules::float_clamp::<I>(tensor, min, max)
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -153,12 +203,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sub(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_sub"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_sub"),
+            ));
+        }
         crate::tensor_parallel::rules::float_sub::<I>(lhs, rhs)
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_sub_scalar(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sub_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_sub_scalar"),
                 rhs,
             ));
         }
@@ -171,12 +238,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mul(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_mul"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_mul"),
+            ));
+        }
         crate::tensor_parallel::rules::float_mul::<I>(lhs, rhs)
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_mul_scalar(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mul_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_mul_scalar"),
                 rhs,
             ));
         }
@@ -189,12 +273,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_div(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_div"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_div"),
+            ));
+        }
         crate::tensor_parallel::rules::float_div::<I>(lhs, rhs)
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_div_scalar(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_div_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_div_scalar"),
                 rhs,
             ));
         }
@@ -207,12 +308,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_remainder(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_remainder"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_remainder"),
+            ));
+        }
         crate::tensor_parallel::rules::float_remainder::<I>(lhs, rhs)
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_remainder_scalar(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_remainder_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_remainder_scalar"),
                 rhs,
             ));
         }
@@ -223,6 +341,15 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_matmul(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_matmul(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_matmul"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_matmul"),
             ));
         }
         crate::tensor_parallel::rules::float_matmul::<I>(lhs, rhs)
@@ -244,6 +371,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_neg(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_neg"),
+            ));
+        }
         crate::tensor_parallel::rules::float_neg::<I>(tensor)
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -252,12 +386,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_recip(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_recip"),
+            ));
+        }
         crate::tensor_parallel::rules::float_recip::<I>(tensor)
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_transpose(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_transpose(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_transpose"),
             ));
         }
         crate::tensor_parallel::rules::float_transpose::<I>(tensor)
@@ -270,12 +418,29 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 dim2,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_swap_dims(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_swap_dims"),
+                dim1,
+                dim2,
+            ));
+        }
         crate::tensor_parallel::rules::float_swap_dims::<I>(tensor, dim1, dim2)
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_permute(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                axes,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_permute(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_permute"),
                 axes,
             ));
         }
@@ -294,6 +459,14 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 shape,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_reshape(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_reshape"),
+                shape,
+            ));
+        }
         crate::tensor_parallel::rules::float_reshape::<I>(tensor, shape)
     }
     fn float_gather(
@@ -305,6 +478,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_gather(
                 dim,
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                indices,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_gather(
+                dim,
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_gather"),
                 indices,
             ));
         }
@@ -354,6 +534,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 indices,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_select(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_select"),
+                dim,
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::float_select::<I>(tensor, dim, indices)
     }
     fn float_select_add(
@@ -370,12 +557,28 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(value),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_select_add(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_select_add"),
+                dim,
+                indices,
+                crate::tensor_parallel::fallback::full::<I>(value, "float_select_add"),
+            ));
+        }
         crate::tensor_parallel::rules::float_select_add::<I>(tensor, dim, indices, value)
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                slices,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_slice"),
                 slices,
             ));
         }
@@ -393,6 +596,16 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(value),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor)
+                || crate::tensor_parallel::fallback::private::<I>(&value))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice_assign(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_slice_assign"),
+                slices,
+                crate::tensor_parallel::fallback::full::<I>(value, "float_slice_assign"),
+            ));
+        }
         crate::tensor_parallel::rules::float_slice_assign::<I>(tensor, slices, value)
     }
     fn float_mask_where(
@@ -407,6 +620,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(value),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mask_where(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_mask_where"),
+                mask,
+                crate::tensor_parallel::fallback::full::<I>(value, "float_mask_where"),
+            ));
+        }
         crate::tensor_parallel::rules::float_mask_where::<I>(tensor, mask, value)
     }
     fn float_mask_fill(
@@ -417,6 +637,13 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_mask_fill(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                mask,
+                value,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mask_fill(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_mask_fill"),
                 mask,
                 value,
             ));
@@ -561,12 +788,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_detach(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_detach"),
+            ));
+        }
         crate::tensor_parallel::rules::float_detach::<I>(tensor)
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, require_grad: bool) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_set_require_grad(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                require_grad,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_set_require_grad(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_set_require_grad"),
                 require_grad,
             ));
         }
@@ -581,12 +823,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sum(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sum"),
+            ));
+        }
         crate::tensor_parallel::rules::float_sum::<I>(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_sum_dim(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sum_dim(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sum_dim"),
                 dim,
             ));
         }
@@ -609,12 +866,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mean(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_mean"),
+            ));
+        }
         crate::tensor_parallel::rules::float_mean::<I>(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_mean_dim(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_mean_dim(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_mean_dim"),
                 dim,
             ));
         }
@@ -651,12 +923,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 dtype,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cast(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_cast"),
+                dtype,
+            ));
+        }
         crate::tensor_parallel::rules::float_cast::<I>(tensor, dtype)
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_exp(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_exp(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_exp"),
             ));
         }
         crate::tensor_parallel::rules::float_exp::<I>(tensor)
@@ -667,12 +954,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_log(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_log"),
+            ));
+        }
         crate::tensor_parallel::rules::float_log::<I>(tensor)
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_log1p(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_log1p(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_log1p"),
             ));
         }
         crate::tensor_parallel::rules::float_log1p::<I>(tensor)
@@ -682,6 +983,15 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_powf"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_powf"),
             ));
         }
         crate::tensor_parallel::rules::float_powf::<I>(lhs, rhs)
@@ -699,12 +1009,28 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 rhs,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powi_scalar(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_powi_scalar"),
+                rhs,
+            ));
+        }
         crate::tensor_parallel::rules::float_powi_scalar::<I>(lhs, rhs)
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_powi_scalar_impl(
                 crate::tensor_parallel::fallback::alone::<I>(lhs),
+                rhs,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powi_scalar_impl(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_powi_scalar_impl"),
                 rhs,
             ));
         }
@@ -717,12 +1043,28 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 value,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf_scalar(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_powf_scalar"),
+                value,
+            ));
+        }
         crate::tensor_parallel::rules::float_powf_scalar::<I>(tensor, value)
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf_scalar_impl(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                value,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_powf_scalar_impl(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_powf_scalar_impl"),
                 value,
             ));
         }
@@ -734,12 +1076,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sqrt(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sqrt"),
+            ));
+        }
         crate::tensor_parallel::rules::float_sqrt::<I>(tensor)
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_abs(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_abs(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_abs"),
             ));
         }
         crate::tensor_parallel::rules::float_abs::<I>(tensor)
@@ -750,12 +1106,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cos(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_cos"),
+            ));
+        }
         crate::tensor_parallel::rules::float_cos::<I>(tensor)
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_sin(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sin(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sin"),
             ));
         }
         crate::tensor_parallel::rules::float_sin::<I>(tensor)
@@ -766,12 +1136,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_tan(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_tan"),
+            ));
+        }
         crate::tensor_parallel::rules::float_tan::<I>(tensor)
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_cosh(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cosh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_cosh"),
             ));
         }
         crate::tensor_parallel::rules::float_cosh::<I>(tensor)
@@ -782,12 +1166,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sinh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sinh"),
+            ));
+        }
         crate::tensor_parallel::rules::float_sinh::<I>(tensor)
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_tanh(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_tanh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_tanh"),
             ));
         }
         crate::tensor_parallel::rules::float_tanh::<I>(tensor)
@@ -798,12 +1196,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_acos(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_acos"),
+            ));
+        }
         crate::tensor_parallel::rules::float_acos::<I>(tensor)
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_acosh(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_acosh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_acosh"),
             ));
         }
         crate::tensor_parallel::rules::float_acosh::<I>(tensor)
@@ -814,12 +1226,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_asin(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_asin"),
+            ));
+        }
         crate::tensor_parallel::rules::float_asin::<I>(tensor)
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_asinh(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_asinh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_asinh"),
             ));
         }
         crate::tensor_parallel::rules::float_asinh::<I>(tensor)
@@ -830,12 +1256,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atan(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_atan"),
+            ));
+        }
         crate::tensor_parallel::rules::float_atan::<I>(tensor)
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_atanh(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atanh(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_atanh"),
             ));
         }
         crate::tensor_parallel::rules::float_atanh::<I>(tensor)
@@ -847,12 +1287,28 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(rhs),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&lhs)
+                || crate::tensor_parallel::fallback::private::<I>(&rhs))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_atan2(
+                crate::tensor_parallel::fallback::full::<I>(lhs, "float_atan2"),
+                crate::tensor_parallel::fallback::full::<I>(rhs, "float_atan2"),
+            ));
+        }
         crate::tensor_parallel::rules::float_atan2::<I>(lhs, rhs)
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_round(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_round(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_round"),
             ));
         }
         crate::tensor_parallel::rules::float_round::<I>(tensor)
@@ -863,12 +1319,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_floor(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_floor"),
+            ));
+        }
         crate::tensor_parallel::rules::float_floor::<I>(tensor)
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_ceil(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_ceil(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_ceil"),
             ));
         }
         crate::tensor_parallel::rules::float_ceil::<I>(tensor)
@@ -879,12 +1349,26 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_trunc(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_trunc"),
+            ));
+        }
         crate::tensor_parallel::rules::float_trunc::<I>(tensor)
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_erf(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_erf(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_erf"),
             ));
         }
         crate::tensor_parallel::rules::float_erf::<I>(tensor)
@@ -896,6 +1380,16 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                     .into_iter()
                     .map(crate::tensor_parallel::fallback::alone::<I>)
                     .collect(),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (tensors
+                .iter()
+                .any(crate::tensor_parallel::fallback::private::<I>))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_cat(
+                crate::tensor_parallel::fallback::full_all::<I>(tensors, "float_cat"),
                 dim,
             ));
         }
@@ -941,12 +1435,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_max(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_max"),
+            ));
+        }
         crate::tensor_parallel::rules::float_max::<I>(tensor)
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_max_dim(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_max_dim(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_max_dim"),
                 dim,
             ));
         }
@@ -969,12 +1478,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_min(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_min"),
+            ));
+        }
         crate::tensor_parallel::rules::float_min::<I>(tensor)
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_min_dim(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                dim,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_min_dim(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_min_dim"),
                 dim,
             ));
         }
@@ -1042,12 +1566,27 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_sign(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_sign"),
+            ));
+        }
         crate::tensor_parallel::rules::float_sign::<I>(tensor)
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_expand(
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
+                shape,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::float_expand(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "float_expand"),
                 shape,
             ));
         }

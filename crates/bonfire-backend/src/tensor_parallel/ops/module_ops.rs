@@ -15,6 +15,12 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
                 indices,
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::embedding(
+                crate::tensor_parallel::fallback::full::<I>(weights, "embedding"),
+                indices,
+            ));
+        }
         crate::tensor_parallel::rules::embedding::<I>(weights, indices)
     }
     fn embedding_backward(
@@ -26,6 +32,13 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::embedding_backward(
                 crate::tensor_parallel::fallback::alone::<I>(weights),
                 crate::tensor_parallel::fallback::alone::<I>(output_grad),
+                indices,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded() {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::embedding_backward(
+                crate::tensor_parallel::fallback::full::<I>(weights, "embedding_backward"),
+                crate::tensor_parallel::fallback::full::<I>(output_grad, "embedding_backward"),
                 indices,
             ));
         }
@@ -43,6 +56,19 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
                 bias.map(crate::tensor_parallel::fallback::alone::<I>),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&x)
+                || crate::tensor_parallel::fallback::private::<I>(&weight)
+                || bias
+                    .as_ref()
+                    .is_some_and(crate::tensor_parallel::fallback::private::<I>))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear(
+                crate::tensor_parallel::fallback::full::<I>(x, "linear"),
+                crate::tensor_parallel::fallback::full::<I>(weight, "linear"),
+                bias.map(|t| crate::tensor_parallel::fallback::full::<I>(t, "linear")),
+            ));
+        }
         crate::tensor_parallel::rules::linear::<I>(x, weight, bias)
     }
     fn linear_x_backward(
@@ -53,6 +79,15 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
             return crate::tensor_parallel::fallback::replicated::<I>(I::linear_x_backward(
                 crate::tensor_parallel::fallback::alone::<I>(weight),
                 crate::tensor_parallel::fallback::alone::<I>(output_grad),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&weight)
+                || crate::tensor_parallel::fallback::private::<I>(&output_grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_x_backward(
+                crate::tensor_parallel::fallback::full::<I>(weight, "linear_x_backward"),
+                crate::tensor_parallel::fallback::full::<I>(output_grad, "linear_x_backward"),
             ));
         }
         crate::tensor_parallel::rules::linear_x_backward::<I>(weight, output_grad)
@@ -67,12 +102,28 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(output_grad),
             ));
         }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&x)
+                || crate::tensor_parallel::fallback::private::<I>(&output_grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_weight_backward(
+                crate::tensor_parallel::fallback::full::<I>(x, "linear_weight_backward"),
+                crate::tensor_parallel::fallback::full::<I>(output_grad, "linear_weight_backward"),
+            ));
+        }
         crate::tensor_parallel::rules::linear_weight_backward::<I>(x, output_grad)
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         if crate::tensor_parallel::context::alone() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::linear_bias_backward(
                 crate::tensor_parallel::fallback::alone::<I>(output_grad),
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&output_grad))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::linear_bias_backward(
+                crate::tensor_parallel::fallback::full::<I>(output_grad, "linear_bias_backward"),
             ));
         }
         crate::tensor_parallel::rules::linear_bias_backward::<I>(output_grad)
@@ -716,6 +767,20 @@ impl<I: Backend> ModuleOps<Self> for TensorParallel<I> {
                 crate::tensor_parallel::fallback::alone::<I>(tensor),
                 crate::tensor_parallel::fallback::alone::<I>(gamma),
                 beta.map(crate::tensor_parallel::fallback::alone::<I>),
+                epsilon,
+            ));
+        }
+        if crate::tensor_parallel::context::fully_sharded()
+            && (crate::tensor_parallel::fallback::private::<I>(&tensor)
+                || crate::tensor_parallel::fallback::private::<I>(&gamma)
+                || beta
+                    .as_ref()
+                    .is_some_and(crate::tensor_parallel::fallback::private::<I>))
+        {
+            return crate::tensor_parallel::fallback::replicated::<I>(I::layer_norm(
+                crate::tensor_parallel::fallback::full::<I>(tensor, "layer_norm"),
+                crate::tensor_parallel::fallback::full::<I>(gamma, "layer_norm"),
+                beta.map(|t| crate::tensor_parallel::fallback::full::<I>(t, "layer_norm")),
                 epsilon,
             ));
         }

@@ -84,6 +84,8 @@ pub(crate) fn float_into_data<I: Backend>(
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     let whole = if context::alone() {
         crate::tensor_parallel::fallback::alone::<I>(tensor)
+    } else if context::reading_parts() {
+        crate::tensor_parallel::redistribute::local_of::<I>(tensor)
     } else {
         whole::<I>(tensor, Why::Read)
     };
@@ -98,6 +100,12 @@ pub(crate) fn float_to_device<I: Backend>(
     tensor: TpTensor<I>,
     device: &Device<TensorParallel<I>>,
 ) -> TpTensor<I> {
+    let tensor = match context::placing_param() {
+        Some(param) if context::fully_sharded() && tensor.placement().is_replicate() => {
+            crate::tensor_parallel::fsdp::place_as_param::<I>(tensor, param)
+        }
+        _ => tensor,
+    };
     match tensor.repr {
         Repr::Fill { value, .. } => {
             TpTensor::fill(value, tensor.shape, tensor.dtype, device.clone())

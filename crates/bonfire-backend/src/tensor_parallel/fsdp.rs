@@ -1,0 +1,203 @@
+//! ZeRO stage 3 (PyTorch's FSDP): every parameter sharded at rest over the data-parallel ranks,
+//! gathered whole only while an op reads it.
+//!
+//! It is `TensorParallel`'s machinery with one difference of meaning. In a tensor-parallel group
+//! every rank computes on the same activations, so an op's rule may combine a rank's slice of a
+//! weight with its slice of an activation. In a fully sharded group the ranks are data-parallel
+//! replicas: their activations differ. So there (the generated ops check
+//! [`super::context::fully_sharded`]) a rule runs only when every input is a tensor all ranks
+//! agree on: a shard of a parameter, of its gradient or of the optimizer's state, a pending sum,
+//! a constant. Any op that reads a whole tensor of the rank's own, or an index or mask, gathers
+//! its sharded inputs, runs on the inner backend and leaves a whole result. What follows:
+//!
+//! - **Forward** gathers each parameter where a layer reads it (a linear layer's weight and bias,
+//!   an embedding's table, a norm's scale) and frees the whole copy when the op returns. Shape ops
+//!   on a parameter (a reshape, a transpose, an unsqueeze) stay sharded, so autodiff's saved
+//!   state holds the shard, not the gathered copy.
+//! - **Backward** gathers again where a gradient op reads a parameter, and produces each
+//!   parameter's whole gradient on each rank; `DataParallel`'s hook averages it over the ranks
+//!   in buckets, as in DDP, and writes back only this rank's slice of the average (the whole
+//!   gradient is freed as each bucket is written back).
+//! - **The optimizer step** reads only shards (parameter, gradient, state), so its rules keep
+//!   everything sharded: any Burn optimizer, unwrapped, keeps state for 1/N of each parameter,
+//!   and the parameters stay sharded.
+//!
+//! A parameter is split along its largest dimension that the ranks divide; one with no such
+//! dimension (a bias of odd length) stays whole on every rank, averaged as in DDP.
+
+use bonfire_collectives::{CollectiveError, Communicator};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::Backend;
+
+use super::backend::TensorParallelBackend;
+use super::context::{self, TpBindGuard};
+use super::placement::Placement;
+use super::redistribute::{Why, shard_of, whole};
+use super::tensor::TpTensor;
+use crate::FailurePolicy;
+
+/// Binds the calling thread to `comm` as a fully sharded data-parallel group until the guard
+/// drops (ranks run as threads; a failed collective panics). Bind the same ranks' data-parallel
+/// group too (`bonfire::backend::bind_thread`), with a communicator of its own (two `split`s of
+/// one world), so that gathers and gradient buckets never share a sequence. Collective.
+pub fn bind_thread(comm: Communicator) -> Result<TpBindGuard, CollectiveError> {
+    context::bind_group(comm, true)
+}
+
+/// Makes `comm` this process's fully sharded data-parallel group (one process per rank, as
+/// under `bonfire launch`), failing as `failure` says. [`fully_shard`] makes and installs one
+/// itself when none is bound or installed. Collective.
+pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), CollectiveError> {
+    context::install_group(comm, failure, true)
+}
+
+/// Replicates `model` over the data-parallel group (rank 0's values, as
+/// [`crate::replicate`]) and shards each of its trainable parameters over the calling thread's
+/// fully sharded group: ZeRO stage 3 in one line, in place of `bonfire::replicate(model)`.
+///
+/// ```ignore
+/// type B = Autodiff<Hybrid<Flex>>;                 // DataParallel<TensorParallel<Flex>>
+/// let model = bonfire::fully_shard(model)?;       // was: bonfire::replicate(model)
+/// // ...the same loop, with any Burn optimizer, unwrapped.
+/// ```
+///
+/// The fully sharded group is the one bound to this thread ([`bind_thread`]) or installed for
+/// the process ([`install`]); with neither, it is made here from the data-parallel group (a
+/// communicator of its own over the same ranks, by `split`) and installed for the process, or,
+/// where the data-parallel group is bound to this thread (ranks that are threads), bound to
+/// this thread for the rest of its life.
+///
+/// Collective over the data-parallel group. In a group of one (or none) it is
+/// [`crate::replicate`]. Errors: a tensor-parallel group (one that is not fully sharded) is
+/// bound to this thread; making the group failed (a peer is gone).
+pub fn fully_shard<B, M>(model: M) -> Result<M, super::PlanError>
+where
+    B: AutodiffBackend + TensorParallelBackend,
+    M: Module<B>,
+{
+    super::hybrid::register::<B::Inner>();
+    let group = match context::current() {
+        Some(g) if g.fully_sharded => Some(g).filter(|g| g.size() > 1),
+        Some(g) if g.size() > 1 => {
+            return Err(super::PlanError::NotFullySharded { ranks: g.size() });
+        }
+        _ => join(&model).map_err(|e| super::PlanError::Group(Box::new(e)))?,
+    };
+    let model = crate::replicate(model);
+    let Some(g) = group else {
+        return Ok(model);
+    };
+    Ok(model.map(&mut Sharder { group: g }))
+}
+
+/// A fully sharded group over the data-parallel ranks of `model`'s device, made and joined
+/// (see [`fully_shard`]); `None` for a data-parallel group of one.
+fn join<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+) -> Result<Option<std::sync::Arc<context::TpRank>>, CollectiveError> {
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let dp = crate::data_parallel::communicator(&device);
+    if dp.size() < 2 {
+        return Ok(None);
+    }
+    let failure = crate::data_parallel::failure_policy(&device);
+    let shards = dp
+        .split(Some(0), 0)?
+        .expect("every rank of the group chose the same color");
+    if crate::data_parallel::process_wide(&device) {
+        context::install_group(shards, failure, true)?;
+    } else {
+        // Ranks that are threads: bound until the thread ends.
+        std::mem::forget(context::bind_group(shards, true)?);
+    }
+    Ok(context::current())
+}
+
+/// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest
+/// that `ranks` divides (the first of equal ones), or none.
+pub fn shard_dim(shape: &[usize], ranks: usize) -> Option<usize> {
+    shape
+        .iter()
+        .enumerate()
+        .filter(|&(_, &s)| s >= ranks && s % ranks == 0)
+        .fold(None, |best: Option<(usize, usize)>, (d, &s)| match best {
+            Some((_, b)) if b >= s => best,
+            _ => Some((d, s)),
+        })
+        .map(|(d, _)| d)
+}
+
+struct Sharder {
+    group: std::sync::Arc<context::TpRank>,
+}
+
+impl<B: AutodiffBackend + TensorParallelBackend> ModuleMapper<B> for Sharder {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        // Buffers (a norm's running statistics) are rewritten whole by forward: left whole.
+        let ranks = self.group.size();
+        let dim = shard_dim(&tensor.dims(), ranks).filter(|_| tensor.is_require_grad());
+        let Some(dim) = dim else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let placement = Placement::shard(dim);
+        self.group.place(id.val(), placement);
+        let tp = B::tp_part(tensor.into_primitive().tensor());
+        let shape = tp.shape.clone();
+        let full = whole::<B::Inner>(tp, Why::Read);
+        let local = shard_of::<B::Inner>(full, dim, 1, ranks, self.group.rank());
+        let split = TpTensor::local(local, placement, Some(shape));
+        // A leaf again, its gradients averaged by `DataParallel`.
+        let t: Tensor<B, D> = Tensor::from_primitive(TensorPrimitive::Float(B::from_tp(split)))
+            .require_grad()
+            .set_distributed(burn_backend::distributed::DistributedParamId::from(
+                id.val(),
+            ));
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
+/// `t`, a whole value or gradient of parameter `param` (its id's number), placed as the
+/// parameter is: this rank's slice where it is sharded, whole otherwise.
+pub(crate) fn place_as_param<B: Backend>(t: TpTensor<B>, param: u64) -> TpTensor<B> {
+    let Some(g) = context::current().filter(|g| g.size() > 1) else {
+        return t;
+    };
+    let Some(placement @ Placement::Shard { dim, blocks }) = g.placed(param) else {
+        return t;
+    };
+    let shape = t.shape.clone();
+    let full = whole::<B>(t, Why::Read);
+    let local = shard_of::<B>(full, dim, blocks, g.size(), g.rank());
+    TpTensor::local(local, placement, Some(shape))
+}
+
+/// Whether the calling thread's group is a fully sharded one of several ranks.
+pub(crate) fn active() -> bool {
+    context::fully_sharded() && context::current().is_some_and(|g| g.size() > 1)
+}
+
+/// Runs `f`, which moves an optimizer's state for parameter `param` (its id's number) to its
+/// device (`SimpleOptimizer::to_device`), so that each whole tensor of the state is placed as
+/// the parameter is sharded: a state loaded whole keeps only this rank's slices.
+pub(crate) fn place_state<R>(param: u64, f: impl FnOnce() -> R) -> R {
+    context::placing(param, f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_dim;
+
+    #[test]
+    fn the_largest_dimension_the_ranks_divide() {
+        assert_eq!(shard_dim(&[64, 256], 4), Some(1));
+        assert_eq!(shard_dim(&[65, 128], 2), Some(1));
+        assert_eq!(shard_dim(&[128, 128], 2), Some(0));
+        assert_eq!(shard_dim(&[65], 2), None);
+        assert_eq!(shard_dim(&[2], 4), None);
+        assert_eq!(shard_dim(&[16, 3, 3, 3], 4), Some(0));
+        assert_eq!(shard_dim(&[], 2), None);
+    }
+}

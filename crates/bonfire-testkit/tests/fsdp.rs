@@ -1,0 +1,542 @@
+//! `bonfire::fully_shard` (ZeRO stage 3) against plain data parallelism: ranks as threads of
+//! this process, the same model, batches and Adam (unwrapped). After every step the parameters
+//! must equal DDP's (within 1e-6, and equal on every rank), and between steps each rank must hold
+//! only its shard of every parameter it could split, of its gradient and of Adam's state; the
+//! gathers a step makes are counted.
+
+use std::time::Duration;
+
+use bonfire::backend::tensor_parallel::{self, TpStats, fsdp, local_part};
+use bonfire::backend::{DataParallelConfig, FailurePolicy};
+use bonfire::collectives::{CommConfig, Communicator};
+use bonfire::{Hybrid, InOrder, ZeroStage, fully_shard};
+use bonfire_testkit::nets::{
+    Batch, DpFlex, Net, SmallCnn, SmallTransformer, loss, max_abs_diff, parameters, random_batches,
+    seeded,
+};
+use bonfire_testkit::run_ranks;
+use burn::backend::Autodiff;
+use burn::backend::flex::Flex;
+use burn::module::ParamId;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::Adam;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::Tensor;
+use std::collections::HashMap;
+
+type Device = burn::backend::flex::FlexDevice;
+type FsdpFlex = Autodiff<Hybrid<Flex>>;
+type Params = Vec<Vec<f32>>;
+
+const STEPS: usize = 5;
+const TOLERANCE: f32 = 1e-6;
+
+fn comm_config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(30),
+        ..CommConfig::default()
+    }
+}
+
+fn dp_config() -> DataParallelConfig {
+    DataParallelConfig {
+        failure: FailurePolicy::Panic,
+        ..DataParallelConfig::default()
+    }
+}
+
+fn adam() -> AdamConfig {
+    AdamConfig::new().with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.01)))
+}
+
+/// DDP: each rank's model from its own seed, replicated from rank 0, `STEPS` Adam steps on its
+/// share of each batch.
+fn ddp<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch]) -> Vec<Params>
+where
+    M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
+{
+    let batches = batches.to_vec();
+    run_ranks(
+        Communicator::in_process(world, comm_config()),
+        Duration::from_secs(300),
+        move |comm| {
+            let (r, device) = (comm.rank(), Device::default());
+            let _dp = bonfire::backend::bind_thread(comm, dp_config());
+            let mut model = bonfire::replicate(seeded::<DpFlex, _>(1 + r as u64, &device, make));
+            let mut optim = adam().init::<DpFlex, M>();
+            for batch in &batches {
+                let l = loss(&model, &batch.share(r, world), 1.0, &device);
+                let grads = GradientsParams::from_grads(l.backward(), &model);
+                model = optim.step(1e-2, model, grads);
+            }
+            parameters(&model)
+        },
+    )
+}
+
+/// What one fully sharded rank ended with.
+struct Rank {
+    params: Params,
+    /// Elements of the model, and of this rank's parts of its parameters.
+    elements: usize,
+    held: usize,
+    /// Bytes of gradient this rank held after each backward.
+    grads: Vec<usize>,
+    /// Elements of Adam's moments: this rank's parts, and the whole tensors'.
+    state: usize,
+    whole_state: usize,
+    /// Gathers the optimizer's steps made.
+    step_gathers: u64,
+    /// What the last step communicated over the fully sharded group.
+    last_step: TpStats,
+}
+
+type AdamRecord = HashMap<ParamId, AdaptorRecord<Adam, FsdpFlex>>;
+
+/// Elements of Adam's two moments in `record`, this rank's parts and whole, over `model`'s
+/// parameters.
+fn adam_elements<M: Module<FsdpFlex>>(
+    model: &M,
+    record: impl IntoIterator<Item = (ParamId, AdaptorRecord<Adam, FsdpFlex>)>,
+) -> (usize, usize) {
+    struct Count(AdamRecord, usize, usize);
+    impl ModuleVisitor<FsdpFlex> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<FsdpFlex, D>>) {
+            let state = self
+                .0
+                .remove(&param.id)
+                .expect("Adam has state for every parameter");
+            let m = state.into_state::<D>().momentum;
+            for t in [m.moment_1, m.moment_2] {
+                self.1 += local_part(t.clone()).shape().num_elements();
+                self.2 += t.shape().num_elements();
+            }
+        }
+    }
+    let mut count = Count(record.into_iter().collect(), 0, 0);
+    model.visit(&mut count);
+    (count.1, count.2)
+}
+
+/// Elements of `model`'s parameters, whole and this rank's part of them.
+fn elements<M: Module<FsdpFlex>>(model: &M) -> (usize, usize) {
+    struct Count(usize, usize);
+    impl ModuleVisitor<FsdpFlex> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<FsdpFlex, D>>) {
+            self.0 += param.val().shape().num_elements();
+            self.1 += local_part(param.val()).shape().num_elements();
+        }
+    }
+    let mut count = Count(0, 0);
+    model.visit(&mut count);
+    (count.0, count.1)
+}
+
+/// `world` ranks as threads, each bound to a data-parallel group and a fully sharded group over
+/// the same ranks, running `f(rank)`.
+fn on_ranks<R, F>(world: usize, f: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(usize) -> R + Send + Sync + 'static,
+{
+    run_ranks(
+        Communicator::in_process(world, comm_config()),
+        Duration::from_secs(300),
+        move |world_comm| {
+            // Two communicators over the same ranks: gradient buckets and parameter gathers
+            // never share a sequence.
+            let dp = world_comm
+                .split(Some(0), 0)
+                .expect("split")
+                .expect("member");
+            let shards = world_comm
+                .split(Some(0), 0)
+                .expect("split")
+                .expect("member");
+            let _dp = bonfire::backend::bind_thread(dp, dp_config());
+            let _fsdp = fsdp::bind_thread(shards).expect("bind the fully sharded group");
+            f(world_comm.rank())
+        },
+    )
+}
+
+fn fully_sharded<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch]) -> Vec<Rank>
+where
+    M: Net<FsdpFlex> + AutodiffModule<FsdpFlex> + 'static,
+{
+    let batches = batches.to_vec();
+    on_ranks(world, move |r| {
+        let device = Device::default();
+        let model = seeded::<FsdpFlex, _>(1 + r as u64, &device, make);
+        let mut model = fully_shard(model).expect("fully_shard");
+        let mut optim = adam().init::<FsdpFlex, M>();
+        let mut grads_held = Vec::new();
+        let mut last_step = TpStats::default();
+        let mut step_gathers = 0;
+        for batch in &batches {
+            let before = tensor_parallel::stats().expect("stats");
+            let l = loss(&model, &batch.share(r, world), 1.0, &device);
+            let grads = GradientsParams::from_grads(l.backward(), &model);
+            grads_held.push(bonfire::gradient_bytes(&model, &grads));
+            let stepping = tensor_parallel::stats().expect("stats");
+            model = optim.step(1e-2, model, grads);
+            let after = tensor_parallel::stats().expect("stats");
+            step_gathers += after.since(&stepping).gathers;
+            last_step = after.since(&before);
+        }
+        let (elements, held) = elements(&model);
+        let (state, whole_state) = adam_elements(&model, optim.to_record());
+        Rank {
+            params: parameters(&model),
+            elements,
+            held,
+            grads: grads_held,
+            state,
+            whole_state,
+            step_gathers,
+            last_step,
+        }
+    })
+}
+
+/// `make` and `make_sharded` build the same model on the two backends.
+fn check<M, S>(
+    world: usize,
+    make: fn(&Device) -> M,
+    make_sharded: fn(&Device) -> S,
+    batches: &[Batch],
+    what: &str,
+) where
+    M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
+    S: Net<FsdpFlex> + AutodiffModule<FsdpFlex> + 'static,
+{
+    let reference = ddp(world, make, batches);
+    let sharded = fully_sharded(world, make_sharded, batches);
+    let initial = parameters(&seeded::<DpFlex, _>(1, &Device::default(), make));
+    assert!(
+        reference[0] != initial,
+        "{what}: training moved the parameters"
+    );
+    for (r, rank) in sharded.iter().enumerate() {
+        let diff = max_abs_diff(&rank.params, &reference[r]);
+        let diff: f32 = diff;
+        assert!(
+            diff <= TOLERANCE,
+            "{what}: rank {r}'s parameters are {diff:e} from DDP's after {STEPS} Adam steps"
+        );
+        assert!(
+            rank.params == sharded[0].params,
+            "{what}: rank {r}'s parameters differ from rank 0's"
+        );
+        // Every parameter the ranks divide is held as a 1/world slice; its gradient too.
+        let expected: usize = split_elements(make_sharded, world);
+        assert_eq!(rank.held, expected, "{what}: rank {r}'s parameter elements");
+        assert!(
+            rank.grads.iter().all(|&g| g == 4 * expected),
+            "{what}: rank {r} holds {:?} bytes of gradient after backward, not its shards' {}",
+            rank.grads,
+            4 * expected
+        );
+        // Adam's two moments are held in slices as their parameters are.
+        assert_eq!(
+            (rank.state, rank.whole_state),
+            (2 * expected, 2 * rank.elements),
+            "{what}: rank {r}'s Adam moments (elements held, whole)"
+        );
+        assert_eq!(
+            rank.step_gathers, 0,
+            "{what}: rank {r}'s optimizer steps gathered a tensor"
+        );
+        // Forward gathers every sharded parameter where a layer reads it, and backward gathers
+        // again where a gradient op does (autodiff kept the shard, not the gathered copy).
+        assert!(
+            rank.last_step.gathers > 0
+                && rank
+                    .last_step
+                    .fallbacks
+                    .keys()
+                    .any(|op| op.ends_with("_backward")),
+            "{what}: rank {r}'s step gathered {:?}",
+            rank.last_step.fallbacks
+        );
+        eprintln!(
+            "{what}, {world} ranks, rank {r}: {} of {} parameter elements held, gradients held \
+             {:?} bytes, last step {} gathers ({} bytes), {} all-reduces, fallbacks {:?}; {} vs DDP",
+            rank.held,
+            rank.elements,
+            rank.grads,
+            rank.last_step.gathers,
+            rank.last_step.gather_bytes,
+            rank.last_step.all_reduces,
+            rank.last_step.fallbacks,
+            diff
+        );
+    }
+}
+
+/// Elements a rank of `world` holds of the model `make` builds: a 1/world slice of each
+/// parameter with a dimension `world` divides, the whole of the others.
+fn split_elements<S: Module<FsdpFlex>>(make: fn(&Device) -> S, world: usize) -> usize {
+    struct Count(usize, usize);
+    impl ModuleVisitor<FsdpFlex> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<FsdpFlex, D>>) {
+            let n = param.val().shape().num_elements();
+            self.1 += match fsdp::shard_dim(&param.val().dims(), self.0) {
+                Some(_) => n / self.0,
+                None => n,
+            };
+        }
+    }
+    let mut count = Count(world, 0);
+    // Seeded: initialising draws from the backend's generator, which the other tests seed.
+    seeded::<FsdpFlex, _>(0, &Device::default(), make).visit(&mut count);
+    count.1
+}
+
+#[test]
+fn fully_sharded_transformer_equals_ddp() {
+    let batches = random_batches(
+        7,
+        STEPS,
+        4,
+        SmallTransformer::<DpFlex>::FEATURES,
+        SmallTransformer::<DpFlex>::CLASSES,
+    );
+    for world in [2, 4] {
+        check(
+            world,
+            SmallTransformer::new,
+            SmallTransformer::new,
+            &batches,
+            "transformer",
+        );
+    }
+}
+
+#[test]
+fn fully_sharded_cnn_equals_ddp() {
+    let batches = random_batches(
+        8,
+        STEPS,
+        8,
+        SmallCnn::<DpFlex>::FEATURES,
+        SmallCnn::<DpFlex>::CLASSES,
+    );
+    check(2, SmallCnn::new, SmallCnn::new, &batches, "cnn");
+}
+
+/// `steps` of `batches` from `first` on this rank's share, stepping with `optim`.
+fn steps<M, O>(
+    mut model: M,
+    optim: &mut O,
+    batches: &[Batch],
+    (r, world): (usize, usize),
+    device: &Device,
+) -> M
+where
+    M: Net<FsdpFlex> + AutodiffModule<FsdpFlex>,
+    O: Optimizer<M, FsdpFlex>,
+{
+    for batch in batches {
+        let l = loss(&model, &batch.share(r, world), 1.0, device);
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        model = optim.step(1e-2, model, grads);
+    }
+    model
+}
+
+/// A checkpoint of a fully sharded run (the model's record and `Sharded::consolidated_record`
+/// in module order, both whole: every rank reads them together) resumes at 2 ranks bit for bit
+/// where the uninterrupted run ends, each rank keeping only its slices of the loaded Adam state;
+/// and loads on one device, which trains on to within 1e-5 of it.
+#[test]
+fn a_fully_sharded_checkpoint_resumes_exactly_and_loads_on_one_device() {
+    type S = SmallTransformer<FsdpFlex>;
+    const WORLD: usize = 2;
+    const SAVED_AT: usize = 3;
+    let batches = random_batches(9, STEPS, 4, S::FEATURES, S::CLASSES);
+    let expected = split_elements(S::new, WORLD);
+    let shared = batches.clone();
+    let runs = on_ranks(WORLD, move |r| {
+        let device = Device::default();
+        let rec = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let stage3 = || bonfire::sharded(adam().init::<FsdpFlex, S>()).stage(ZeroStage::Three);
+        // Uninterrupted.
+        let mut optim = stage3();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1 + r as u64, &device, S::new)).unwrap();
+        let model = steps(model, &mut optim, &shared, (r, WORLD), &device);
+        let uninterrupted = parameters(&model);
+        // Saved after `SAVED_AT` steps, loaded into a fresh model and optimizer.
+        let mut optim = stage3();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1 + r as u64, &device, S::new)).unwrap();
+        let model = steps(model, &mut optim, &shared[..SAVED_AT], (r, WORLD), &device);
+        let saved_params = parameters(&model);
+        let model_bytes = rec.record(model.clone().into_record(), ()).unwrap();
+        let optim_bytes = rec
+            .record(InOrder::new(optim.consolidated_record(&device), &model), ())
+            .unwrap();
+        drop((model, optim));
+        let fresh = seeded::<FsdpFlex, _>(50 + r as u64, &device, S::new);
+        let fresh = fresh.load_record(rec.load(model_bytes.clone(), &device).unwrap());
+        let model = fully_shard(fresh).unwrap();
+        let state: InOrder<AdaptorRecord<Adam, FsdpFlex>> =
+            rec.load(optim_bytes.clone(), &device).unwrap();
+        let mut optim = stage3().load_consolidated_record(state.0.into_iter().collect(), &model);
+        let (held, whole) = adam_elements(&model, optim.inner().to_record());
+        let model = steps(model, &mut optim, &shared[SAVED_AT..], (r, WORLD), &device);
+        (
+            uninterrupted,
+            parameters(&model),
+            saved_params,
+            (held, whole),
+            model_bytes,
+            optim_bytes,
+        )
+    });
+    let whole_elements = 2 * split_elements(S::new, 1);
+    for (r, (uninterrupted, resumed, _, state, _, _)) in runs.iter().enumerate() {
+        assert!(
+            resumed == uninterrupted,
+            "rank {r}: the resumed run ends {:e} from the uninterrupted one",
+            max_abs_diff(resumed, uninterrupted)
+        );
+        assert_eq!(
+            *state,
+            (2 * expected, whole_elements),
+            "rank {r}: the loaded Adam state's moments (elements held, whole)"
+        );
+    }
+    // One device: the saved model is the sharded run's parameters, whole; its optimizer state
+    // loads, and two more steps on the whole batches land within 1e-5 of the sharded run.
+    let (uninterrupted, _, saved_params, _, model_bytes, optim_bytes) = &runs[0];
+    let device = Device::default();
+    let _alone = bonfire::backend::bind_thread(
+        Communicator::in_process(1, comm_config()).remove(0),
+        dp_config(),
+    );
+    let rec = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let model = seeded::<DpFlex, _>(99, &device, SmallTransformer::new)
+        .load_record(rec.load(model_bytes.clone(), &device).unwrap());
+    assert!(
+        parameters(&model) == *saved_params,
+        "the checkpoint holds the sharded run's parameters, whole"
+    );
+    let state: InOrder<AdaptorRecord<Adam, DpFlex>> =
+        rec.load(optim_bytes.clone(), &device).unwrap();
+    let mut optim = adam()
+        .init::<DpFlex, SmallTransformer<DpFlex>>()
+        .load_record(state.0.into_iter().collect());
+    let mut model = model;
+    for batch in &batches[SAVED_AT..] {
+        let l = loss(&model, batch, 1.0, &device);
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        model = optim.step(1e-2, model, grads);
+    }
+    let diff = max_abs_diff(&parameters(&model), uninterrupted);
+    assert!(
+        diff <= 1e-5,
+        "one device resumed from the sharded checkpoint ends {diff:e} from the sharded run"
+    );
+}
+
+/// The bundled GPT (token and position embeddings read by index, the head tied to the token
+/// table, a causal mask, layer norms): 3 Adam steps at 2 ranks equal DDP's within 1e-6, every
+/// parameter the ranks divide held as a slice.
+#[test]
+fn the_bundled_gpt_fully_sharded_equals_ddp() {
+    use bonfire::models::{Gpt, GptConfig};
+    use burn::tensor::{Int, TensorData};
+    const WORLD: usize = 2;
+    fn config() -> GptConfig {
+        GptConfig::new(16)
+            .with_context(8)
+            .with_layers(1)
+            .with_heads(2)
+            .with_embd(16)
+    }
+    /// Rank `r`'s windows of step `step`: inputs and targets `[2, 8]`.
+    fn windows<B: burn::tensor::backend::Backend>(
+        step: usize,
+        r: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+        let tokens: Vec<i64> = (0..2 * 9)
+            .map(|i| ((i * 7 + step * 5 + r * 3) % 16) as i64)
+            .collect();
+        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [2, 9]), device);
+        (t.clone().slice([0..2, 0..8]), t.slice([0..2, 1..9]))
+    }
+    let reference = run_ranks(
+        Communicator::in_process(WORLD, comm_config()),
+        Duration::from_secs(300),
+        |comm| {
+            let (r, device) = (comm.rank(), Device::default());
+            let _dp = bonfire::backend::bind_thread(comm, dp_config());
+            let mut model: Gpt<DpFlex> =
+                bonfire::replicate(seeded(1 + r as u64, &device, |d| config().init(d)));
+            let mut optim = adam().init::<DpFlex, Gpt<DpFlex>>();
+            for step in 0..3 {
+                let (x, y) = windows::<DpFlex>(step, r, &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.step(1e-2, model, grads);
+            }
+            parameters(&model)
+        },
+    );
+    // Only the data-parallel group is bound: `fully_shard` makes the fully sharded one.
+    let sharded = run_ranks(
+        Communicator::in_process(WORLD, comm_config()),
+        Duration::from_secs(300),
+        |comm| {
+            let (r, device) = (comm.rank(), Device::default());
+            let _dp = bonfire::backend::bind_thread(comm, dp_config());
+            let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| config().init(d));
+            let mut model = fully_shard(model).unwrap();
+            let mut optim = adam().init::<FsdpFlex, Gpt<FsdpFlex>>();
+            for step in 0..3 {
+                let (x, y) = windows::<FsdpFlex>(step, r, &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.step(1e-2, model, grads);
+            }
+            (parameters(&model), elements(&model))
+        },
+    );
+    let whole = split_elements(|d| config().init::<FsdpFlex>(d), 1);
+    let expected = split_elements(|d| config().init::<FsdpFlex>(d), WORLD);
+    assert!(
+        expected < whole * 6 / 10,
+        "{expected} of {whole} elements split"
+    );
+    for (r, (params, (elements, held))) in sharded.iter().enumerate() {
+        let diff = max_abs_diff(params, &reference[r]);
+        assert!(
+            diff <= TOLERANCE,
+            "rank {r}: {diff:e} from DDP's parameters"
+        );
+        assert_eq!((*elements, *held), (whole, expected), "rank {r}'s elements");
+    }
+}
+
+/// ZeRO stage 3's wrapper refuses a model that is only replicated (it would step it whole on
+/// every rank, sharding nothing), naming the fix.
+#[test]
+#[should_panic(expected = "shard the model with fully_shard(model) in place of replicate(model)")]
+fn stage_three_refuses_a_model_only_replicated() {
+    type M = SmallTransformer<DpFlex>;
+    let batches = random_batches(3, 1, 4, M::FEATURES, M::CLASSES);
+    run_ranks(
+        Communicator::in_process(2, comm_config()),
+        Duration::from_secs(120),
+        move |comm| {
+            let (r, device) = (comm.rank(), Device::default());
+            let _dp = bonfire::backend::bind_thread(comm, dp_config());
+            let model = bonfire::replicate(seeded::<DpFlex, _>(1, &device, M::new));
+            let mut optim = bonfire::sharded(adam().init::<DpFlex, M>()).stage(ZeroStage::Three);
+            let l = loss(&model, &batches[0].share(r, 2), 1.0, &device);
+            let grads = GradientsParams::from_grads(l.backward(), &model);
+            optim.step(1e-2, model, grads);
+        },
+    );
+}

@@ -108,10 +108,14 @@ DECORATORS = {
                 "Vec<FloatTensor<Self>>": "{a}.iter().any({conv}::private::<{tf}>)",
             },
             "always": ["IntTensor<Self>", "BoolTensor<Self>"],
-            "draws": ["float_random"],
+            # Random numbers, and shapes given by the caller (which may be a batch's).
+            "draws": ["float_random", "float_expand", "float_slice"],
             # Its rule is local for every placement, and places a loaded optimizer state as its
             # parameter (`fsdp::place_state`).
             "exempt": ["float_to_device"],
+            # Rules that read a tensor by reference or return a future, run unguarded: a read
+            # (gathers in the order every rank reads), the device, the autodiff flag.
+            "unguarded": ["float_into_data", "float_device", "float_is_require_grad"],
         },
         "float_is_inner": False,
         "args": {
@@ -358,6 +362,8 @@ def generate(key, dec, ops, version, crate_dir):
                     guard = f"if {alone['check']} {{ return {inner}; }}"
                     counts["alone"] = counts.get("alone", 0) + 1
                 private = dec.get("private")
+                if private and (by_ref or (rtype or "").startswith("impl ")) and name not in private["exempt"] + private["unguarded"]:
+                    sys.exit(f"{key}: {name}: a rule the fully sharded guard cannot wrap; list it in private.unguarded if it is safe")
                 if private and not by_ref and not (rtype or "").startswith("impl ") and name not in private["exempt"]:
                     tests = []
                     for n, t in args:

@@ -985,6 +985,7 @@ variants!(
         JobError::Pipeline(..),
         JobError::Plan(..),
         JobError::NothingToSample,
+        JobError::ModelStateLimit { .. },
     ]
 );
 
@@ -1123,6 +1124,12 @@ fn job_examples() -> Vec<JobError> {
         JobError::Pipeline(PipelineError::NoMicroBatches),
         JobError::Plan(PlanError::OtherGroup { given: 7, bound: 9 }),
         JobError::NothingToSample,
+        JobError::ModelStateLimit {
+            limit_mib: 1.5,
+            what: "each rank would hold",
+            held_mib: 2.4,
+            parts: "parameters 0.60, gradients 0.60, Adam's state 1.20 MiB".into(),
+        },
     ]
 }
 

@@ -497,7 +497,7 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
     );
     assert!(
         log.contains("fully sharded   on rank 0, training: ")
-            && log.contains("parameter gathers of"),
+            && log.contains("parameter gathers ("),
         "{log}"
     );
     assert_eq!(digests(&dir.join("zero3"), 6), plain);
@@ -555,6 +555,61 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
         digests(&dir.join("composed-zero2"), 2),
         digests(&dir.join("composed"), 2)
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A model whose state does not fit a rank's limit whole (`--model-state-limit`, checked from
+/// the sizes a rank holds once the model is laid out) trains at 4 ranks with `--zero 3`, where
+/// each rank holds a quarter of it; without sharding, or with `--zero 2`, it is refused before
+/// training with a message (every rank exits 2). The sharded run's checkpoint then samples on
+/// one device.
+#[test]
+fn a_model_over_a_ranks_limit_trains_fully_sharded_and_samples_on_one_device() {
+    let dir = scratch("gpt-limit");
+    // The tiny GPT's whole state is about 0.24 MiB; a quarter of it fits 0.1 MiB, and ZeRO-2's
+    // parameters whole with a quarter of the rest (0.10 MiB) do not.
+    let limit = ["--dp", "4", "--model-state-limit", "0.1"];
+    for (name, zero) in [("ddp", None), ("zero2", Some("2"))] {
+        let mut cmd = bonfire(&dir, &TINY);
+        cmd.args(["--steps", "10", "--checkpoint-dir"])
+            .arg(dir.join(name))
+            .args(limit);
+        if let Some(z) = zero {
+            cmd.args(["--zero", z]);
+        }
+        // Refused by the ranks once they laid the model out (each exits 2, the command 1).
+        let out = cmd.output().unwrap();
+        let log = text(&out);
+        assert!(!out.status.success(), "{name}: {log}");
+        assert!(
+            log.contains("--model-state-limit 0.1 MiB: each rank would hold")
+                && !log.contains("panicked"),
+            "{name}: {log}"
+        );
+        assert!(
+            !dir.join(name).join("latest").exists(),
+            "{name}: refused before any checkpoint"
+        );
+    }
+    let run = dir.join("zero3");
+    let log = train_tiny(&dir, "20", &run, &[&limit[..], &["--zero", "3"]].concat());
+    assert!(
+        log.contains("model state limit 0.1 MiB per rank")
+            && log.contains("within the limit")
+            && log.contains("(ZeRO-3: 25% of the whole"),
+        "{log}"
+    );
+    let out = bonfire(
+        &dir,
+        &["train", "gpt", "--sample", "KING", "--sample-chars", "20"],
+    )
+    .arg("--checkpoint-dir")
+    .arg(&run)
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let sampled = String::from_utf8_lossy(&out.stdout);
+    assert!(sampled.starts_with("KING"), "{sampled:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -354,6 +354,22 @@ pub enum JobError {
     /// A tensor-parallel plan did not apply to the model.
     #[error(transparent)]
     Plan(#[from] bonfire::PlanError),
+    /// A rank would hold, or held, more model state than `--model-state-limit` allows.
+    #[error(
+        "--model-state-limit {limit_mib} MiB: {what} {held_mib:.2} MiB of model state ({parts}); \
+         shard it over the ranks (--zero 3 holds 1/N of it, --zero 1 or 2 less), or raise the \
+         limit"
+    )]
+    ModelStateLimit {
+        /// The limit.
+        limit_mib: f64,
+        /// When: `each rank would hold` (checked before training) or `a rank held` (after).
+        what: &'static str,
+        /// What the rank holds, in MiB.
+        held_mib: f64,
+        /// Its parts: `parameters ..., gradients ..., Adam's state ... MiB`.
+        parts: String,
+    },
     /// `--sample` without a checkpoint directory, and no GPT run in `./runs`.
     #[error("--sample: no run in ./runs to sample from (pass --checkpoint-dir to name one)")]
     NothingToSample,
@@ -387,6 +403,7 @@ impl JobError {
                 | JobError::RanksMismatch { .. }
                 | JobError::NothingToResume
                 | JobError::NothingToSample
+                | JobError::ModelStateLimit { .. }
                 | JobError::CannotResume { .. }
                 | JobError::EpochsBelowDone { .. }
                 | JobError::CheckpointsExist { .. }

@@ -294,6 +294,29 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for ParamBytes {
     }
 }
 
+/// The model state a rank will hold with Adam (f32 moments at the parameters' dtype), in bytes,
+/// predicted from the parameters it holds once `model` is laid out (whole, its tensor-parallel
+/// parts, or its ZeRO-3 slices): its parameters, its gradients and Adam's state. Under ZeRO-1
+/// and 2 the shares of `replicas` are taken as even (the owners are planned at the first step).
+pub(crate) fn predicted_state<B, M>(
+    model: &M,
+    zero: Option<ZeroStage>,
+    replicas: usize,
+) -> (usize, usize, usize)
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    let mut params = ParamBytes(0, 0);
+    model.visit(&mut params);
+    let (held, n) = (params.0, replicas.max(1));
+    match zero {
+        None | Some(ZeroStage::Three) => (held, held, 2 * held),
+        Some(ZeroStage::One) => (held, held, 2 * held / n),
+        Some(ZeroStage::Two) => (held, held / n, 2 * held / n),
+    }
+}
+
 /// What each rank holds of the model's state after training (every rank's gradients, optimizer
 /// share and peak resident memory, gathered over the ranks; every rank calls it). For
 /// data-parallel runs (the parameters whole on every rank, or sharded alike under ZeRO-3).

@@ -312,8 +312,18 @@ impl ModelMemory {
             let whole: usize = v.iter().sum();
             (most, 100.0 * most as f64 / whole.max(1) as f64, whole)
         };
-        let (grads, grads_share, grads_whole) = most(&self.gradients);
         let stage = self.zero.map(bonfire::ZeroStage::number);
+        // Under ZeRO-3 a parameter that does not split stays whole on every rank, so the sum
+        // over the ranks is not the whole: it is the parameters' (gradients), twice (Adam).
+        let most = |v: &[usize], whole: Option<usize>| {
+            let (m, share, sum) = most(v);
+            match whole {
+                Some(w) => (m, 100.0 * m as f64 / w.max(1) as f64, w),
+                None => (m, share, sum),
+            }
+        };
+        let three = |k: usize| (stage == Some(3)).then_some(k * self.parameters_whole);
+        let (grads, grads_share, grads_whole) = most(&self.gradients, three(1));
         let parameters = if stage == Some(3) {
             format!(
                 "parameters {:.2} MiB (ZeRO-3: {:.0}% of the whole {:.2} MiB)",
@@ -334,7 +344,7 @@ impl ModelMemory {
         } else {
             format!("gradients {:.2} MiB", mib(grads))
         };
-        let (state, state_share, state_whole) = most(&self.optimizer);
+        let (state, state_share, state_whole) = most(&self.optimizer, three(2));
         let optimizer = match self.zero.map(bonfire::ZeroStage::number) {
             Some(n) => format!(
                 "optimizer state {:.2} MiB on the rank with most (ZeRO-{n}: {state_share:.0}% of \

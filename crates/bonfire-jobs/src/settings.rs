@@ -41,10 +41,15 @@ pub struct RunOptions {
     pub max_restarts: u32,
     /// Draw the loss plot on a logarithmic scale.
     pub log_loss: bool,
-    /// Shard the optimizer's state over the data-parallel replicas: `Some(1)` is ZeRO stage 1
-    /// ([`bonfire::sharded`]), the only stage bonfire has (default: `None`, every rank keeps the
-    /// whole state). It changes no result, so a resumed run may turn it on or off.
+    /// Shard the model's state over the data-parallel replicas at this ZeRO stage: 1, the
+    /// optimizer's state ([`bonfire::sharded`]); 2, the gradients too; 3, the parameters too
+    /// ([`bonfire::fully_shard`], the GPT job only) (default: `None`, every rank keeps the whole
+    /// state). It changes no result, so a resumed run may turn it on, off or to another stage.
     pub zero: Option<u8>,
+    /// Refuse to train when a rank would hold more than this many MiB of model state
+    /// (parameters, gradients and Adam's state), and say what it held after training (the GPT
+    /// job; default: no limit).
+    pub model_state_limit_mib: Option<f64>,
     /// Load checkpoints that have no `SHA256SUMS` (written before bonfire checksummed them),
     /// unchecked; without it they are passed over as damaged ones are.
     pub allow_unchecked: bool,
@@ -74,6 +79,9 @@ pub struct Settings<C> {
     /// The ZeRO stage the optimizer's state is sharded with (`None`: not sharded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u8>,
+    /// The most model state a rank may hold, in MiB (`None`: no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_state_limit_mib: Option<f64>,
     /// Whether checkpoints without `SHA256SUMS` load (unchecked).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_unchecked: bool,
@@ -125,6 +133,7 @@ pub fn settle<J: Job>(
     reporter: &mut dyn Reporter,
 ) -> Result<Settings<J::Config>, JobError> {
     job.check(request)?;
+    crate::error::positive("--model-state-limit", options.model_state_limit_mib)?;
     if let Some(stage) = options
         .zero
         .filter(|&s| bonfire::ZeroStage::from_number(s).is_none())
@@ -166,6 +175,14 @@ pub fn settle<J: Job>(
 /// in a job that does not shard its parameters: refused (a fresh run refuses it before making
 /// its directory).
 fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
+    // The job that shards its parameters (the GPT job) is the one that checks its model state.
+    if options.model_state_limit_mib.is_some() && !config.fully_shards() {
+        return Err(JobError::Invalid {
+            flag: "--model-state-limit",
+            given: format!("{}", options.model_state_limit_mib.unwrap_or_default()),
+            why: "this job does not check its model state; the GPT job does",
+        });
+    }
     if options.zero == Some(3) {
         if !config.fully_shards() {
             return Err(JobError::Invalid {
@@ -288,6 +305,7 @@ fn settle_resumed<J: Job>(
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
         zero: options.zero,
+        model_state_limit_mib: options.model_state_limit_mib,
         allow_unchecked: options.allow_unchecked,
     })
 }
@@ -333,6 +351,7 @@ fn settle_fresh<J: Job>(
         keep_checkpoints: options.keep_checkpoints,
         log_loss: options.log_loss,
         zero: options.zero,
+        model_state_limit_mib: options.model_state_limit_mib,
         allow_unchecked: options.allow_unchecked,
     })
 }

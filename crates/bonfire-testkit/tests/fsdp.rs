@@ -7,14 +7,13 @@
 use std::time::Duration;
 
 use bonfire::backend::tensor_parallel::{self, TpStats, fsdp, local_part};
-use bonfire::backend::{DataParallelConfig, FailurePolicy};
-use bonfire::collectives::{CommConfig, Communicator};
+use bonfire::collectives::Communicator;
 use bonfire::{Hybrid, InOrder, ZeroStage, fully_shard};
 use bonfire_testkit::nets::{
-    Batch, DpFlex, Net, SmallCnn, SmallTransformer, loss, max_abs_diff, parameters, random_batches,
-    seeded,
+    Batch, DpFlex, Net, SmallCnn, SmallMlp, SmallTransformer, loss, max_abs_diff, parameters,
+    random_batches, seeded,
 };
-use bonfire_testkit::run_ranks;
+use bonfire_testkit::{bind_rank, in_process_ranks, run_ranks};
 use burn::backend::Autodiff;
 use burn::backend::flex::Flex;
 use burn::module::ParamId;
@@ -33,18 +32,9 @@ type Params = Vec<Vec<f32>>;
 const STEPS: usize = 5;
 const TOLERANCE: f32 = 1e-6;
 
-fn comm_config() -> CommConfig {
-    CommConfig {
-        timeout: Duration::from_secs(30),
-        ..CommConfig::default()
-    }
-}
-
-fn dp_config() -> DataParallelConfig {
-    DataParallelConfig {
-        failure: FailurePolicy::Panic,
-        ..DataParallelConfig::default()
-    }
+/// Ranks over the in-process transport, each collective timing out after 30 s.
+fn ranks(world: usize) -> Vec<Communicator> {
+    in_process_ranks(world, Duration::from_secs(30))
 }
 
 fn adam() -> AdamConfig {
@@ -58,22 +48,18 @@ where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
 {
     let batches = batches.to_vec();
-    run_ranks(
-        Communicator::in_process(world, comm_config()),
-        Duration::from_secs(300),
-        move |comm| {
-            let (r, device) = (comm.rank(), Device::default());
-            let _dp = bonfire::backend::bind_thread(comm, dp_config());
-            let mut model = bonfire::replicate(seeded::<DpFlex, _>(1 + r as u64, &device, make));
-            let mut optim = adam().init::<DpFlex, M>();
-            for batch in &batches {
-                let l = loss(&model, &batch.share(r, world), 1.0, &device);
-                let grads = GradientsParams::from_grads(l.backward(), &model);
-                model = optim.step(1e-2, model, grads);
-            }
-            parameters(&model)
-        },
-    )
+    run_ranks(ranks(world), Duration::from_secs(300), move |comm| {
+        let (r, device) = (comm.rank(), Device::default());
+        let _dp = bind_rank(comm);
+        let mut model = bonfire::replicate(seeded::<DpFlex, _>(1 + r as u64, &device, make));
+        let mut optim = adam().init::<DpFlex, M>();
+        for batch in &batches {
+            let l = loss(&model, &batch.share(r, world), 1.0, &device);
+            let grads = GradientsParams::from_grads(l.backward(), &model);
+            model = optim.step(1e-2, model, grads);
+        }
+        parameters(&model)
+    })
 }
 
 /// What one fully sharded rank ended with.
@@ -141,25 +127,21 @@ where
     R: Send + 'static,
     F: Fn(usize) -> R + Send + Sync + 'static,
 {
-    run_ranks(
-        Communicator::in_process(world, comm_config()),
-        Duration::from_secs(300),
-        move |world_comm| {
-            // Two communicators over the same ranks: gradient buckets and parameter gathers
-            // never share a sequence.
-            let dp = world_comm
-                .split(Some(0), 0)
-                .expect("split")
-                .expect("member");
-            let shards = world_comm
-                .split(Some(0), 0)
-                .expect("split")
-                .expect("member");
-            let _dp = bonfire::backend::bind_thread(dp, dp_config());
-            let _fsdp = fsdp::bind_thread(shards).expect("bind the fully sharded group");
-            f(world_comm.rank())
-        },
-    )
+    run_ranks(ranks(world), Duration::from_secs(300), move |world_comm| {
+        // Two communicators over the same ranks: gradient buckets and parameter gathers
+        // never share a sequence.
+        let dp = world_comm
+            .split(Some(0), 0)
+            .expect("split")
+            .expect("member");
+        let shards = world_comm
+            .split(Some(0), 0)
+            .expect("split")
+            .expect("member");
+        let _dp = bind_rank(dp);
+        let _fsdp = fsdp::bind_thread(shards).expect("bind the fully sharded group");
+        f(world_comm.rank())
+    })
 }
 
 fn fully_sharded<M>(world: usize, make: fn(&Device) -> M, batches: &[Batch]) -> Vec<Rank>
@@ -201,13 +183,14 @@ where
     })
 }
 
-/// `make` and `make_sharded` build the same model on the two backends.
+/// `make` and `make_sharded` build the same model on the two backends, which has `linears`
+/// linear layers.
 fn check<M, S>(
     world: usize,
     make: fn(&Device) -> M,
     make_sharded: fn(&Device) -> S,
     batches: &[Batch],
-    what: &str,
+    (what, linears): (&str, u64),
 ) where
     M: Net<DpFlex> + AutodiffModule<DpFlex> + 'static,
     S: Net<FsdpFlex> + AutodiffModule<FsdpFlex> + 'static,
@@ -250,15 +233,12 @@ fn check<M, S>(
             "{what}: rank {r}'s optimizer steps gathered a tensor"
         );
         // Forward gathers every sharded parameter where a layer reads it, and backward gathers
-        // again where a gradient op does (autodiff kept the shard, not the gathered copy).
+        // each linear layer's weight again for its input's gradient: autodiff kept the shard,
+        // not the gathered copy.
         assert!(
             rank.last_step.gathers > 0
-                && rank
-                    .last_step
-                    .fallbacks
-                    .keys()
-                    .any(|op| op.ends_with("_backward")),
-            "{what}: rank {r}'s step gathered {:?}",
+                && rank.last_step.fallbacks.get("linear_x_backward") == Some(&linears),
+            "{what}: rank {r}'s step gathered {:?} ({linears} linear layers)",
             rank.last_step.fallbacks
         );
         eprintln!(
@@ -310,7 +290,7 @@ fn fully_sharded_transformer_equals_ddp() {
             SmallTransformer::new,
             SmallTransformer::new,
             &batches,
-            "transformer",
+            ("transformer", 7),
         );
     }
 }
@@ -324,7 +304,7 @@ fn fully_sharded_cnn_equals_ddp() {
         SmallCnn::<DpFlex>::FEATURES,
         SmallCnn::<DpFlex>::CLASSES,
     );
-    check(2, SmallCnn::new, SmallCnn::new, &batches, "cnn");
+    check(2, SmallCnn::new, SmallCnn::new, &batches, ("cnn", 1));
 }
 
 /// `steps` of `batches` from `first` on this rank's share, stepping with `optim`.
@@ -374,9 +354,11 @@ fn a_fully_sharded_checkpoint_resumes_exactly_and_loads_on_one_device() {
         let model = steps(model, &mut optim, &shared[..SAVED_AT], (r, WORLD), &device);
         let saved_params = parameters(&model);
         let model_bytes = rec.record(model.clone().into_record(), ()).unwrap();
-        let optim_bytes = rec
-            .record(InOrder::new(optim.consolidated_record(&device), &model), ())
-            .unwrap();
+        let whole = InOrder::new(optim.consolidated_record(&device), &model);
+        // Its tensors are whole: encoding it gathers nothing (one rank could write it alone).
+        let gathered = tensor_parallel::stats().unwrap().gathers;
+        let optim_bytes = rec.record(whole, ()).unwrap();
+        assert_eq!(tensor_parallel::stats().unwrap().gathers, gathered);
         drop((model, optim));
         let fresh = seeded::<FsdpFlex, _>(50 + r as u64, &device, S::new);
         let fresh = fresh.load_record(rec.load(model_bytes.clone(), &device).unwrap());
@@ -412,10 +394,7 @@ fn a_fully_sharded_checkpoint_resumes_exactly_and_loads_on_one_device() {
     // loads, and two more steps on the whole batches land within 1e-5 of the sharded run.
     let (uninterrupted, _, saved_params, _, model_bytes, optim_bytes) = &runs[0];
     let device = Device::default();
-    let _alone = bonfire::backend::bind_thread(
-        Communicator::in_process(1, comm_config()).remove(0),
-        dp_config(),
-    );
+    let _alone = bind_rank(ranks(1).remove(0));
     let rec = BinBytesRecorder::<FullPrecisionSettings>::default();
     let model = seeded::<DpFlex, _>(99, &device, SmallTransformer::new)
         .load_record(rec.load(model_bytes.clone(), &device).unwrap());
@@ -468,41 +447,33 @@ fn the_bundled_gpt_fully_sharded_equals_ddp() {
         let t = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [2, 9]), device);
         (t.clone().slice([0..2, 0..8]), t.slice([0..2, 1..9]))
     }
-    let reference = run_ranks(
-        Communicator::in_process(WORLD, comm_config()),
-        Duration::from_secs(300),
-        |comm| {
-            let (r, device) = (comm.rank(), Device::default());
-            let _dp = bonfire::backend::bind_thread(comm, dp_config());
-            let mut model: Gpt<DpFlex> =
-                bonfire::replicate(seeded(1 + r as u64, &device, |d| config().init(d)));
-            let mut optim = adam().init::<DpFlex, Gpt<DpFlex>>();
-            for step in 0..3 {
-                let (x, y) = windows::<DpFlex>(step, r, &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-                model = optim.step(1e-2, model, grads);
-            }
-            parameters(&model)
-        },
-    );
+    let reference = run_ranks(ranks(WORLD), Duration::from_secs(300), |comm| {
+        let (r, device) = (comm.rank(), Device::default());
+        let _dp = bind_rank(comm);
+        let mut model: Gpt<DpFlex> =
+            bonfire::replicate(seeded(1 + r as u64, &device, |d| config().init(d)));
+        let mut optim = adam().init::<DpFlex, Gpt<DpFlex>>();
+        for step in 0..3 {
+            let (x, y) = windows::<DpFlex>(step, r, &device);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            model = optim.step(1e-2, model, grads);
+        }
+        parameters(&model)
+    });
     // Only the data-parallel group is bound: `fully_shard` makes the fully sharded one.
-    let sharded = run_ranks(
-        Communicator::in_process(WORLD, comm_config()),
-        Duration::from_secs(300),
-        |comm| {
-            let (r, device) = (comm.rank(), Device::default());
-            let _dp = bonfire::backend::bind_thread(comm, dp_config());
-            let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| config().init(d));
-            let mut model = fully_shard(model).unwrap();
-            let mut optim = adam().init::<FsdpFlex, Gpt<FsdpFlex>>();
-            for step in 0..3 {
-                let (x, y) = windows::<FsdpFlex>(step, r, &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-                model = optim.step(1e-2, model, grads);
-            }
-            (parameters(&model), elements(&model))
-        },
-    );
+    let sharded = run_ranks(ranks(WORLD), Duration::from_secs(300), |comm| {
+        let (r, device) = (comm.rank(), Device::default());
+        let _dp = bind_rank(comm);
+        let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| config().init(d));
+        let mut model = fully_shard(model).unwrap();
+        let mut optim = adam().init::<FsdpFlex, Gpt<FsdpFlex>>();
+        for step in 0..3 {
+            let (x, y) = windows::<FsdpFlex>(step, r, &device);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            model = optim.step(1e-2, model, grads);
+        }
+        (parameters(&model), elements(&model))
+    });
     let whole = split_elements(|d| config().init::<FsdpFlex>(d), 1);
     let expected = split_elements(|d| config().init::<FsdpFlex>(d), WORLD);
     assert!(
@@ -526,17 +497,72 @@ fn the_bundled_gpt_fully_sharded_equals_ddp() {
 fn stage_three_refuses_a_model_only_replicated() {
     type M = SmallTransformer<DpFlex>;
     let batches = random_batches(3, 1, 4, M::FEATURES, M::CLASSES);
-    run_ranks(
-        Communicator::in_process(2, comm_config()),
-        Duration::from_secs(120),
-        move |comm| {
-            let (r, device) = (comm.rank(), Device::default());
-            let _dp = bonfire::backend::bind_thread(comm, dp_config());
-            let model = bonfire::replicate(seeded::<DpFlex, _>(1, &device, M::new));
-            let mut optim = bonfire::sharded(adam().init::<DpFlex, M>()).stage(ZeroStage::Three);
-            let l = loss(&model, &batches[0].share(r, 2), 1.0, &device);
+    run_ranks(ranks(2), Duration::from_secs(120), move |comm| {
+        let (r, device) = (comm.rank(), Device::default());
+        let _dp = bind_rank(comm);
+        let model = bonfire::replicate(seeded::<DpFlex, _>(1, &device, M::new));
+        let mut optim = bonfire::sharded(adam().init::<DpFlex, M>()).stage(ZeroStage::Three);
+        let l = loss(&model, &batches[0].share(r, 2), 1.0, &device);
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        optim.step(1e-2, model, grads);
+    });
+}
+
+/// ZeRO stages 1 and 2 step whole parameters: on a model `fully_shard` sharded they refuse,
+/// naming the stage to use.
+#[test]
+#[should_panic(expected = "wrap its optimizer at ZeroStage::Three")]
+fn stages_one_and_two_refuse_a_fully_sharded_model() {
+    type M = SmallTransformer<FsdpFlex>;
+    let batches = random_batches(4, 1, 4, M::FEATURES, M::CLASSES);
+    on_ranks(2, move |r| {
+        let device = Device::default();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1, &device, M::new)).unwrap();
+        let mut optim = bonfire::sharded(adam().init::<FsdpFlex, M>()).stage(ZeroStage::Two);
+        steps(model, &mut optim, &batches, (r, 2), &device);
+    });
+}
+
+/// AMSGrad's running maximum has no rule (a comparison and a masked select), so its update
+/// comes out whole: the stage-3 wrapper slices the parameters again after each step. The
+/// parameters equal DDP's and stay sharded.
+#[test]
+fn amsgrad_stays_sharded_and_equals_ddp() {
+    type M = SmallMlp<FsdpFlex>;
+    const WORLD: usize = 2;
+    let batches = random_batches(5, 4, 4, M::FEATURES, M::CLASSES);
+    let amsgrad = || AdamConfig::new().with_amsgrad(true);
+    let shared = batches.clone();
+    let reference = run_ranks(ranks(WORLD), Duration::from_secs(120), move |comm| {
+        let (r, device) = (comm.rank(), Device::default());
+        let _dp = bind_rank(comm);
+        let mut model =
+            bonfire::replicate(seeded::<DpFlex, _>(1 + r as u64, &device, SmallMlp::new));
+        let mut optim = amsgrad().init::<DpFlex, SmallMlp<DpFlex>>();
+        for batch in &shared {
+            let l = loss(&model, &batch.share(r, WORLD), 1.0, &device);
             let grads = GradientsParams::from_grads(l.backward(), &model);
-            optim.step(1e-2, model, grads);
-        },
-    );
+            model = optim.step(1e-2, model, grads);
+        }
+        parameters(&model)
+    });
+    let sharded = on_ranks(WORLD, move |r| {
+        let device = Device::default();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1 + r as u64, &device, M::new)).unwrap();
+        let mut optim = bonfire::sharded(amsgrad().init::<FsdpFlex, M>()).stage(ZeroStage::Three);
+        let model = steps(model, &mut optim, &batches, (r, WORLD), &device);
+        (parameters(&model), elements(&model).1)
+    });
+    let expected = split_elements(M::new, WORLD);
+    for (r, (params, held)) in sharded.iter().enumerate() {
+        let diff = max_abs_diff(params, &reference[r]);
+        assert!(
+            diff <= TOLERANCE,
+            "rank {r}: {diff:e} from DDP's parameters"
+        );
+        assert_eq!(
+            *held, expected,
+            "rank {r} holds its slices after AMSGrad's steps"
+        );
+    }
 }

@@ -34,6 +34,14 @@ pub trait LocalParts: Send + Sync {
     fn held(&self, tensor: &dyn Any) -> Shape {
         self.shape(tensor)
     }
+    /// `tensor`, a value of parameter `param` that the backend keeps sharded at rest but that is
+    /// whole now (an op without a rule, or a loaded record, made it whole), placed as the
+    /// parameter is; `None` when it is placed so already, or the backend does not shard it. By
+    /// default, `None`.
+    fn reshard(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
+        let _ = (tensor, param);
+        None
+    }
 }
 
 type Registry = RwLock<HashMap<TypeId, &'static dyn LocalParts>>;
@@ -96,6 +104,36 @@ pub(crate) fn write<B: Backend>(
     *placed
         .downcast::<FloatTensor<B>>()
         .expect("LocalParts::write returns the primitive it was registered for")
+}
+
+/// Parameter `id`'s value `t` placed as the backend keeps the parameter at rest, if it is not
+/// (see [`LocalParts::reshard`]): a leaf again, requiring gradients and marked as `t` was.
+pub(crate) fn resharded<B: burn::tensor::backend::AutodiffBackend, const D: usize>(
+    t: burn::tensor::Tensor<B, D>,
+    id: burn::module::ParamId,
+) -> burn::tensor::Tensor<B, D> {
+    let Some(parts) = parts_of::<FloatTensor<B::InnerBackend>>() else {
+        return t;
+    };
+    let inner = t.clone().inner().into_primitive().tensor();
+    let Some(placed) = parts.reshard(&inner, id.val()) else {
+        return t;
+    };
+    let placed = *placed
+        .downcast::<FloatTensor<B::InnerBackend>>()
+        .expect("LocalParts::reshard returns the primitive it was registered for");
+    let mut fresh: burn::tensor::Tensor<B, D> = burn::tensor::Tensor::from_inner(
+        burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(placed)),
+    );
+    if t.is_require_grad() {
+        fresh = fresh.require_grad();
+    }
+    if t.is_distributed() {
+        fresh = fresh.set_distributed(burn_backend::distributed::DistributedParamId::from(
+            id.val(),
+        ));
+    }
+    fresh
 }
 
 /// This rank's part of parameter `id`'s value `t` as f32, in host memory; a failed read fails

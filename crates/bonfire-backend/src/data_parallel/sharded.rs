@@ -201,7 +201,8 @@ where
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
         if self.stage == ZeroStage::Three {
             check_fully_sharded::<M, B>(&module);
-            return self.inner.step(lr, module, grads);
+            let module = self.inner.step(lr, module, grads);
+            return module.map(&mut Reshard);
         }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step(lr, module, grads);
@@ -218,7 +219,8 @@ where
     fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
         if self.stage == ZeroStage::Three {
             check_fully_sharded::<M, B>(&module);
-            return self.inner.step_multi(lr, module, grads);
+            let module = self.inner.step_multi(lr, module, grads);
+            return module.map(&mut Reshard);
         }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step_multi(lr, module, grads);
@@ -242,6 +244,17 @@ where
             stage: self.stage,
             plan: self.plan,
         }
+    }
+}
+
+/// Places again, as the backend keeps them at rest, the parameters a step left whole (ZeRO stage
+/// 3: an op without a rule, such as AMSGrad's maximum, makes its result whole).
+struct Reshard;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Reshard {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, local::resharded(tensor, id), mapper)
     }
 }
 
@@ -290,6 +303,17 @@ impl<O> Sharded<O> {
         let ranks = rep.comm.size();
         if ranks < 2 {
             return None;
+        }
+        if crate::tensor_parallel::fsdp::active() {
+            // Its owners would read (gather) different parameters on different ranks.
+            rep.fail(SyncError::Sharded {
+                what: format!(
+                    "ZeRO stage {} steps whole parameters, and this model is sharded by \
+                     bonfire::fully_shard: wrap its optimizer at ZeroStage::Three",
+                    self.stage.number()
+                ),
+                source: None,
+            });
         }
         let stage = self.stage;
         let plan = self.plan.get_or_insert_with(|| {
@@ -496,13 +520,28 @@ where
 {
     /// The whole optimizer state, every rank's share, on every rank: what the unwrapped
     /// optimizer's `to_record` returns, for a checkpoint written by one rank that loads at any
-    /// world size. A collective: call it on every rank. Before the first step, or alone, it is
-    /// this rank's own record.
+    /// world size. A collective: call it on every rank. At stage 3 every tensor of the state is
+    /// gathered from its slices (its record holds whole tensors). Before the first step, or
+    /// alone, it is this rank's own record.
     pub fn consolidated_record(
         &self,
         device: &B::Device,
     ) -> <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record {
         let mine = self.inner.to_record();
+        if self.stage == ZeroStage::Three && crate::tensor_parallel::fsdp::active() {
+            // Each rank holds slices: every tensor is gathered now, in the ids' order (the same
+            // on every rank: `fully_shard` gave every rank rank 0's ids), so that the record
+            // holds whole tensors that one rank can encode alone.
+            let mut entries: Vec<_> = mine.into_iter().collect();
+            entries.sort_by_key(|(id, _)| id.val());
+            return entries
+                .into_iter()
+                .map(|(id, state)| {
+                    let item = state.into_item::<FullPrecisionSettings>();
+                    (id, AdaptorRecord::from_item(item, device))
+                })
+                .collect();
+        }
         let Some(plan) = self.plan.as_ref() else {
             return mine;
         };

@@ -316,6 +316,16 @@ impl Drop for TpBindGuard {
     }
 }
 
+/// The group bound to the calling thread, if any.
+pub(crate) fn thread_group() -> Option<Arc<TpRank>> {
+    THREAD.with(|t| t.borrow().clone())
+}
+
+/// The group installed for the process, if any.
+pub(crate) fn process_group() -> Option<Arc<TpRank>> {
+    PROCESS.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 /// The calling thread's group: its binding, or the process's.
 pub(crate) fn current() -> Option<Arc<TpRank>> {
     if let Some(r) = THREAD.with(|t| t.borrow().clone()) {

@@ -32,15 +32,16 @@ pub(crate) fn alone<I: Backend>(t: TpTensor<I>) -> FloatTensor<I> {
 
 /// Whether `t` is a whole tensor of this rank's own: in a fully sharded data-parallel group (see
 /// `fsdp`) the ranks' whole tensors may differ (activations of different batches), so an op that
-/// reads one must not follow a rule that assumes the group agrees on it. Shards, pending sums and
-/// constants are of tensors every rank agrees on.
+/// reads one must not follow a rule that assumes the group agrees on it. A constant counts as
+/// one too (its shape may be a batch's). Shards and pending sums are of tensors every rank
+/// agrees on.
 pub(crate) fn private<I: Backend>(t: &TpTensor<I>) -> bool {
     matches!(
         t.repr,
         Repr::Local {
             placement: super::Placement::Replicate,
             ..
-        }
+        } | Repr::Fill { .. }
     )
 }
 

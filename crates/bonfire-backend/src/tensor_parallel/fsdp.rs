@@ -47,8 +47,9 @@ pub fn bind_thread(comm: Communicator) -> Result<TpBindGuard, CollectiveError> {
 }
 
 /// Makes `comm` this process's fully sharded data-parallel group (one process per rank, as
-/// under `bonfire launch`), failing as `failure` says. [`fully_shard`] makes and installs one
-/// itself when none is bound or installed. Collective.
+/// under `bonfire launch`), failing as `failure` says; it replaces an earlier group, of either
+/// kind. [`fully_shard`] makes and installs one itself when none over its data-parallel ranks
+/// is bound or installed. Collective.
 pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), CollectiveError> {
     context::install_group(comm, failure, true)
 }
@@ -64,10 +65,10 @@ pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), Collect
 /// ```
 ///
 /// The fully sharded group is the one bound to this thread ([`bind_thread`]) or installed for
-/// the process ([`install`]); with neither, it is made here from the data-parallel group (a
-/// communicator of its own over the same ranks, by `split`) and installed for the process, or,
-/// where the data-parallel group is bound to this thread (ranks that are threads), bound to
-/// this thread for the rest of its life.
+/// the process ([`install`]) when it has this rank's data-parallel ranks; otherwise it is made
+/// here from the data-parallel group (a communicator of its own over the same ranks, by
+/// `split`) and installed for the process, or, where groups are bound to this thread (ranks
+/// that are threads), bound to this thread for the rest of its life.
 ///
 /// Collective over the data-parallel group. In a group of one (or none) it is
 /// [`crate::replicate`]. Errors: a tensor-parallel group (one that is not fully sharded) is
@@ -78,12 +79,18 @@ where
     M: Module<B>,
 {
     super::hybrid::register::<B::Inner>();
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let dp = crate::data_parallel::communicator(&device);
     let group = match context::current() {
-        Some(g) if g.fully_sharded => Some(g).filter(|g| g.size() > 1),
-        Some(g) if g.size() > 1 => {
+        // A fully sharded group over this rank's data-parallel ranks (one bound or installed,
+        // or made by an earlier call): the parameters are sharded over it.
+        Some(g) if g.fully_sharded && g.comm.members() == dp.members() => {
+            Some(g).filter(|g| g.size() > 1)
+        }
+        Some(g) if !g.fully_sharded && g.size() > 1 => {
             return Err(super::PlanError::NotFullySharded { ranks: g.size() });
         }
-        _ => join(&model).map_err(|e| super::PlanError::Group(Box::new(e)))?,
+        _ => join(&device, &dp).map_err(|e| super::PlanError::Group(Box::new(e)))?,
     };
     let model = crate::replicate(model);
     let Some(g) = group else {
@@ -92,27 +99,28 @@ where
     Ok(model.map(&mut Sharder { group: g }))
 }
 
-/// A fully sharded group over the data-parallel ranks of `model`'s device, made and joined
-/// (see [`fully_shard`]); `None` for a data-parallel group of one.
-fn join<B: AutodiffBackend, M: Module<B>>(
-    model: &M,
+/// A fully sharded group over the ranks of `dp`, the data-parallel group of `device`, made and
+/// joined (see [`fully_shard`]); `None` for a data-parallel group of one.
+fn join<D: burn_backend::DeviceOps>(
+    device: &D,
+    dp: &Communicator,
 ) -> Result<Option<std::sync::Arc<context::TpRank>>, CollectiveError> {
-    let device = model.devices().into_iter().next().unwrap_or_default();
-    let dp = crate::data_parallel::communicator(&device);
     if dp.size() < 2 {
         return Ok(None);
     }
-    let failure = crate::data_parallel::failure_policy(&device);
+    let failure = crate::data_parallel::failure_policy(device);
     let shards = dp
         .split(Some(0), 0)?
         .expect("every rank of the group chose the same color");
-    if crate::data_parallel::process_wide(&device) {
+    if crate::data_parallel::process_wide(device) && context::thread_group().is_none() {
         context::install_group(shards, failure, true)?;
+        Ok(context::process_group())
     } else {
-        // Ranks that are threads: bound until the thread ends.
+        // Ranks that are threads: bound until the thread ends (a later call over other ranks
+        // binds another in its place).
         std::mem::forget(context::bind_group(shards, true)?);
+        Ok(context::thread_group())
     }
-    Ok(context::current())
 }
 
 /// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest

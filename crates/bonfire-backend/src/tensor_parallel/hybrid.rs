@@ -75,6 +75,16 @@ impl<B: Backend> LocalParts for Parts<B> {
         Box::new(placed)
     }
 
+    fn reshard(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
+        let t = tp::<B>(tensor);
+        if !context::fully_sharded() || matches!(t.placement(), Placement::Shard { .. }) {
+            return None;
+        }
+        let placed = fsdp::place_as_param::<B>(t.clone(), param);
+        matches!(placed.placement(), Placement::Shard { .. })
+            .then(|| Box::new(placed) as Box<dyn Any>)
+    }
+
     fn write_param(&self, like: &dyn Any, data: TensorData, param: u64) -> Box<dyn Any> {
         let placed = self.write(like, data);
         if !context::fully_sharded() {

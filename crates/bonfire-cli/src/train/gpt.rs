@@ -121,6 +121,11 @@ pub(crate) struct GptArgs {
     /// reads it; not with --tp)
     #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
+    /// Refuse to train when a rank would hold more than MIB mebibytes of model state
+    /// (parameters, gradients and Adam's state, from the sizes it holds once sharded), and say
+    /// what it held after training
+    #[arg(long, value_name = "MIB")]
+    model_state_limit: Option<f64>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint any rank can read (sent to ranks that lack it) [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -177,6 +182,7 @@ impl GptArgs {
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
             zero: self.zero,
+            model_state_limit_mib: self.model_state_limit,
             allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,

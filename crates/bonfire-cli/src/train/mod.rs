@@ -250,6 +250,7 @@ impl VisionArgs {
             max_restarts: self.max_restarts.unwrap_or(0),
             log_loss: self.log_loss,
             zero: self.zero,
+            model_state_limit_mib: None,
             allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
@@ -283,6 +284,10 @@ pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     if let Some(stage) = s.zero {
         v.push("--zero".into());
         v.push(stage.to_string().into());
+    }
+    if let Some(mib) = s.model_state_limit_mib {
+        v.push("--model-state-limit".into());
+        v.push(mib.to_string().into());
     }
 }
 
@@ -375,6 +380,7 @@ mod tests {
             keep_checkpoints: None,
             log_loss: false,
             zero: None,
+            model_state_limit_mib: None,
             allow_unchecked: false,
         };
         let args = rank_args(&s);

@@ -143,8 +143,9 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
     if let (Some(all), Some(train)) = (&report.tp_stats, &report.train_tp_stats) {
         // ZeRO-3: the parameters' gathers, none of them overlapped with compute.
         lines.push(format!(
-            "fully sharded   on rank 0, training: {} parameter gathers of {:.1} MiB, waited {:.2} \
-             s ({:.0}% of the training time); evaluations and samples: {} more gathers",
+            "fully sharded   on rank 0, training: {} parameter gathers ({:.1} MiB of slices sent), \
+             waited {:.2} s ({:.0}% of the training time); evaluations and samples: {} more \
+             gathers",
             train.gathers,
             train.gather_bytes as f64 / (1 << 20) as f64,
             train.gather_time.as_secs_f64(),

@@ -106,6 +106,7 @@ fn run_on<A: AutodiffBackend>(
     // backward. Under ZeRO-3 a resumed state is then sharded as the parameters are.
     let mut model = layout(model)?;
     let mut optim = optim.shard_state(&model);
+    check_state_before(&s, &model, replicas)?;
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -173,7 +174,56 @@ fn run_on<A: AutodiffBackend>(
             ctx.say(Say::Report, &line);
         }
     }
+    say_state_after(ctx, report.memory.as_ref());
     Ok((state, report))
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// Under `--model-state-limit`, refuses to train a model of which a rank would hold more (every
+/// rank decides alike, from the sizes it holds once the model is laid out).
+fn check_state_before<A: AutodiffBackend>(
+    s: &crate::settings::Settings<GptRunConfig>,
+    model: &Gpt<A>,
+    replicas: usize,
+) -> Result<(), JobError> {
+    let Some(limit) = s.model_state_limit_mib else {
+        return Ok(());
+    };
+    let (p, g, o) = crate::optim::predicted_state(model, s.zero_stage(), replicas);
+    let held = (p + g + o) as f64 / MIB;
+    if held <= limit {
+        return Ok(());
+    }
+    Err(JobError::ModelStateLimit {
+        limit_mib: limit,
+        what: "each rank would hold",
+        held_mib: held,
+        parts: format!(
+            "parameters {:.2}, gradients {:.2}, Adam's state {:.2} MiB",
+            p as f64 / MIB,
+            g as f64 / MIB,
+            o as f64 / MIB
+        ),
+    })
+}
+
+/// Under `--model-state-limit`, rank 0 says how much model state the rank with the most held
+/// after training (as the report's `model state` line measures it: Adam's state as its encoded
+/// record, a little over its tensors' bytes) against the limit.
+fn say_state_after(ctx: &mut RankContext<'_, GptJob>, memory: Option<&crate::report::ModelMemory>) {
+    let (Some(limit), Some(m)) = (ctx.settings().model_state_limit_mib, memory) else {
+        return;
+    };
+    if ctx.is_main() {
+        let held = m.per_rank() as f64 / MIB;
+        let verdict = if held <= limit { "within" } else { "over" };
+        let line = format!(
+            "model state limit {limit} MiB per rank (checked before training): the rank with the \
+             most held {held:.2} MiB after it, {verdict} the limit"
+        );
+        ctx.say(Say::Report, &line);
+    }
 }
 
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh

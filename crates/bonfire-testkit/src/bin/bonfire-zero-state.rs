@@ -13,7 +13,6 @@
 
 use std::time::{Duration, Instant};
 
-use bonfire::backend::tensor_parallel::fsdp;
 use bonfire::models::{Gpt, GptConfig};
 use bonfire::{Hybrid, ZeroStage};
 use bonfire_testkit::nets::{DpFlex, parameters};
@@ -101,22 +100,32 @@ where
     }
 }
 
-/// DDP (`stage` `None`), ZeRO-1 or ZeRO-2 on `Autodiff<DataParallel<Flex>>`.
-fn run(world: usize, steps: usize, stage: Option<ZeroStage>) -> Vec<Outcome> {
-    let device = FlexDevice;
-    let models = RankModels::seeded::<DpFlex>(
+/// `world` ranks as threads (one compute thread each, as a launched rank's), bound to their
+/// data-parallel group, each running `f(model, rank)` on its own GPT (rank `r` seeded `1 + r`).
+fn on_ranks<A, F>(world: usize, f: F) -> Vec<Outcome>
+where
+    A: AutodiffBackend<Device = FlexDevice>,
+    F: Fn(Gpt<A>, usize) -> Outcome + Send + Sync + 'static,
+{
+    let models = RankModels::seeded::<A>(
         world,
         |r| 1 + r as u64,
-        &device,
+        &FlexDevice,
         |d| GptConfig::new(VOCAB).init(d),
     );
     let comms = in_process_ranks(world, Duration::from_secs(120));
     run_ranks(comms, Duration::from_secs(1800), move |comm| {
         let r = comm.rank();
-        // Each rank's thread computes its own ops (one thread each), as a launched rank's does.
         let _compute = bonfire::compute_threads(1);
         let model = models.take(r);
         let _bind = bind_rank(comm);
+        f(model, r)
+    })
+}
+
+/// DDP (`stage` `None`), ZeRO-1 or ZeRO-2 on `Autodiff<DataParallel<Flex>>`.
+fn run(world: usize, steps: usize, stage: Option<ZeroStage>) -> Vec<Outcome> {
+    on_ranks::<DpFlex, _>(world, move |model, r| {
         let model = bonfire::replicate(model);
         let adam = AdamConfig::new();
         match stage {
@@ -131,24 +140,10 @@ fn run(world: usize, steps: usize, stage: Option<ZeroStage>) -> Vec<Outcome> {
     })
 }
 
-/// ZeRO-3: the parameters sharded at rest by `bonfire::fully_shard`, over a communicator of
-/// their own beside the data-parallel one.
+/// ZeRO-3 on `Autodiff<Hybrid<Flex>>`: the parameters sharded at rest by `bonfire::fully_shard`
+/// (which makes the fully sharded group from the data-parallel one).
 fn run_fully_sharded(world: usize, steps: usize) -> Vec<Outcome> {
-    let device = FlexDevice;
-    let models = RankModels::seeded::<FsdpFlex>(
-        world,
-        |r| 1 + r as u64,
-        &device,
-        |d| GptConfig::new(VOCAB).init(d),
-    );
-    let comms = in_process_ranks(world, Duration::from_secs(120));
-    run_ranks(comms, Duration::from_secs(1800), move |comm| {
-        let r = comm.rank();
-        let _compute = bonfire::compute_threads(1);
-        let model = models.take(r);
-        let shards = comm.split(Some(0), 0).expect("split").expect("member");
-        let _bind = bind_rank(comm);
-        let _shards = fsdp::bind_thread(shards).expect("bind the fully sharded group");
+    on_ranks::<FsdpFlex, _>(world, move |model, r| {
         let model = bonfire::fully_shard(model).expect("fully_shard");
         let adam = AdamConfig::new().init::<FsdpFlex, Gpt<FsdpFlex>>();
         train(

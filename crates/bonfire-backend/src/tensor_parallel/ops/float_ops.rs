@@ -574,9 +574,7 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 slices,
             ));
         }
-        if crate::tensor_parallel::context::fully_sharded()
-            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
-        {
+        if crate::tensor_parallel::context::fully_sharded() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_slice(
                 crate::tensor_parallel::fallback::full::<I>(tensor, "float_slice"),
                 slices,
@@ -1582,9 +1580,7 @@ impl<I: Backend> FloatTensorOps<Self> for TensorParallel<I> {
                 shape,
             ));
         }
-        if crate::tensor_parallel::context::fully_sharded()
-            && (crate::tensor_parallel::fallback::private::<I>(&tensor))
-        {
+        if crate::tensor_parallel::context::fully_sharded() {
             return crate::tensor_parallel::fallback::replicated::<I>(I::float_expand(
                 crate::tensor_parallel::fallback::full::<I>(tensor, "float_expand"),
                 shape,

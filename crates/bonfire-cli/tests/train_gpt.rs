@@ -375,7 +375,7 @@ fn accumulation_and_bf16_gradients_train() {
 #[test]
 fn bad_input_exits_2_with_a_message() {
     let dir = scratch("gpt-bad");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
         (
             &["--tp", "3"],
             "--tp 3 with --heads 4: the tensor-parallel size must divide the heads",
@@ -399,6 +399,14 @@ fn bad_input_exits_2_with_a_message() {
         (
             &["--zero", "3", "--tp", "2"],
             "--zero 3 with --tp 2: ZeRO-3 shards the parameters over the data-parallel replicas",
+        ),
+        (
+            &["--model-state-limit", "NaN"],
+            "--model-state-limit NaN: must be a positive number of MiB",
+        ),
+        (
+            &["--model-state-limit", "1", "--pp", "2"],
+            "--model-state-limit 1: a pipeline's stages hold their own blocks",
         ),
     ];
     for (args, needle) in cases {

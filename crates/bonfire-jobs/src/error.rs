@@ -363,7 +363,7 @@ pub enum JobError {
     ModelStateLimit {
         /// The limit.
         limit_mib: f64,
-        /// When: `each rank would hold` (checked before training) or `a rank held` (after).
+        /// When: `each rank would hold` (checked before training).
         what: &'static str,
         /// What the rank holds, in MiB.
         held_mib: f64,

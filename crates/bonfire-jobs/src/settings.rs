@@ -133,7 +133,15 @@ pub fn settle<J: Job>(
     reporter: &mut dyn Reporter,
 ) -> Result<Settings<J::Config>, JobError> {
     job.check(request)?;
-    crate::error::positive("--model-state-limit", options.model_state_limit_mib)?;
+    if let Some(mib) = options.model_state_limit_mib
+        && !(mib.is_finite() && mib > 0.0)
+    {
+        return Err(JobError::Invalid {
+            flag: "--model-state-limit",
+            given: mib.to_string(),
+            why: "must be a positive number of MiB",
+        });
+    }
     if let Some(stage) = options
         .zero
         .filter(|&s| bonfire::ZeroStage::from_number(s).is_none())
@@ -175,13 +183,28 @@ pub fn settle<J: Job>(
 /// in a job that does not shard its parameters: refused (a fresh run refuses it before making
 /// its directory).
 fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
-    // The job that shards its parameters (the GPT job) is the one that checks its model state.
-    if options.model_state_limit_mib.is_some() && !config.fully_shards() {
-        return Err(JobError::Invalid {
-            flag: "--model-state-limit",
-            given: format!("{}", options.model_state_limit_mib.unwrap_or_default()),
-            why: "this job does not check its model state; the GPT job does",
-        });
+    // The job that shards its parameters (the GPT job) is the one that checks its model state,
+    // for all-reduce runs without pipeline stages (what it predicts a rank holds).
+    if let Some(mib) = options.model_state_limit_mib {
+        let why = if !config.fully_shards() {
+            Some("this job does not check its model state; the GPT job does")
+        } else if config.pipeline_stages() > 1 {
+            Some("a pipeline's stages hold their own blocks; the limit is checked without --pp")
+        } else if config.local_strategy() {
+            Some(
+                "local strategies and parameter servers hold other state; the limit is checked \
+                 for --strategy allreduce",
+            )
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(JobError::Invalid {
+                flag: "--model-state-limit",
+                given: mib.to_string(),
+                why,
+            });
+        }
     }
     if options.zero == Some(3) {
         if !config.fully_shards() {

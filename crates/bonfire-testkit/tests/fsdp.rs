@@ -510,17 +510,27 @@ fn stage_three_refuses_a_model_only_replicated() {
 
 /// ZeRO stages 1 and 2 step whole parameters: on a model `fully_shard` sharded they refuse,
 /// naming the stage to use.
-#[test]
-#[should_panic(expected = "wrap its optimizer at ZeroStage::Three")]
-fn stages_one_and_two_refuse_a_fully_sharded_model() {
+fn refused_at(stage: ZeroStage) {
     type M = SmallTransformer<FsdpFlex>;
     let batches = random_batches(4, 1, 4, M::FEATURES, M::CLASSES);
     on_ranks(2, move |r| {
         let device = Device::default();
         let model = fully_shard(seeded::<FsdpFlex, _>(1, &device, M::new)).unwrap();
-        let mut optim = bonfire::sharded(adam().init::<FsdpFlex, M>()).stage(ZeroStage::Two);
+        let mut optim = bonfire::sharded(adam().init::<FsdpFlex, M>()).stage(stage);
         steps(model, &mut optim, &batches, (r, 2), &device);
     });
+}
+
+#[test]
+#[should_panic(expected = "ZeRO stage 1 steps whole parameters, and this model is sharded")]
+fn stage_one_refuses_a_fully_sharded_model() {
+    refused_at(ZeroStage::One);
+}
+
+#[test]
+#[should_panic(expected = "ZeRO stage 2 steps whole parameters, and this model is sharded")]
+fn stage_two_refuses_a_fully_sharded_model() {
+    refused_at(ZeroStage::Two);
 }
 
 /// AMSGrad's running maximum has no rule (a comparison and a masked select), so its update

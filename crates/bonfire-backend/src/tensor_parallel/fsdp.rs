@@ -19,8 +19,10 @@
 //!   in buckets, as in DDP, and writes back only this rank's slice of the average (the whole
 //!   gradient is freed as each bucket is written back).
 //! - **The optimizer step** reads only shards (parameter, gradient, state), so its rules keep
-//!   everything sharded: any Burn optimizer, unwrapped, keeps state for 1/N of each parameter,
-//!   and the parameters stay sharded.
+//!   everything sharded: Burn's Adam, AdamW and SGD, unwrapped, keep state for 1/N of each
+//!   parameter, and the parameters stay sharded. An op without a rule (AMSGrad's running
+//!   maximum) leaves its result whole: under `bonfire::sharded(..).stage(ZeroStage::Three)` the
+//!   parameters are sliced again after each step.
 //!
 //! A parameter is split along its largest dimension that the ranks divide; one with no such
 //! dimension (a bias of odd length) stays whole on every rank, averaged as in DDP.
@@ -61,7 +63,7 @@ pub fn install(comm: Communicator, failure: FailurePolicy) -> Result<(), Collect
 /// ```ignore
 /// type B = Autodiff<Hybrid<Flex>>;                 // DataParallel<TensorParallel<Flex>>
 /// let model = bonfire::fully_shard(model)?;       // was: bonfire::replicate(model)
-/// // ...the same loop, with any Burn optimizer, unwrapped.
+/// // ...the same loop; wrap the optimizer as bonfire::sharded(optim).stage(ZeroStage::Three).
 /// ```
 ///
 /// The fully sharded group is the one bound to this thread ([`bind_thread`]) or installed for

@@ -278,11 +278,7 @@ impl DataParallel {
     /// Every rank's times of the epoch, gathered on every rank (3 values each); rank 0 names
     /// the stragglers in its log, and every rank keeps the epoch for [`Self::straggler_report`].
     fn gather_times(&self, epoch: usize, mine: RankTimes, interrupter: &Interrupter) {
-        let gathered = self
-            .world
-            .comm()
-            .all_gather(vec![mine.input, mine.compute, mine.wait])
-            .wait();
+        let gathered = self.world.comm().all_gather(mine.values()).wait();
         let all = match gathered {
             Ok(all) => all,
             Err(e) => {
@@ -293,14 +289,7 @@ impl DataParallel {
                 return;
             }
         };
-        let times: Vec<RankTimes> = all
-            .chunks(3)
-            .map(|c| RankTimes {
-                input: c[0],
-                compute: c[1],
-                wait: c[2],
-            })
-            .collect();
+        let times = RankTimes::from_gathered(&all);
         if self.world.is_main() {
             for s in stragglers(&times, THRESHOLD) {
                 tracing::warn!("epoch {epoch}: straggler: {}", s.describe());

@@ -188,17 +188,10 @@ impl<'a, J: Job> RankContext<'a, J> {
         let all = self
             .world
             .comm()
-            .all_gather(vec![mine.input, mine.compute, mine.wait])
+            .all_gather(mine.values())
             .wait()
             .map_err(JobError::collective("gathering every rank's epoch times"))?;
-        let times: Vec<RankTimes> = all
-            .chunks(3)
-            .map(|c| RankTimes {
-                input: c[0],
-                compute: c[1],
-                wait: c[2],
-            })
-            .collect();
+        let times = RankTimes::from_gathered(&all);
         let found = stragglers(&times[..trainers.min(times.len())], THRESHOLD);
         self.straggler = found.first().map(|s| s.short());
         self.to_say = found

@@ -32,6 +32,22 @@ impl RankTimes {
     pub fn busy(&self) -> f64 {
         self.input + self.compute
     }
+
+    /// Its three times, as a rank contributes them to an all-gather of every rank's.
+    pub fn values(&self) -> Vec<f64> {
+        vec![self.input, self.compute, self.wait]
+    }
+
+    /// Every rank's times from such an all-gather of [`RankTimes::values`], in rank order.
+    pub fn from_gathered(all: &[f64]) -> Vec<RankTimes> {
+        all.chunks_exact(3)
+            .map(|c| RankTimes {
+                input: c[0],
+                compute: c[1],
+                wait: c[2],
+            })
+            .collect()
+    }
 }
 
 /// What made a straggler slow.
@@ -213,6 +229,13 @@ mod tests {
             compute,
             wait,
         }
+    }
+
+    #[test]
+    fn times_round_trip_through_a_gather() {
+        let ranks = [t(0.1, 2.0, 0.5), t(0.2, 3.0, 0.0)];
+        let all: Vec<f64> = ranks.iter().flat_map(RankTimes::values).collect();
+        assert_eq!(RankTimes::from_gathered(&all), ranks);
     }
 
     #[test]

@@ -16,7 +16,11 @@
 #    PROFILE=1 adds, for each part: a sampler beside the measured run (the GPU's utilisation and
 #    each thread's CPU time, benches/gpu/sampler.py), then the same run again with CubeCL's kernel
 #    profile (each kernel launched and awaited alone, so its time includes the launch), summarised
-#    against the measured run's step by benches/gpu/kernel_profile.py.
+#    against the measured run's step by benches/gpu/kernel_profile.py (PROFILE_PARTS: only those).
+#    With a second build in $GPU_DIR as `bonfire-alt.xz` (another commit's `bonfire.xz`, whose
+#    kernels the carried cache already holds: it is not tuned here), each measured run is made by
+#    both builds in turn, `bonfire` first, then the peer; ROUNDS (default 1) repeats that. The
+#    vision parts train 200 batches each (IMAGES overrides), so their steady window is 190.
 # 3. The cache comes back in $OUT as kernels.tar.xz.NN (15 MiB pieces), for the next lease's
 #    $GPU_DIR.
 # Everything stops by DEADLINE seconds (default 500) after the script starts; the cache is packed
@@ -28,8 +32,9 @@ out="${OUT:-gpu-out}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 logs=/tmp/tuned-logs
-rm -rf "$logs"
-mkdir -p "$logs"
+ck=/tmp/tuned-checkpoints # each run's own, left by an earlier run of this script on the machine
+rm -rf "$logs" "$ck"
+mkdir -p "$logs" "$ck"
 start=$(date +%s)
 deadline=$((start + ${DEADLINE:-500}))
 pack_at=$((deadline - 40))
@@ -66,14 +71,14 @@ job() { # part, tune|warm -> the job's command line (BACKEND, default cuda; IMAG
     local b=${1#vision} be=${BACKEND:-cuda}
     case $1:$2 in
     vision*:tune) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${TUNE_IMAGES:-1280} --test-limit ${TEST_IMAGES:-1024}" ;;
-    vision*:warm) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${IMAGES:-12800} --test-limit ${TEST_IMAGES:-1024}" ;;
+    vision*:warm) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${IMAGES:-$((200 * b))} --test-limit ${TEST_IMAGES:-1024}" ;;
     gpt:tune) echo "train gpt --backend $be --dp 1 --steps 12 --eval-every 100000 --sample-chars 0" ;;
     gpt:warm) echo "train gpt --backend $be --dp 1 --steps ${GPT_STEPS:-60} --eval-every 100000 --sample-chars 0" ;;
     esac
 }
 batches() { # part -> the batches its measured run trains (its evaluation's kernels count too)
     case $1 in
-    vision*) echo $((${IMAGES:-12800} / ${1#vision})) ;;
+    vision*) echo $((${IMAGES:-$((200 * ${1#vision}))} / ${1#vision})) ;;
     gpt) echo "${GPT_STEPS:-60}" ;;
     esac
 }
@@ -83,11 +88,33 @@ peer() { # part -> PyTorch eager on the same model and batch
     gpt) echo "benches/gpt_ddp_torch.py --device cuda --text /tmp/shakespeare-head.txt --dp 1 --steps 60" ;;
     esac
 }
+profiled() { # part: PROFILE=1, and the part is in PROFILE_PARTS (default: every part)
+    [ "${PROFILE:-0}" = 1 ] && [[ " ${PROFILE_PARTS:-$1} " == *" $1 "* ]]
+}
+builds=(bonfire)
+[ -x "$bin/bonfire-alt" ] && builds+=(bonfire-alt)
+warm() { # part, build, round: one measured run (PROFILE=1: a sampler beside each build's first)
+    local p=$1 b=$2 r=$3 t0 run job_pid
+    t0=$(date +%s)
+    # shellcheck disable=SC2046
+    timeout "$(left 120)" "$bin/$b" $(job "$p" warm) --checkpoint-dir "$ck/$p-$b-$r" \
+        >"$logs/$p-$b-r$r.log" 2>&1 &
+    run=$!
+    if profiled "$p" && [ "$r" = 1 ]; then
+        sleep 0.5
+        job_pid=$(awk '{print $1}' "/proc/$run/task/$run/children" 2>/dev/null)
+        [ -n "$job_pid" ] && python3 benches/gpu/sampler.py "$job_pid" "$logs/$p-$b-samples.txt" &
+    fi
+    wait "$run"
+    say "$p: $b warm run, round $r, rc=$? in $(($(date +%s) - t0)) s ($(cache_stats))"
+    wait # the sampler
+    grep -E "$show" "$logs/$p-$b-r$r.log" | sed "s/^/  $p $b: /" | tee -a "$out/summary.txt"
+}
 part() { # tune, then (one measured run at a time) measure warm and the peer
     local p=$1 t0 rc
     t0=$(date +%s)
     # shellcheck disable=SC2046
-    timeout "$(left 600)" "$bin/bonfire" $(job "$p" tune) --checkpoint-dir "/tmp/ck-$p-tune" \
+    timeout "$(left 600)" "$bin/bonfire" $(job "$p" tune) --checkpoint-dir "$ck/$p-tune" \
         >"$logs/$p-tune.log" 2>&1
     rc=$?
     say "$p: tuning run rc=$rc in $(($(date +%s) - t0)) s ($(cache_stats))"
@@ -95,39 +122,32 @@ part() { # tune, then (one measured run at a time) measure warm and the peer
     [ "$rc" = 0 ] || return 0
     (
         flock 9
-        t0=$(date +%s)
-        # shellcheck disable=SC2046
-        timeout "$(left 120)" "$bin/bonfire" $(job "$p" warm) --checkpoint-dir "/tmp/ck-$p-warm" \
-            >"$logs/$p-warm.log" 2>&1 &
-        local run=$!
-        if [ "${PROFILE:-0}" = 1 ]; then
-            sleep 0.5
-            local job_pid
-            job_pid=$(awk '{print $1}' "/proc/$run/task/$run/children" 2>/dev/null)
-            [ -n "$job_pid" ] && python3 benches/gpu/sampler.py "$job_pid" "$logs/$p-samples.txt" &
-        fi
-        wait "$run"
-        say "$p: warm run rc=$? in $(($(date +%s) - t0)) s ($(cache_stats))"
-        grep -E "$show" "$logs/$p-warm.log" | sed "s/^/  $p warm: /" | tee -a "$out/summary.txt"
-        if [ "${PROFILE:-0}" = 1 ]; then
-            # The same run with CubeCL's kernel profile: every kernel awaited alone, one line each.
-            t0=$(date +%s)
+        local r b
+        for ((r = 1; r <= ${ROUNDS:-1}; r++)); do
+            for b in "${builds[@]}"; do
+                warm "$p" "$b" "$r"
+            done
             # shellcheck disable=SC2046
-            CUBECL_DEBUG_LOG="$logs/$p-kernels.log" CUBECL_DEBUG_OPTION=profile \
-                timeout "$(left 120)" "$bin/bonfire" $(job "$p" warm) \
-                --checkpoint-dir "/tmp/ck-$p-prof" >"$logs/$p-prof.log" 2>&1
-            say "$p: profiled run rc=$? in $(($(date +%s) - t0)) s"
-            wait # the sampler
-            local samples=()
-            [ -f "$logs/$p-samples.txt" ] && samples=(--samples "$logs/$p-samples.txt")
-            python3 benches/gpu/kernel_profile.py "$logs/$p-kernels.log" "$logs/$p-warm.log" \
-                --batches "$(batches "$p")" "${samples[@]}" 2>&1 |
-                sed "s/^/  $p profile: /" | tee -a "$out/summary.txt"
+            PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer-r$r.log" 2>&1
+            say "$p: PyTorch eager, round $r, rc=$?"
+            tail -3 "$logs/$p-peer-r$r.log" | sed "s/^/  $p peer: /" | tee -a "$out/summary.txt"
+        done
+        if profiled "$p"; then
+            for b in "${builds[@]}"; do
+                # The same run with CubeCL's kernel profile: every kernel awaited alone, one line each.
+                t0=$(date +%s)
+                # shellcheck disable=SC2046
+                CUBECL_DEBUG_LOG="$logs/$p-$b-kernels.log" CUBECL_DEBUG_OPTION=profile \
+                    timeout "$(left 120)" "$bin/$b" $(job "$p" warm) \
+                    --checkpoint-dir "$ck/$p-$b-prof" >"$logs/$p-$b-prof.log" 2>&1
+                say "$p: $b profiled run rc=$? in $(($(date +%s) - t0)) s"
+                local samples=()
+                [ -f "$logs/$p-$b-samples.txt" ] && samples=(--samples "$logs/$p-$b-samples.txt")
+                python3 benches/gpu/kernel_profile.py "$logs/$p-$b-kernels.log" "$logs/$p-$b-r1.log" \
+                    --batches "$(batches "$p")" "${samples[@]}" 2>&1 |
+                    sed "s/^/  $p $b profile: /" | tee -a "$out/summary.txt"
+            done
         fi
-        # shellcheck disable=SC2046
-        PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer.log" 2>&1
-        say "$p: PyTorch eager rc=$?"
-        tail -3 "$logs/$p-peer.log" | sed "s/^/  $p peer: /" | tee -a "$out/summary.txt"
     ) 9>/tmp/tuned-measure.lock
 }
 

@@ -10,6 +10,8 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 
+use crate::norm::batch_norm;
+
 /// The shape of a [`ResNet`].
 #[derive(Config, Debug)]
 pub struct ResNetConfig {
@@ -66,11 +68,11 @@ impl<B: Backend> BasicBlock<B> {
     /// `[n, input, h, w]` to `[n, output, h / stride, w / stride]` (rounded up).
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let identity = match &self.shortcut {
-            Some((conv, bn)) => bn.forward(conv.forward(x.clone())),
+            Some((conv, bn)) => batch_norm(bn, conv.forward(x.clone())),
             None => x.clone(),
         };
-        let y = relu(self.bn1.forward(self.conv1.forward(x)));
-        let y = self.bn2.forward(self.conv2.forward(y));
+        let y = relu(batch_norm(&self.bn1, self.conv1.forward(x)));
+        let y = batch_norm(&self.bn2, self.conv2.forward(y));
         relu(y + identity)
     }
 }
@@ -119,7 +121,7 @@ impl ResNetConfig {
 impl<B: Backend> ResNet<B> {
     /// Class scores (logits) `[n, classes]` for images `[n, channels, h, w]`.
     pub fn forward(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let x = relu(self.stem_bn.forward(self.stem.forward(images)));
+        let x = relu(batch_norm(&self.stem_bn, self.stem.forward(images)));
         let mut x = self.stem_pool.forward(x);
         for block in &self.blocks {
             x = block.forward(x);

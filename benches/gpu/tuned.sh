@@ -21,6 +21,8 @@
 #    kernels the carried cache already holds: it is not tuned here), each measured run is made by
 #    both builds in turn, `bonfire` first, then the peer; ROUNDS (default 1) repeats that. The
 #    vision parts train 200 batches each (IMAGES overrides), so their steady window is 190.
+#    RANKS (default 1) runs each job with that many ranks, processes sharing the GPU (the vision
+#    parts' 200 batches are then split between them), and the GPT's peer with as many.
 # 3. The cache comes back in $OUT as kernels.tar.xz.NN (15 MiB pieces), for the next lease's
 #    $GPU_DIR.
 # Everything stops by DEADLINE seconds (default 500) after the script starts; the cache is packed
@@ -40,6 +42,7 @@ deadline=$((start + ${DEADLINE:-500}))
 pack_at=$((deadline - 40))
 # shellcheck source=benches/gpu/machine.sh
 source benches/gpu/machine.sh
+rm -f "$bin/bonfire-alt" # an earlier run's, on a machine used again: only $dir's is measured
 gpu_machine "$dir"
 zcat datasets/embedded/shakespeare-head.txt.gz >/tmp/shakespeare-head.txt
 export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
@@ -66,14 +69,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
 
 want() { [[ " ${PARTS:-vision64 gpt vision256} " == *" $1 "* ]]; }
-job() { # part, tune|warm -> the job's command line (BACKEND, default cuda; IMAGES, TUNE_IMAGES,
+job() { # part, tune|warm -> the job's command line (BACKEND, default cuda; RANKS, default 1: ranks
+    # as processes sharing the GPU; IMAGES, TUNE_IMAGES,
     # TEST_IMAGES and GPT_STEPS shrink the runs for a dry run of this script without a GPU)
-    local b=${1#vision} be=${BACKEND:-cuda}
+    local b=${1#vision} be=${BACKEND:-cuda} ranks=${RANKS:-1}
     case $1:$2 in
-    vision*:tune) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${TUNE_IMAGES:-1280} --test-limit ${TEST_IMAGES:-1024}" ;;
-    vision*:warm) echo "train vision --backend $be --ranks 1 --batch $b --epochs 1 --train-limit ${IMAGES:-$((200 * b))} --test-limit ${TEST_IMAGES:-1024}" ;;
-    gpt:tune) echo "train gpt --backend $be --dp 1 --steps 12 --eval-every 100000 --sample-chars 0" ;;
-    gpt:warm) echo "train gpt --backend $be --dp 1 --steps ${GPT_STEPS:-60} --eval-every 100000 --sample-chars 0" ;;
+    vision*:tune) echo "train vision --backend $be --ranks $ranks --batch $b --epochs 1 --train-limit ${TUNE_IMAGES:-1280} --test-limit ${TEST_IMAGES:-1024}" ;;
+    vision*:warm) echo "train vision --backend $be --ranks $ranks --batch $b --epochs 1 --train-limit ${IMAGES:-$((200 * b))} --test-limit ${TEST_IMAGES:-1024}" ;;
+    gpt:tune) echo "train gpt --backend $be --dp $ranks --steps 12 --eval-every 100000 --sample-chars 0" ;;
+    gpt:warm) echo "train gpt --backend $be --dp $ranks --steps ${GPT_STEPS:-60} --eval-every 100000 --sample-chars 0" ;;
     esac
 }
 batches() { # part -> the batches its measured run trains (its evaluation's kernels count too)
@@ -82,10 +86,11 @@ batches() { # part -> the batches its measured run trains (its evaluation's kern
     gpt) echo "${GPT_STEPS:-60}" ;;
     esac
 }
-peer() { # part -> PyTorch eager on the same model and batch
+peer() { # part -> PyTorch eager on the same model and batch (the ResNet's script runs 1 and 2 ranks)
+    local ranks=${RANKS:-1}
     case $1 in
     vision*) echo "benches/ddp_mnist_style.py --model resnet --device cuda --batch ${1#vision} --steps 200" ;;
-    gpt) echo "benches/gpt_ddp_torch.py --device cuda --text /tmp/shakespeare-head.txt --dp 1 --steps 60" ;;
+    gpt) echo "benches/gpt_ddp_torch.py --device cuda --text /tmp/shakespeare-head.txt --dp $ranks --steps 60" ;;
     esac
 }
 profiled() { # part: PROFILE=1, and the part is in PROFILE_PARTS (default: every part)
@@ -170,7 +175,7 @@ while sleep 5; do
     fi
 done
 wait
-pkill -f "$bin/bonfire train" 2>/dev/null
+pkill -f "$bin/bonfire(-alt)? train" 2>/dev/null
 say "done: $(cache_stats)"
 (cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$out/kernels.tar.xz."
 du -sh "$BONFIRE_KERNEL_CACHE" "$out"/kernels.tar.xz.* | tee -a "$out/summary.txt"

@@ -198,8 +198,8 @@ fn resnet_training_step_runs_exactly_the_inner_ops_under_every_decorator() {
 /// The reductions (and transposes) of a ResNet training step, counted under plain `Autodiff`.
 /// Each of the model's nine batch norms goes through `bonfire_models::batch_norm`: 12 reductions
 /// each (4 in forward, 8 in backward, 4 of those over a dimension of one) and no transposed copy.
-/// Through `burn::nn::BatchNorm::forward` the step made 176 reductions (19-20 per batch norm, most
-/// of them autodiff summing broadcast gradients one dimension at a time) and 36 `swap_dims`; on a
+/// Through `burn::nn::BatchNorm::forward` the step made 176 reductions (19 per batch norm, 15 of
+/// them autodiff summing broadcast gradients one dimension at a time) and 36 `swap_dims`; on a
 /// GPU, where the step is bound by kernel launches, each is a launch.
 #[test]
 fn resnet_training_step_reduces_as_few_times_as_its_batch_norms_need() {
@@ -218,8 +218,8 @@ fn resnet_training_step_reduces_as_few_times_as_its_batch_norms_need() {
     .map(|op| calls.get(op).copied().unwrap_or(0))
     .sum();
     let batch_norms = 9;
-    // 12 per batch norm, then cross-entropy (a max, a sum and its gradient's), the head's bias
-    // gradient and the loss's mean.
+    // 12 per batch norm, then cross-entropy's log-softmax (a max, a sum, the sum's gradient and
+    // the gradient of its broadcast subtraction) and the loss's mean.
     let budget = 12 * batch_norms + 5;
     assert!(
         reductions <= budget,

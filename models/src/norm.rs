@@ -4,12 +4,12 @@
 //! Burn's training forward makes the channels leading with a transposed copy for each of its two
 //! statistics, and differentiates five broadcast operations against per-channel tensors; under
 //! autodiff each of those sums its gradient over the batch and every spatial dimension, one
-//! dimension at a time. A step of the bundled ResNet issued 19 reductions and 2 transposed copies for
-//! each of its nine batch norms, most of the kernels it launched on a GPU. [`batch_norm`] reads
-//! the statistics in place (`[batch, channels, rest]` is a view, not a copy), centres the input
-//! on a detached mean for the variance (the mean's gradient through the variance is zero, so this
-//! changes nothing), and applies the normalisation as one scale and one shift per channel: two
-//! broadcast operations to differentiate instead of five.
+//! dimension at a time. A step of the bundled ResNet issued 19 reductions and 2 transposed
+//! copies for each of its nine batch norms, most of the kernels it launched on a GPU.
+//! [`batch_norm`] reads the statistics in place (`[batch, channels, rest]` is a view, not a
+//! copy), centres the input on a detached mean (the variance's gradient through the mean is zero,
+//! so this changes nothing), and applies the normalisation to the centred input as one scale and
+//! one shift per channel: two broadcast operations to differentiate instead of five.
 
 use burn::nn::BatchNorm;
 use burn::tensor::backend::Backend;

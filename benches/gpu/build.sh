@@ -6,6 +6,8 @@
 # toolkit version to build against (default 13000, CUDA 13.0). CLI_FEATURES adds bonfire-cli
 # features to `bonfire`, space-separated (`fusion`: Burn's fusion and autotune). CLI_ONLY=1 builds
 # `bonfire` alone (what benches/gpu/tuned.sh and host_bound.sh run), without the test binaries.
+# With `host-profile` among CLI_FEATURES, `bonfire` keeps its symbol table (debug info is still
+# stripped) so that its sampling profile names functions (benches/gpu/host_profile.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GPU_DIR:-.gpu}"
@@ -38,8 +40,14 @@ for l in sys.stdin:
     if m.get('reason') == 'compiler-artifact' and m['target']['name'] == '$1' and m.get('executable'):
         print(m['executable'])"
 }
+keep_symbols=0
+case " ${CLI_FEATURES:-} " in *" host-profile "*) keep_symbols=1 ;; esac
 pack() { # source, name
-    strip -o "/tmp/$2" "$1"
+    if [ "$keep_symbols" = 1 ] && [ "$2" = bonfire ]; then
+        strip --strip-debug -o "/tmp/$2" "$1"
+    else
+        strip -o "/tmp/$2" "$1"
+    fi
     xz -T2 -6 -c "/tmp/$2" >"$dir/$2.xz"
     rm "/tmp/$2"
 }

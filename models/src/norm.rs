@@ -9,7 +9,9 @@
 //! [`batch_norm`] reads the statistics in place (`[batch, channels, rest]` is a view, not a
 //! copy), centres the input on a detached mean (the variance's gradient through the mean is zero,
 //! so this changes nothing), and applies the normalisation to the centred input as one scale and
-//! one shift per channel: two broadcast operations to differentiate instead of five.
+//! one shift per channel: two broadcast operations to differentiate instead of five. On Flex
+//! the per-channel operands are also tiled over the batch, the shape Flex's binary operations
+//! vectorise (`rows_per_channel`).
 
 use burn::nn::BatchNorm;
 use burn::tensor::backend::Backend;
@@ -32,6 +34,16 @@ pub fn batch_norm<B: Backend, const D: usize>(bn: &BatchNorm<B>, x: Tensor<B, D>
     if !B::ad_enabled(&x.device()) || !matches!(x.dtype(), DType::F32 | DType::F64) {
         return bn.forward(x);
     }
+    let tiled = rows_per_channel::<B>(&x.device());
+    training(bn, x, tiled)
+}
+
+/// The training forward; `tiled`: per-channel operands tiled over the batch (`rows_per_channel`).
+fn training<B: Backend, const D: usize>(
+    bn: &BatchNorm<B>,
+    x: Tensor<B, D>,
+    tiled: bool,
+) -> Tensor<B, D> {
     let dims = x.dims();
     let (n, c) = (dims[0], dims[1]);
     let rest: usize = dims[2..].iter().product();
@@ -43,17 +55,34 @@ pub fn batch_norm<B: Backend, const D: usize>(bn: &BatchNorm<B>, x: Tensor<B, D>
         _ => t.sum_dim(2).sum_dim(0),
     };
     let x = x.reshape([n, c, rest]);
+    // A per-channel operand `[1, c, 1]` of a `[n, c, rest]` tensor, as the backend applies it
+    // fastest (see `rows_per_channel`).
+    let tiled = tiled && n > 1;
+    let operand = |t: Tensor<B, 3>| if tiled { t.repeat_dim(0, n) } else { t };
     let mean = sum(x.clone()).div_scalar(count);
     let mean_d = mean.clone().detach();
     // Centred on the detached mean: the variance's gradient through the mean is zero.
-    let centred = x - mean_d.clone();
+    let centred = x - operand(mean_d.clone());
     let var = sum(centred.clone().square()).div_scalar(count);
     update_running(bn, mean_d.clone(), var.clone().detach(), c);
     let scale = bn.gamma.val().reshape([1, c, 1]) * var.add_scalar(bn.epsilon).sqrt().recip();
     // `mean - mean_d` is zero: it carries the mean's gradient into the shift, so the output is
     // `(x - mean) * scale + beta` as Burn computes it, without a third broadcast operation.
     let shift = bn.beta.val().reshape([1, c, 1]) - (mean - mean_d) * scale.clone();
-    (centred * scale + shift).reshape(dims)
+    (centred * operand(scale) + operand(shift)).reshape(dims)
+}
+
+/// Whether per-channel operands should be tiled over the batch, `[n, c, 1]` instead of the
+/// broadcast view `[1, c, 1]`: on Flex. Flex's binary operations take a vectorised path when the
+/// smaller operand is shared by every row or holds one value per row of the larger, and walk
+/// element by element with a strided iterator otherwise; a `[1, c, 1]` operand of a
+/// `[n, c, rest]` tensor is neither, `[n, c, 1]` (contiguous) is the second. The copy is `n * c`
+/// values (a few KiB) against the `n * c * rest` each operation reads, and its gradient is one
+/// sum over the batch, the reduction the broadcast's gradient made anyway. Elsewhere the view
+/// stays: on a GPU each tile is one more kernel launch, what the step there is bound by.
+fn rows_per_channel<B: Backend>(device: &B::Device) -> bool {
+    // Decorators name their inner backend: `autodiff<data-parallel<flex>>`.
+    B::name(device).contains("flex")
 }
 
 /// Burn's update of the running statistics: `(1 - momentum) * running + momentum * batch`.
@@ -125,7 +154,7 @@ mod tests {
         for shape in [vec![5usize, 3, 4, 6], vec![7, 4, 9], vec![6, 5]] {
             <A as Backend>::seed(&device, 11);
             let c = shape[1];
-            let (ours, burns) = (module(c), module(c));
+            let (tiled, broadcast, burns) = (module(c), module(c), module(c));
             let numel: usize = shape.iter().product();
             for step in 0..2 {
                 let offsets = Tensor::<A, 1, burn::tensor::Int>::arange(0..c as i64, &device)
@@ -134,36 +163,34 @@ mod tests {
                 let raw = Tensor::<A, 1>::random([numel], Distribution::Normal(0.0, 2.0), &device);
                 let weights =
                     Tensor::<A, 1>::random([numel], Distribution::Uniform(-1.0, 1.0), &device);
-                let run = |bn: &BatchNorm<A>, mine: bool| {
+                // `Some(tiled)`: ours, with per-channel operands tiled or broadcast; `None`: Burn's.
+                let run = |bn: &BatchNorm<A>, mine: Option<bool>| {
                     let x = raw.clone().detach().require_grad();
                     let y = match shape.len() {
                         4 => {
                             let x4 = x.clone().reshape([shape[0], c, shape[2], shape[3]])
                                 + offsets.clone().reshape([1, c, 1, 1]);
-                            let y = if mine {
-                                batch_norm(bn, x4)
-                            } else {
-                                bn.forward(x4)
+                            let y = match mine {
+                                Some(tiled) => training(bn, x4, tiled),
+                                None => bn.forward(x4),
                             };
                             y.reshape([numel])
                         }
                         3 => {
                             let x3 = x.clone().reshape([shape[0], c, shape[2]])
                                 + offsets.clone().reshape([1, c, 1]);
-                            let y = if mine {
-                                batch_norm(bn, x3)
-                            } else {
-                                bn.forward(x3)
+                            let y = match mine {
+                                Some(tiled) => training(bn, x3, tiled),
+                                None => bn.forward(x3),
                             };
                             y.reshape([numel])
                         }
                         _ => {
                             let x2 =
                                 x.clone().reshape([shape[0], c]) + offsets.clone().reshape([1, c]);
-                            let y = if mine {
-                                batch_norm(bn, x2)
-                            } else {
-                                bn.forward(x2)
+                            let y = match mine {
+                                Some(tiled) => training(bn, x2, tiled),
+                                None => bn.forward(x2),
                             };
                             y.reshape([numel])
                         }
@@ -182,24 +209,44 @@ mod tests {
                     "gamma gradient",
                     "beta gradient",
                 ];
-                for ((name, a), b) in names.iter().zip(run(&ours, true)).zip(run(&burns, false)) {
-                    close(&format!("{shape:?} step {step}: {name}"), a, b);
+                let reference = run(&burns, None);
+                for (bn, how) in [(&tiled, true), (&broadcast, false)] {
+                    for ((name, a), b) in names.iter().zip(run(bn, Some(how))).zip(&reference) {
+                        close(
+                            &format!("{shape:?} step {step}, tiled {how}: {name}"),
+                            a,
+                            b.clone(),
+                        );
+                    }
                 }
             }
-            close(
-                "running mean",
-                ours.running_mean.value_sync().into_data(),
-                burns.running_mean.value_sync().into_data(),
-            );
-            close(
-                "running variance",
-                ours.running_var.value_sync().into_data(),
-                burns.running_var.value_sync().into_data(),
-            );
-            // The statistics moved from their start (0 and 1), so the comparison saw an update.
-            let moved: f32 = ours.running_mean.value_sync().abs().sum().into_scalar();
-            assert!(moved > 0.1, "running mean did not move: {moved}");
+            for ours in [&tiled, &broadcast] {
+                close(
+                    "running mean",
+                    ours.running_mean.value_sync().into_data(),
+                    burns.running_mean.value_sync().into_data(),
+                );
+                close(
+                    "running variance",
+                    ours.running_var.value_sync().into_data(),
+                    burns.running_var.value_sync().into_data(),
+                );
+                // The statistics moved from their start (0 and 1): the comparison saw an update.
+                let moved: f32 = ours.running_mean.value_sync().abs().sum().into_scalar();
+                assert!(moved > 0.1, "running mean did not move: {moved}");
+            }
         }
+    }
+
+    /// Flex under any decorator stack tiles; a backend with its own broadcasting does not.
+    #[test]
+    fn per_channel_operands_are_tiled_on_flex_only() {
+        assert!(rows_per_channel::<A>(&FlexDevice));
+        assert!(rows_per_channel::<Flex>(&FlexDevice));
+        type N = burn::backend::NdArray;
+        assert!(!rows_per_channel::<
+            Autodiff<bonfire_backend::DataParallel<N>>,
+        >(&Default::default()));
     }
 
     /// Off autodiff (inference) it is Burn's forward with the running statistics.

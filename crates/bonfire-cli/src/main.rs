@@ -5,6 +5,7 @@ mod doctor;
 mod error;
 #[cfg(test)]
 mod errors_quoted;
+mod host_profile;
 mod launch;
 mod size;
 mod train;
@@ -46,12 +47,18 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    #[cfg(feature = "host-profile")]
+    let profile = host_profile::start();
     let result = match cli.command {
         Command::Launch(args) => launch::run(args),
         Command::Train(train) => train.run(),
         Command::Bench(bench) => bench.run(),
         Command::Doctor(args) => doctor::run(args),
     };
+    #[cfg(feature = "host-profile")]
+    if let Some(profile) = profile {
+        profile.finish();
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

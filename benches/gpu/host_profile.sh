@@ -51,10 +51,13 @@ job() { # part, measured|profiled -> the job's command line
 for p in ${PARTS:-vision64 gpt}; do
     for how in measured profiled; do
         env=()
-        [ "$how" = profiled ] && env=(BONFIRE_HOST_PROFILE="$out/$p" BONFIRE_HOST_PROFILE_AFTER="${HOST_AFTER:-10}")
+        # _ALL=1: samples in libc too (malloc, free, locks), as BENCHMARKS.md's profiles were
+        # taken; the timeout bounds a run the sampler might hold.
+        [ "$how" = profiled ] && env=(BONFIRE_HOST_PROFILE="$out/$p" BONFIRE_HOST_PROFILE_AFTER="${HOST_AFTER:-10}"
+            BONFIRE_HOST_PROFILE_ALL=1)
         t0=$(date +%s)
         # shellcheck disable=SC2046
-        env "${env[@]}" timeout "$(left 150)" "$bin/bonfire" $(job "$p" "$how") \
+        env ${env[@]+"${env[@]}"} timeout "$(left 150)" "$bin/bonfire" $(job "$p" "$how") \
             --checkpoint-dir "$ck/$p-$how" >"$logs/$p-$how.log" 2>&1
         say "$p: $how run rc=$? in $(($(date +%s) - t0)) s"
         grep -E "$show" "$logs/$p-$how.log" | sed "s/^/  $p $how: /" | tee -a "$out/summary.txt"

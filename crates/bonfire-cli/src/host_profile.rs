@@ -39,27 +39,19 @@ pub(crate) struct HostProfile {
 /// reported and sampling is skipped: the command itself runs either way.
 pub(crate) fn start() -> Option<HostProfile> {
     let prefix = std::env::var_os("BONFIRE_HOST_PROFILE")?;
-    let hz = match number("BONFIRE_HOST_PROFILE_HZ", 499.0) {
-        Ok(hz) if (1.0..=10_000.0).contains(&hz) => hz as i32,
-        Ok(hz) => {
-            eprintln!(
-                "host profile: BONFIRE_HOST_PROFILE_HZ={hz} is not in 1..=10000; not sampling"
-            );
-            return None;
+    let settings = || -> Result<(i32, Duration), String> {
+        let hz = number("BONFIRE_HOST_PROFILE_HZ", 499.0)?;
+        if !(1.0..=10_000.0).contains(&hz) {
+            return Err(format!("BONFIRE_HOST_PROFILE_HZ={hz} is not in 1..=10000"));
         }
-        Err(e) => {
-            eprintln!("host profile: {e}; not sampling");
-            return None;
-        }
+        let after = number("BONFIRE_HOST_PROFILE_AFTER", 0.0)?;
+        let after = Duration::try_from_secs_f64(after).map_err(|_| {
+            format!("BONFIRE_HOST_PROFILE_AFTER={after} is not a number of seconds")
+        })?;
+        Ok((hz as i32, after))
     };
-    let after = match number("BONFIRE_HOST_PROFILE_AFTER", 0.0) {
-        Ok(s) if s >= 0.0 && Duration::try_from_secs_f64(s).is_ok() => Duration::from_secs_f64(s),
-        Ok(s) => {
-            eprintln!(
-                "host profile: BONFIRE_HOST_PROFILE_AFTER={s} is not a number of seconds; not sampling"
-            );
-            return None;
-        }
+    let (hz, after) = match settings() {
+        Ok(settings) => settings,
         Err(e) => {
             eprintln!("host profile: {e}; not sampling");
             return None;

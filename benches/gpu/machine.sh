@@ -36,3 +36,30 @@ kernel_cache_in() { # DIR: the cache at /tmp/bonfire-kernels, DIR/kernels.tar.xz
 kernel_cache_out() { # OUT: packs the cache into OUT/kernels.tar.xz.NN, 15 MiB pieces
     (cd "$BONFIRE_KERNEL_CACHE" && tar cf - .) | xz -T0 -6 | split -b 15M -d - "$1/kernels.tar.xz."
 }
+
+gpu_memory_watch() { # PID FILE: until PID exits, samples the GPU's memory every 0.2 s, then writes
+    # to FILE "PEAK BASE PROCS": the GPU's peak use and its use at the start (MiB, nvidia-smi's
+    # memory.used: other processes on the GPU count too), and the peak of the memory nvidia-smi
+    # lists for PID and its descendants (0 where it lists no process, as in some containers)
+    local root=$1 file=$2 base peak procs=0 used pids p s
+    base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    peak=$base
+    descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
+    while kill -0 "$root" 2>/dev/null; do
+        used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+        ((used > peak)) && peak=$used
+        pids=" $root $(descendants "$root" | tr '\n' ' ') "
+        s=0
+        while IFS=', ' read -r p m; do
+            [[ "$pids" == *" $p "* ]] && s=$((s + m))
+        done < <(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits)
+        ((s > procs)) && procs=$s
+        sleep 0.2
+    done
+    echo "$peak $base $procs" >"$file"
+}
+gpu_memory_said() { # FILE -> a line of what gpu_memory_watch measured
+    local peak base procs
+    read -r peak base procs <"$1" 2>/dev/null || return 0
+    echo "GPU memory: peak ${peak} MiB on the GPU, $((peak - base)) MiB above its use at the start; the run's processes at most ${procs} MiB"
+}

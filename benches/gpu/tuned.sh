@@ -102,6 +102,7 @@ warm() { # part, build, round: one measured run (PROFILE=1: a sampler beside eac
     timeout "$(left 120)" "$bin/$b" $(job "$p" warm) --checkpoint-dir "$ck/$p-$b-$r" \
         >"$logs/$p-$b-r$r.log" 2>&1 &
     run=$!
+    gpu_memory_watch "$run" "$logs/$p-$b-r$r.mem" &
     if profiled "$p" && [ "$r" = 1 ]; then
         sleep 0.5
         job_pid=$(awk '{print $1}' "/proc/$run/task/$run/children" 2>/dev/null)
@@ -109,8 +110,9 @@ warm() { # part, build, round: one measured run (PROFILE=1: a sampler beside eac
     fi
     wait "$run"
     say "$p: $b warm run, round $r, rc=$? in $(($(date +%s) - t0)) s ($(cache_stats))"
-    wait # the sampler
+    wait # the sampler and the memory watch
     grep -E "$show" "$logs/$p-$b-r$r.log" | sed "s/^/  $p $b: /" | tee -a "$out/summary.txt"
+    gpu_memory_said "$logs/$p-$b-r$r.mem" | sed "s/^/  $p $b: /" | tee -a "$out/summary.txt"
 }
 part() { # tune, then (one measured run at a time) measure warm and the peer
     local p=$1 t0 rc
@@ -130,9 +132,15 @@ part() { # tune, then (one measured run at a time) measure warm and the peer
                 warm "$p" "$b" "$r"
             done
             # shellcheck disable=SC2046
-            PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer-r$r.log" 2>&1
-            say "$p: PyTorch eager, round $r, rc=$?"
+            PYTHONUNBUFFERED=1 timeout "$(left 90)" python3 $(peer "$p") >"$logs/$p-peer-r$r.log" 2>&1 &
+            local peer_pid=$! rc
+            gpu_memory_watch "$peer_pid" "$logs/$p-peer-r$r.mem" &
+            wait "$peer_pid"
+            rc=$?
+            wait
+            say "$p: PyTorch eager, round $r, rc=$rc"
             tail -3 "$logs/$p-peer-r$r.log" | sed "s/^/  $p peer: /" | tee -a "$out/summary.txt"
+            gpu_memory_said "$logs/$p-peer-r$r.mem" | sed "s/^/  $p peer: /" | tee -a "$out/summary.txt"
         done
         if profiled "$p"; then
             for b in "${builds[@]}"; do

@@ -30,8 +30,9 @@ pub(crate) struct GptArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     tp: Option<u32>,
     /// Pipeline stages per replica: the blocks are split into this many contiguous stages
-    /// (balanced by the blocks' parameters), one rank each, and each step's micro-batches (--micro-batches)
-    /// flow through them; the job starts dp x pp ranks [default: 1]
+    /// (balanced by the blocks' parameters), one rank each (with --tp, each stage split over tp
+    /// ranks), and each step's micro-batches (--micro-batches) flow through them; the job starts
+    /// dp x tp x pp ranks [default: 1]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     pp: Option<u32>,
     /// The pipeline's order of forwards and backwards: 1f1b (one forward, one backward; at

@@ -422,15 +422,6 @@ impl Job for GptJob {
         if let Some(layers) = r.layers.filter(|&l| pp > l) {
             return Err(stages_exceed_blocks(pp, layers));
         }
-        if pp > 1 && tp > 1 {
-            return Err(JobError::Invalid {
-                flag: "--pp",
-                given: format!("{pp} with --tp {tp}"),
-                why: "the GPT job runs a pipeline over data-parallel replicas (--dp), not over \
-                      tensor-parallel ones; `bonfire::init` forms such meshes for programs of \
-                      your own",
-            });
-        }
         if pp > 1 && r.bf16 {
             return Err(JobError::Invalid {
                 flag: "--bf16-comm",
@@ -561,14 +552,6 @@ impl Job for GptJob {
         let pp = r.pp.unwrap_or(saved.pp);
         if pp > saved.layers {
             return Err(stages_exceed_blocks(pp, saved.layers));
-        }
-        if pp > 1 && saved.tp > 1 {
-            return Err(JobError::Invalid {
-                flag: "--pp",
-                given: format!("{pp} for a run with --tp {}", saved.tp),
-                why: "the GPT job runs a pipeline over data-parallel replicas (--dp), not over \
-                      tensor-parallel ones",
-            });
         }
         if pp > 1 && saved.bf16 {
             return Err(JobError::Invalid {

@@ -2,7 +2,10 @@
 //! contiguous stages balanced by the blocks' parameter counts ([`bonfire::pipeline::partition`]), this rank
 //! holding only its stage (the embeddings on the first, the final norm and the head on the last,
 //! a tied head's embedding on both), and each step's `grad_accum` micro-batches flowing through
-//! the stages under the run's schedule ([`Pipeline::step`]).
+//! the stages under the run's schedule ([`Pipeline::step`]). Under `--tp` each stage is then split
+//! over its tensor-parallel group by the GPT's plan (the pipeline group joins the ranks of the
+//! same place in their groups), and the stage's gradients are read whole for the averaging and
+//! the tied embedding's sum below.
 //!
 //! After a step's last backward each stage averages its gradients over its data-parallel group
 //! (the ranks of its stage in the other replicas: [`average_gradients`], one all-reduce, not
@@ -45,6 +48,10 @@ use crate::stragglers::{EpochTimer, StepSplit};
 /// A stage's optimizer: Adam over its blocks.
 type Optim<A> = JobOptimizer<Adam, GptStage<A>, A>;
 
+/// How a rank lays out its stage over its tensor-parallel group: split by the GPT's plan under
+/// `--tp`, as it is otherwise.
+pub(super) type Split<'a, A> = dyn Fn(GptStage<A>) -> Result<GptStage<A>, JobError> + 'a;
+
 /// What one stage of replica 0 measured over the run, for the end report.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageSummary {
@@ -66,6 +73,7 @@ pub struct StageSummary {
 pub(super) fn run<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: A::Device,
+    split: &Split<'_, A>,
 ) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -97,7 +105,8 @@ pub(super) fn run<A: AutodiffBackend>(
         None,
     );
     let mut state = State::new(c.clone(), s.epochs);
-    let (mut stage, mut optim) = resume(ctx, whole, range, optim, &mut state, &device)?;
+    let (stage, mut optim) = resume(ctx, whole, range, optim, &mut state, &device)?;
+    let mut stage = split(stage)?;
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {

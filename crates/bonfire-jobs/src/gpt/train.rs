@@ -49,8 +49,13 @@ pub(super) fn run<B: Backend>(
     device: B::Device,
 ) -> Result<(GptState, GptReport), JobError> {
     let strategy = ctx.settings().config.strategy;
-    if ctx.settings().config.pp > 1 {
-        super::pipeline::run::<Autodiff<DataParallel<B>>>(ctx, device)
+    if ctx.settings().config.pp > 1 && ctx.settings().config.tp > 1 {
+        // Each stage split over its tensor-parallel group by the model's plan.
+        let group = ctx.world().tp_group().clone();
+        let split = move |stage| Ok(bonfire::tensor_parallel(stage, &super::plan(), &group)?);
+        super::pipeline::run::<Autodiff<Hybrid<B>>>(ctx, device, &split)
+    } else if ctx.settings().config.pp > 1 {
+        super::pipeline::run::<Autodiff<DataParallel<B>>>(ctx, device, &|stage| Ok(stage))
     } else if ctx.settings().config.tp > 1 {
         let group = ctx.world().tp_group().clone();
         let layout = move |model| {

@@ -750,11 +750,20 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
     };
     run("tp", &["--dp", "1", "--tp", "2"]);
     let log = run("tp-pp", &["--dp", "1", "--tp", "2", "--pp", "2"]);
-    for stage in [
+    assert!(
+        log.contains(
+            "4 rank(s): 1 data-parallel replica(s) x 2 tensor-parallel x 2 pipeline stages (1f1b, 4 \
+             micro-batches per step)"
+        ),
+        "{log}"
+    );
+    for line in [
         "pipeline stage 0 of 2: blocks 0..2",
         "pipeline stage 1 of 2: blocks 2..3",
+        "tensor parallel 2 rank(s) per replica",
+        " 0 fallback gather(s)",
     ] {
-        assert!(log.contains(stage), "{log}");
+        assert!(log.contains(line), "{log}");
     }
     run("dp-tp", &["--dp", "2", "--tp", "2"]);
     run("dp-tp-pp", &["--dp", "2", "--tp", "2", "--pp", "2"]);

@@ -24,16 +24,21 @@ pub(super) fn start_line(
     replicas: usize,
 ) -> String {
     let c = &s.config;
-    let mesh = if c.tp > 1 {
+    let tp = if c.tp > 1 {
+        format!(" x {} tensor-parallel", c.tp)
+    } else {
+        String::new()
+    };
+    let mesh = if c.pp > 1 {
         format!(
-            "{} rank(s): {replicas} data-parallel replica(s) x {} tensor-parallel",
-            c.ranks, c.tp
-        )
-    } else if c.pp > 1 {
-        format!(
-            "{} rank(s): {replicas} data-parallel replica(s) x {} pipeline stages ({}, {} \
+            "{} rank(s): {replicas} data-parallel replica(s){tp} x {} pipeline stages ({}, {} \
              micro-batches per step)",
             c.ranks, c.pp, c.schedule, c.grad_accum
+        )
+    } else if c.tp > 1 {
+        format!(
+            "{} rank(s): {replicas} data-parallel replica(s){tp}",
+            c.ranks
         )
     } else {
         format!("{} rank(s)", c.ranks)

@@ -151,7 +151,9 @@ pub(super) fn run<A: AutodiffBackend>(
         split,
         throughput,
         stats: bonfire::total_stats(),
-        tp_stats: None,
+        tp_stats: (c.tp > 1)
+            .then(bonfire::backend::tensor_parallel::stats)
+            .flatten(),
         train_tp_stats: None,
         pipeline,
         outer: None,

@@ -9,7 +9,8 @@
 # a slow link (`bonfire bench wan`, one rank per site; needs root), WAN holding its flags;
 # without it, both on this host. ROUNDS (default 1) repeats the three in rotation.
 #
-# Prints, per run: the wall time, the steady rate (the report's rate after the first 10 steps),
+# Prints, per run: the wall time, the steady rate (the report's rate after the first 10 batches:
+# steps for dp and tp, micro-batches for pp, whose window so starts within its first steps),
 # the first and last step's loss line, what the layout communicated (the report's data-parallel,
 # tensor-parallel or pipeline line) and, across the link, what crossed it each way.
 #

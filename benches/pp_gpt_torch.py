@@ -17,14 +17,16 @@ and eps 1e-5 at a constant learning rate.
         [--schedules 1f1b,gpipe] [--steps 40] [--skip 10]
 
 Prints, per schedule and M, the characters per second over the steps after the first `--skip`
-(wall time on the last stage), what `bonfire train gpt --dp 1 --pp 2 --batch B
---micro-batches M --schedule S` prints as its steady rate, and the first step's loss. Without
-torch it says so and exits 0.
+(wall time on the last stage; `bonfire train gpt --dp 1 --pp 2 --batch B --micro-batches M
+--schedule S` prints its steady rate after its first 10 micro-batches instead, a window that
+starts earlier), and the first step's loss. A stage that fails or waits past `--timeout`
+seconds ends the run with an error. Without torch it says so and exits 0.
 """
 
 import argparse
 import importlib.util
 import os
+import queue
 import socket
 import sys
 import time
@@ -89,7 +91,9 @@ def rank_main(rank, world, port, args, micro, schedule_name, out):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    import datetime
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     chars = sorted(set(text))
@@ -156,6 +160,7 @@ def main():
     p.add_argument("--embd", type=int, default=128)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--timeout", type=int, default=600, help="seconds a configuration may take")
     args = p.parse_args()
     if args.layers % 2:
         p.error("--layers must be even: two stages of equal blocks")
@@ -175,11 +180,26 @@ def main():
         for micro in [int(m) for m in args.micro_batches.split(",")]:
             out = ctx.Queue()
             port = free_port()
-            procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, micro, schedule, out))
+            procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, micro, schedule, out),
+                                 daemon=True)
                      for r in range(2)]
             for proc in procs:
                 proc.start()
-            rate, loss = out.get(timeout=900)
+            result = None
+            deadline = time.monotonic() + args.timeout
+            while result is None:
+                try:
+                    result = out.get(timeout=1)
+                except queue.Empty:
+                    failed = [p for p in procs if p.exitcode not in (None, 0)]
+                    if failed or time.monotonic() > deadline:
+                        for p in procs:
+                            p.terminate()
+                        why = (f"stage {procs.index(failed[0])} exited with {failed[0].exitcode}"
+                               if failed else f"no result within {args.timeout} s")
+                        print(f"pp_gpt_torch.py: {schedule}, {micro} micro-batches: {why}", file=sys.stderr)
+                        return 1
+            rate, loss = result
             for proc in procs:
                 proc.join(timeout=60)
             print(f"torch pp 2 {schedule:>5}, {micro:>2} micro-batches of {args.batch}: "

@@ -42,17 +42,20 @@ gpu_memory_watch() { # PID FILE: until PID exits, samples the GPU's memory every
     # memory.used: other processes on the GPU count too), and the peak of the memory nvidia-smi
     # lists for PID and its descendants (0 where it lists no process, as in some containers)
     local root=$1 file=$2 base peak procs=0 used pids p s
-    base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    smi() { timeout 5 nvidia-smi "$@" 2>/dev/null; } # a hung query must not hang the watch
+    base=$(smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [[ $base =~ ^[0-9]+$ ]] || base=0
     peak=$base
     descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
     while kill -0 "$root" 2>/dev/null; do
-        used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
-        ((used > peak)) && peak=$used
+        used=$(smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+        [[ $used =~ ^[0-9]+$ ]] && ((used > peak)) && peak=$used
         pids=" $root $(descendants "$root" | tr '\n' ' ') "
         s=0
         while IFS=', ' read -r p m; do
-            [[ "$pids" == *" $p "* ]] && s=$((s + m))
-        done < <(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits)
+            # `[N/A]` where the driver does not say (MIG): not counted
+            [[ "$pids" == *" $p "* && $m =~ ^[0-9]+$ ]] && s=$((s + m))
+        done < <(smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits)
         ((s > procs)) && procs=$s
         sleep 0.2
     done
@@ -60,6 +63,7 @@ gpu_memory_watch() { # PID FILE: until PID exits, samples the GPU's memory every
 }
 gpu_memory_said() { # FILE -> a line of what gpu_memory_watch measured
     local peak base procs
-    read -r peak base procs <"$1" 2>/dev/null || return 0
+    [ -f "$1" ] || return 0
+    read -r peak base procs <"$1" || return 0
     echo "GPU memory: peak ${peak} MiB on the GPU, $((peak - base)) MiB above its use at the start; the run's processes at most ${procs} MiB"
 }

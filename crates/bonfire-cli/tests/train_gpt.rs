@@ -717,8 +717,8 @@ fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
 }
 
 /// A pipeline whose stages are split over tensor-parallel ranks (`--tp 2 --pp 2`, four
-/// processes; `--dp 2 --tp 2 --pp 2`, eight) trains as the same mesh without the pipeline
-/// (`--tp 2`, `--dp 2 --tp 2`) with the same micro-batches: every evaluation's losses and every
+/// processes; `--tp 2 --pp 3`, six; `--dp 2 --tp 2 --pp 2`, eight) trains as the same mesh
+/// without the pipeline (`--tp 2`, `--dp 2 --tp 2`) with the same micro-batches: every evaluation's losses and every
 /// parameter within 1e-5 after 8 Adam steps (the tensor-parallel runs pad the vocabulary to the
 /// group, so one device is not their reference). The report names both stages. Killed after its
 /// first checkpoint, the `--tp 2 --pp 2` run resumes bit for bit, and it resumes without the
@@ -791,6 +791,11 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
     };
     close("tp-pp", "tp");
     close("dp-tp-pp", "dp-tp");
+    // Three stages (six processes): the middle one holds no embedding, so its plan has blocks
+    // only.
+    let log = run("tp-pp3", &["--dp", "1", "--tp", "2", "--pp", "3"]);
+    assert!(log.contains("pipeline stage 1 of 3: blocks 1..2"), "{log}");
+    close("tp-pp3", "tp");
 
     let kill_and_resume = |name: &str, extra: &[&str]| {
         let run = dir.join(name);

@@ -48,7 +48,7 @@ use crate::strategy::{Strategy, StrategyKind, StrategyRequest};
 use crate::{Clash, Finished, JobError, RunOptions, Runner};
 
 pub use pipeline::stage_output;
-pub use plan::plan;
+pub use plan::{plan, stage_plan};
 pub use sample::{SampleRequest, sample};
 
 /// The share of the text (its end) that validates.

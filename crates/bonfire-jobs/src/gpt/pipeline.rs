@@ -50,7 +50,7 @@ type Optim<A> = JobOptimizer<Adam, GptStage<A>, A>;
 
 /// How a rank lays out its stage over its tensor-parallel group: split by the GPT's plan under
 /// `--tp`, as it is otherwise.
-pub(super) type Split<'a, A> = dyn Fn(GptStage<A>) -> Result<GptStage<A>, JobError> + 'a;
+pub(super) type StageLayout<'a, A> = dyn Fn(GptStage<A>) -> Result<GptStage<A>, JobError> + 'a;
 
 /// What one stage of replica 0 measured over the run, for the end report.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,7 +73,7 @@ pub struct StageSummary {
 pub(super) fn run<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: A::Device,
-    split: &Split<'_, A>,
+    layout: &StageLayout<'_, A>,
 ) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -106,7 +106,7 @@ pub(super) fn run<A: AutodiffBackend>(
     );
     let mut state = State::new(c.clone(), s.epochs);
     let (stage, mut optim) = resume(ctx, whole, range, optim, &mut state, &device)?;
-    let mut stage = split(stage)?;
+    let mut stage = layout(stage)?;
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {

@@ -12,9 +12,19 @@ use bonfire::TpPlan;
 ///
 /// An untied head (`GptConfig::with_tied(false)`) needs `.column("head")` as well.
 pub fn plan() -> TpPlan {
-    TpPlan::new()
-        .vocab("tok")
-        .column("blocks.*.attn.query")
+    stage_plan(true)
+}
+
+/// [`plan`] for a pipeline stage ([`bonfire_models::GptStage`]): its blocks' rules, and the
+/// token embedding's when the stage holds it (the first stage, and the last one's copy for a
+/// tied head). A plan's rule must match a parameter, and a middle stage has no embedding.
+pub fn stage_plan(token_embedding: bool) -> TpPlan {
+    let plan = if token_embedding {
+        TpPlan::new().vocab("tok")
+    } else {
+        TpPlan::new()
+    };
+    plan.column("blocks.*.attn.query")
         .column("blocks.*.attn.key")
         .column("blocks.*.attn.value")
         .row("blocks.*.attn.output")

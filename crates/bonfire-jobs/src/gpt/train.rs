@@ -14,7 +14,7 @@ use std::time::Instant;
 use bonfire::{DataParallel, Hybrid, InOrder, ZeroStage};
 use bonfire_datasets::text::{CharCorpus, Windows};
 use bonfire_datasets::{RankShard, Sharding};
-use bonfire_models::{Gpt, Sampling};
+use bonfire_models::{Gpt, GptStage, Sampling};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{Adam, AdamConfig, GradientsAccumulator, GradientsParams};
@@ -52,8 +52,12 @@ pub(super) fn run<B: Backend>(
     if ctx.settings().config.pp > 1 && ctx.settings().config.tp > 1 {
         // Each stage split over its tensor-parallel group by the model's plan.
         let group = ctx.world().tp_group().clone();
-        let split = move |stage| Ok(bonfire::tensor_parallel(stage, &super::plan(), &group)?);
-        super::pipeline::run::<Autodiff<Hybrid<B>>>(ctx, device, &split)
+        let layout = move |stage: GptStage<_>| {
+            let embedding = stage.is_first() || stage.tied_embedding().is_some();
+            let plan = super::plan::stage_plan(embedding);
+            Ok(bonfire::tensor_parallel(stage, &plan, &group)?)
+        };
+        super::pipeline::run::<Autodiff<Hybrid<B>>>(ctx, device, &layout)
     } else if ctx.settings().config.pp > 1 {
         super::pipeline::run::<Autodiff<DataParallel<B>>>(ctx, device, &|stage| Ok(stage))
     } else if ctx.settings().config.tp > 1 {

@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import os
 import queue
-import socket
 import sys
 import time
 import warnings
@@ -35,9 +34,10 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
-def model_module():
+def ddp_peer():
+    """`gpt_ddp_torch.py`, whose model (`tp_gpt_torch.py`'s) and helpers this peer shares."""
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("tp_gpt_torch", os.path.join(here, "tp_gpt_torch.py"))
+    spec = importlib.util.spec_from_file_location("gpt_ddp_torch", os.path.join(here, "gpt_ddp_torch.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -102,7 +102,7 @@ def rank_main(rank, world, port, args, micro, schedule_name, out):
     windows = len(ids) - args.context
     args.vocab = len(chars)
     torch.manual_seed(args.seed)  # the whole model drawn alike on both ranks, then split
-    whole = model_module().build_model(args)
+    whole = ddp_peer().model_module().build_model(args)
     module = stage_module(whole, rank, world)
     del whole
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
@@ -140,12 +140,6 @@ def rank_main(rank, world, port, args, micro, schedule_name, out):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--text", required=True)
@@ -179,7 +173,7 @@ def main():
     for schedule in args.schedules.split(","):
         for micro in [int(m) for m in args.micro_batches.split(",")]:
             out = ctx.Queue()
-            port = free_port()
+            port = ddp_peer().free_port()
             procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, micro, schedule, out),
                                  daemon=True)
                      for r in range(2)]

@@ -706,6 +706,47 @@ fn weights(dir: &Path, n: usize) -> Vec<f32> {
     values.0
 }
 
+/// The pipeline tests' model and run: `TINY` with 3 blocks, batches of 2 and an evaluation every
+/// 4 steps.
+fn pipeline_tiny() -> Vec<&'static str> {
+    let mut tiny: Vec<&str> = TINY.to_vec();
+    let at = |t: &Vec<&str>, flag: &str| t.iter().position(|a| *a == flag).unwrap() + 1;
+    let (layers, batch, every) = (
+        at(&tiny, "--layers"),
+        at(&tiny, "--batch"),
+        at(&tiny, "--eval-every"),
+    );
+    tiny[layers] = "3";
+    tiny[batch] = "2";
+    tiny[every] = "4";
+    tiny
+}
+
+/// Fails unless runs `a` and `b` under `dir` had two evaluations each with training and
+/// validation losses within 1e-5, and every parameter within 1e-5 after each.
+fn runs_close(dir: &Path, a: &str, b: &str) {
+    let (sa, sb) = (state(&dir.join(a), 2), state(&dir.join(b), 2));
+    let (ha, hb) = (
+        sa["history"].as_array().unwrap(),
+        sb["history"].as_array().unwrap(),
+    );
+    assert_eq!(ha.len(), 2, "{a}");
+    assert_eq!(hb.len(), 2, "{b}");
+    for (x, y) in ha.iter().zip(hb) {
+        for loss in ["train_loss", "val_loss"] {
+            let (p, q) = (f(&x[loss]), f(&y[loss]));
+            assert!((p - q).abs() < 1e-5, "{a} against {b}: {loss} {p} and {q}");
+        }
+    }
+    for n in [1, 2] {
+        let d = max_difference(&dir.join(a), &dir.join(b), n);
+        assert!(
+            d < 1e-5,
+            "{a} against {b}: parameters {d} apart after evaluation {n}"
+        );
+    }
+}
+
 /// The largest difference between two runs' parameters after checkpoint `n`.
 fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
     let (x, y) = (weights(a, n), weights(b, n));
@@ -726,16 +767,7 @@ fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
 #[test]
 fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism() {
     let dir = scratch("gpt-pipeline-tp");
-    let mut tiny: Vec<&str> = TINY.to_vec();
-    let at = |t: &Vec<&str>, flag: &str| t.iter().position(|a| *a == flag).unwrap() + 1;
-    let (layers, batch, every) = (
-        at(&tiny, "--layers"),
-        at(&tiny, "--batch"),
-        at(&tiny, "--eval-every"),
-    );
-    tiny[layers] = "3";
-    tiny[batch] = "2";
-    tiny[every] = "4";
+    let tiny = pipeline_tiny();
     let common = ["--steps", "8", "--micro-batches", "4"];
     let run = |name: &str, extra: &[&str]| -> String {
         let out = bonfire(&dir, &tiny)
@@ -767,28 +799,7 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
     }
     run("dp-tp", &["--dp", "2", "--tp", "2"]);
     run("dp-tp-pp", &["--dp", "2", "--tp", "2", "--pp", "2"]);
-    let close = |a: &str, b: &str| {
-        let (sa, sb) = (state(&dir.join(a), 2), state(&dir.join(b), 2));
-        let (ha, hb) = (
-            sa["history"].as_array().unwrap(),
-            sb["history"].as_array().unwrap(),
-        );
-        assert_eq!(ha.len(), 2, "{a}");
-        assert_eq!(hb.len(), 2, "{b}");
-        for (x, y) in ha.iter().zip(hb) {
-            for loss in ["train_loss", "val_loss"] {
-                let (p, q) = (f(&x[loss]), f(&y[loss]));
-                assert!((p - q).abs() < 1e-5, "{a} against {b}: {loss} {p} and {q}");
-            }
-        }
-        for n in [1, 2] {
-            let d = max_difference(&dir.join(a), &dir.join(b), n);
-            assert!(
-                d < 1e-5,
-                "{a} against {b}: parameters {d} apart after evaluation {n}"
-            );
-        }
-    };
+    let close = |a: &str, b: &str| runs_close(&dir, a, b);
     close("tp-pp", "tp");
     close("dp-tp-pp", "dp-tp");
     // Three stages (six processes): the middle one holds no embedding, so its plan has blocks
@@ -838,16 +849,7 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
 #[test]
 fn pipeline_stages_train_as_one_device() {
     let dir = scratch("gpt-pipeline");
-    let mut tiny: Vec<&str> = TINY.to_vec();
-    let at = |t: &Vec<&str>, flag: &str| t.iter().position(|a| *a == flag).unwrap() + 1;
-    let (layers, batch, every) = (
-        at(&tiny, "--layers"),
-        at(&tiny, "--batch"),
-        at(&tiny, "--eval-every"),
-    );
-    tiny[layers] = "3";
-    tiny[batch] = "2";
-    tiny[every] = "4";
+    let tiny = pipeline_tiny();
     let run = |name: &str, extra: &[&str]| -> String {
         let out = bonfire(&dir, &tiny)
             .args([
@@ -881,27 +883,7 @@ fn pipeline_stages_train_as_one_device() {
     run("gpipe", &["--dp", "1", "--pp", "2", "--schedule", "gpipe"]);
     run("dp", &["--dp", "2"]);
     run("dp-pp", &["--dp", "2", "--pp", "2"]);
-    let close = |a: &str, b: &str| {
-        let (sa, sb) = (state(&dir.join(a), 2), state(&dir.join(b), 2));
-        for (x, y) in sa["history"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(sb["history"].as_array().unwrap())
-        {
-            for loss in ["train_loss", "val_loss"] {
-                let (p, q) = (f(&x[loss]), f(&y[loss]));
-                assert!((p - q).abs() < 1e-5, "{a} against {b}: {loss} {p} and {q}");
-            }
-        }
-        for n in [1, 2] {
-            let d = max_difference(&dir.join(a), &dir.join(b), n);
-            assert!(
-                d < 1e-5,
-                "{a} against {b}: parameters {d} apart after evaluation {n}"
-            );
-        }
-    };
+    let close = |a: &str, b: &str| runs_close(&dir, a, b);
     close("pp", "one");
     close("gpipe", "one");
     close("dp-pp", "dp");

@@ -747,6 +747,37 @@ fn runs_close(dir: &Path, a: &str, b: &str) {
     }
 }
 
+/// The pipeline tests' run `name` under `dir` (`tiny`, 8 steps of 4 micro-batches, over `mesh`)
+/// killed after its first checkpoint, then resumed with `extra`: its output. Fails unless the kill
+/// came before the run ended and the resumed run succeeded from the checkpoint.
+fn killed_and_resumed(
+    dir: &Path,
+    tiny: &[&str],
+    mesh: &[&str],
+    name: &str,
+    extra: &[&str],
+) -> String {
+    let run = dir.join(name);
+    let mut cmd = bonfire(dir, tiny);
+    cmd.args(["--steps", "8", "--micro-batches", "4"])
+        .args(mesh)
+        .arg("--checkpoint-dir")
+        .arg(&run);
+    let done = kill_after_first_checkpoint(&mut cmd, &run);
+    assert_eq!(done, "epoch-1", "the job finished before it was killed");
+    let out = bonfire(dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
+        .arg(&run)
+        .args(extra)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(
+        out.status.success() && log.contains("resuming from"),
+        "{log}"
+    );
+    log
+}
+
 /// The largest difference between two runs' parameters after checkpoint `n`.
 fn max_difference(a: &Path, b: &Path, n: usize) -> f32 {
     let (x, y) = (weights(a, n), weights(b, n));
@@ -808,26 +839,9 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
     assert!(log.contains("pipeline stage 1 of 3: blocks 1..2"), "{log}");
     close("tp-pp3", "tp");
 
-    let kill_and_resume = |name: &str, extra: &[&str]| {
-        let run = dir.join(name);
-        let mut cmd = bonfire(&dir, &tiny);
-        cmd.args(common)
-            .args(["--dp", "1", "--tp", "2", "--pp", "2"])
-            .arg("--checkpoint-dir")
-            .arg(&run);
-        let done = kill_after_first_checkpoint(&mut cmd, &run);
-        assert_eq!(done, "epoch-1", "the job finished before it was killed");
-        let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
-            .arg(&run)
-            .args(extra)
-            .output()
-            .unwrap();
-        let log = text(&out);
-        assert!(
-            out.status.success() && log.contains("resuming from"),
-            "{log}"
-        );
-    };
+    let mesh = ["--dp", "1", "--tp", "2", "--pp", "2"];
+    let kill_and_resume =
+        |name: &str, extra: &[&str]| killed_and_resumed(&dir, &tiny, &mesh, name, extra);
     kill_and_resume("killed", &[]);
     assert_eq!(
         digests(&dir.join("killed"), 2),
@@ -891,34 +905,8 @@ fn pipeline_stages_train_as_one_device() {
     assert_eq!(digests(&dir.join("pp"), 2), digests(&dir.join("gpipe"), 2));
 
     // `--pp 2` killed after its first checkpoint, then resumed with `extra`: its output.
-    let kill_and_resume = |name: &str, extra: &[&str]| -> String {
-        let run = dir.join(name);
-        let mut cmd = bonfire(&dir, &tiny);
-        cmd.args([
-            "--steps",
-            "8",
-            "--micro-batches",
-            "4",
-            "--dp",
-            "1",
-            "--pp",
-            "2",
-        ])
-        .arg("--checkpoint-dir")
-        .arg(&run);
-        let done = kill_after_first_checkpoint(&mut cmd, &run);
-        assert_eq!(done, "epoch-1", "the job finished before it was killed");
-        let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"])
-            .arg(&run)
-            .args(extra)
-            .output()
-            .unwrap();
-        let log = text(&out);
-        assert!(
-            out.status.success() && log.contains("resuming from"),
-            "{log}"
-        );
-        log
+    let kill_and_resume = |name: &str, extra: &[&str]| {
+        killed_and_resumed(&dir, &tiny, &["--dp", "1", "--pp", "2"], name, extra)
     };
     // Resumed: the same bits as the uninterrupted run.
     kill_and_resume("killed", &[]);

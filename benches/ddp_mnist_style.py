@@ -25,6 +25,14 @@ from the IDX files in DIR (bonfire's cache: ~/.cache/bonfire/datasets/mnist), no
 bonfire does, instead of noise: with `--model resnet` the like-for-like peer of `bonfire train
 vision` (`benches/resnet_scaling.sh` runs both).
 
+`--fsdp2 zero2|zero3` (with `--model resnet --epochs`) wraps the ResNet in FSDP2's `fully_shard`
+instead of DDP, each residual block and then the whole model, and measures only the N-process
+run: `zero3` frees the gathered parameters after forward and gathers them again in backward
+(`reshard_after_forward=True`), the peer of `bonfire train vision --zero 3`; `zero2` keeps them
+from forward to backward. `--many-only` measures only the N-process run under DDP too. With
+`--epochs`, each rank of those runs prints the model state it holds (parameters, gradients
+and the optimizer's state, the bytes of its local shards) as `rank R state B bytes`.
+
 `--device cuda` runs every rank on a GPU (rank i on GPU i % count), NCCL when each rank has a
 GPU of its own and gloo when ranks share one (NCCL refuses two ranks on one GPU); the timing then
 waits for the GPU before it stops the clock. The bundled ResNet on a GPU is the peer of
@@ -82,7 +90,8 @@ def make_resnet(torch, width=8):
     )
 
 
-def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", epochs=0, mnist=None):
+def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", epochs=0, mnist=None,
+        fsdp2=None, state=False):
     import torch
     import torch.distributed as dist
 
@@ -97,8 +106,18 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", 
         os.environ["MASTER_PORT"] = str(port)
         backend = "nccl" if gpus >= world else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world)
-        ids = [dev.index] if gpus else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if fsdp2:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(dev.type, (world,))
+            reshard = fsdp2 == "zero3"
+            for layer in model:
+                if any(p.requires_grad for p in layer.parameters()) and len(list(layer.children())) > 0:
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        else:
+            ids = [dev.index] if gpus else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if model_name == "resnet":
         opt = torch.optim.Adam(model.parameters(), lr=0.003)
     else:
@@ -106,6 +125,8 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", 
     loss_fn = torch.nn.CrossEntropyLoss()
     if epochs:
         rate = run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, dev, mnist)
+        if state:
+            print(f"rank {rank} state {state_bytes(model, opt)} bytes", flush=True)
         if world > 1:
             dist.barrier()
             dist.destroy_process_group()
@@ -130,6 +151,26 @@ def run(rank, world, port, batch, steps, queue, model_name="cnn", device="cpu", 
         dist.barrier()
         dist.destroy_process_group()
     queue.put(steps * batch / elapsed)
+
+
+def local(t):
+    """The part of `t` this rank holds: an FSDP2 parameter's local shard, else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(model, opt):
+    """Bytes of model state this rank holds: its parameters, their gradients and the optimizer's
+    tensors (Adam's two moments; the step counters are scalars), each as its local shard."""
+    total = 0
+    for p in model.parameters():
+        total += local(p).nelement() * p.element_size()
+        if p.grad is not None:
+            total += local(p.grad).nelement() * p.grad.element_size()
+    for st in opt.state.values():
+        for v in st.values():
+            if hasattr(v, "nelement") and v.dim() > 0:
+                total += local(v).nelement() * v.element_size()
+    return total
 
 
 def load_mnist(torch, root, size):
@@ -177,7 +218,8 @@ def run_epochs(torch, model, opt, loss_fn, rank, world, batch, steps, epochs, de
     return rate
 
 
-def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0, mnist=None):
+def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0, mnist=None, fsdp2=None,
+            state=False):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -185,7 +227,7 @@ def measure(world, batch, steps, model_name="cnn", device="cpu", epochs=0, mnist
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device, epochs, mnist)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, batch, steps, queue, model_name, device, epochs, mnist, fsdp2, state)) for r in range(world)]
     for p in procs:
         p.start()
     rates = [queue.get(timeout=600) for _ in procs]
@@ -203,13 +245,25 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--epochs", type=int, default=0)
     ap.add_argument("--mnist", default=None, help="with --epochs: train on the MNIST IDX files in this directory")
+    ap.add_argument("--fsdp2", choices=["zero2", "zero3"], default=None,
+                    help="with --model resnet --epochs: FSDP2 in place of DDP, N processes only")
+    ap.add_argument("--many-only", action="store_true", help="measure the N-process run only")
     a = ap.parse_args()
     if a.mnist and not a.epochs:
         ap.error("--mnist needs --epochs")
+    if a.fsdp2 and (a.model != "resnet" or not a.epochs or a.nproc < 2):
+        ap.error("--fsdp2 needs --model resnet, --epochs and --nproc 2 or more")
     try:
         import torch  # noqa: F401
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
+        return 0
+    if a.fsdp2 or a.many_only:
+        many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist, a.fsdp2,
+                       state=bool(a.epochs))
+        how = f"fsdp2 ({a.fsdp2}" if a.fsdp2 else "ddp ("
+        print(f"pytorch {how}, gloo, {a.device}), {a.model}, batch {a.batch} per rank, 1 thread per rank")
+        print(f"  {a.nproc} ranks: {many:.0f} images/s")
         return 0
     one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
     many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)

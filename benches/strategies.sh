@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The bundled jobs' data-parallel strategies side by side: `--strategy allreduce`, `local-sgd`
-# and `diloco` (meeting every H steps), and for the vision job `ps-sync` and `ps-async` (the
+# and `diloco` (meeting every H steps), and `ps-sync` and `ps-async` (the
 # last of the RANKS ranks serves, SERVERS=N for more; STALENESS=S for ps-async's bound: the
 # same ranks, so RANKS-SERVERS workers train, each on 1/(RANKS-SERVERS) of the data with the same
 # batch per step, which makes more steps per epoch and a smaller global batch), RANKS
@@ -21,6 +21,7 @@
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 #   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
 #   JOB=vision RANKS=4 STRATEGIES="allreduce ps-sync ps-async" bash benches/strategies.sh
+#   RANKS=3 STRATEGIES="allreduce ps-sync ps-async" bash benches/strategies.sh   # GPT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

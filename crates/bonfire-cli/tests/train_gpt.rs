@@ -1090,3 +1090,84 @@ fn local_strategies_meet_learn_and_resume_exactly() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--strategy ps-sync` on the GPT job: at 3 ranks (2 workers, the last rank serving) every
+/// evaluation's weights are the bits of allreduce at 2 ranks (a server's mean of two gradients
+/// is the all-reduce's); at 4 ranks with 2 servers, killed after its first checkpoint and
+/// resumed (the checkpoint holds both servers' Adam states, each server takes back its share),
+/// it ends there too. `ps-async` trains and reports the staleness it saw; flags that do not go
+/// with parameter servers are refused with exit code 2.
+#[test]
+fn parameter_servers_train_the_gpt_as_allreduce_does() {
+    let dir = scratch("gpt-ps");
+    train_tiny(&dir, "60", &dir.join("allreduce"), &[]);
+    let plain = digests(&dir.join("allreduce"), 6);
+    let log = train_tiny(
+        &dir,
+        "60",
+        &dir.join("served"),
+        &["--dp", "3", "--strategy", "ps-sync"],
+    );
+    // 60 steps of 2 workers: 120 pushes, 60 optimizer steps.
+    assert!(
+        log.contains("3 rank(s): 2 worker(s) and 1 parameter server(s) (ps-sync")
+            && log.contains("60 steps from 120 pushes")
+            && log.contains("parameter worker 1: 60 pushes"),
+        "{log}"
+    );
+    assert_eq!(digests(&dir.join("served"), 6), plain, "ps-sync at 3 ranks");
+
+    let killed = dir.join("killed");
+    let two = ["--dp", "4", "--strategy", "ps-sync", "--servers", "2"];
+    let done = kill_tiny(&dir, "60", &killed, &two);
+    assert_ne!(done, "epoch-6", "the job finished before it was killed");
+    let mut resume = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"]);
+    let out = resume.arg(&killed).output().unwrap();
+    let log = text(&out);
+    assert!(
+        out.status.success()
+            && log.contains("resuming from")
+            && log.contains("parameter server 1:"),
+        "{log}"
+    );
+    assert_eq!(
+        digests(&killed, 6),
+        plain,
+        "ps-sync with 2 servers, resumed"
+    );
+
+    let log = train_tiny(
+        &dir,
+        "60",
+        &dir.join("async"),
+        &["--dp", "3", "--strategy", "ps-async", "--staleness", "1"],
+    );
+    assert!(
+        log.contains("ps-async, 1 server(s), staleness bound 1")
+            && log.contains("120 steps from 120 pushes")
+            && log.contains("histogram ["),
+        "{log}"
+    );
+    let s = state(&dir.join("async"), 6);
+    let val = f(&s["history"][5]["val_loss"]);
+    assert!(val.is_finite() && val < 4.2, "validation loss {val}");
+
+    for (args, needle) in [
+        (
+            &["--dp", "3", "--strategy", "ps-sync", "--bf16-comm"][..],
+            "parameter servers push gradients and pull parameters in f32",
+        ),
+        (
+            &["--dp", "3", "--strategy", "ps-sync", "--zero", "1"][..],
+            "parameter servers keep it on the servers",
+        ),
+        (
+            &["--dp", "2", "--strategy", "ps-sync", "--servers", "2"][..],
+            "the servers must be fewer than the ranks",
+        ),
+    ] {
+        let out = bonfire(&dir, &[&TINY[..], args].concat()).output().unwrap();
+        assert_clean_failure(&out, needle);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -68,8 +68,9 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
 }
 
 /// A run killed after its first checkpoint and resumed (with the optimizer's state and the
-/// gradients sharded, `--zero 2`) ends with the same weights (digest of every parameter) and the same test results
-/// as an uninterrupted run; bad flags fail cleanly.
+/// gradients sharded, `--zero 2`) ends with the same weights (digest of every parameter) and the
+/// same test results as an uninterrupted run, as does a `--zero 3` run killed and resumed; bad
+/// flags fail cleanly.
 #[test]
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
     let dir = scratch("train-resume");
@@ -149,6 +150,61 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         assert_eq!(ra["param_digest"], rb["param_digest"], "epoch {}", e + 1);
         assert_eq!(ra["test_correct"], rb["test_correct"], "epoch {}", e + 1);
         assert_eq!(ra["train_loss"], rb["train_loss"], "epoch {}", e + 1);
+    }
+    assert!(!log.contains("panicked"), "{log}");
+
+    // A fresh `--zero 2` run plans the gradients' owners at its first step, from the model's
+    // trained parameters only: the batch norms' running statistics, whose ids differ between
+    // processes, once gave the two ranks different owners and a failed reduce-scatter.
+    let fresh = dir.join("zero2");
+    let out = bonfire(&dir, &args)
+        .arg(&fresh)
+        .args(["--zero", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let z = state(&fresh, 3);
+    for e in 0..3 {
+        assert_eq!(
+            a["history"][e]["param_digest"],
+            z["history"][e]["param_digest"],
+            "epoch {}",
+            e + 1
+        );
+    }
+
+    // ZeRO-3 (each rank holds half of every parameter, of its gradient and of Adam's state, and
+    // gathers a parameter where a layer reads it), killed after its first checkpoint and resumed
+    // with it: every epoch ends on the plain run's weights, bit for bit, and the report says
+    // what a rank held and gathered.
+    let sharded = dir.join("zero3");
+    let done = kill_after_first_checkpoint(
+        bonfire(&dir, &args).arg(&sharded).args(["--zero", "3"]),
+        &sharded,
+    );
+    assert_ne!(
+        done, "epoch-3",
+        "the --zero 3 run finished before it was killed"
+    );
+    let out = bonfire(&dir, &["train", "vision", "--resume", "--zero", "3"])
+        .arg("--checkpoint-dir")
+        .arg(&sharded)
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("resuming from")
+            && log.contains("the gradients and the parameters sharded over the ranks (ZeRO-3)")
+            && log.contains("parameters 0.04 MiB (ZeRO-3: ")
+            && log.contains("fully sharded   on rank 0, training: "),
+        "{log}"
+    );
+    let z = state(&sharded, 3);
+    for e in 0..3 {
+        let (ra, rz) = (&a["history"][e], &z["history"][e]);
+        assert_eq!(ra["param_digest"], rz["param_digest"], "epoch {}", e + 1);
+        assert_eq!(ra["test_correct"], rz["test_correct"], "epoch {}", e + 1);
     }
     assert!(!log.contains("panicked"), "{log}");
 
@@ -385,8 +441,9 @@ fn diloco_meets_learns_and_resumes_exactly() {
 /// `--strategy ps-sync` at 3 ranks (2 workers, the last rank serving) and at 4 ranks with 2
 /// servers ends on the weights of allreduce at 2 ranks (a server's mean of two gradients is the
 /// all-reduce's, bit for bit); killed after its first checkpoint and resumed (the checkpoint
-/// holds both servers' Adam states, each server takes back its share) it ends there too; `ps-async` trains and reports its staleness; flags that need another
-/// strategy, a job without a worker and the GPT job refuse them.
+/// holds both servers' Adam states, each server takes back its share) it ends there too;
+/// `ps-async` trains and reports its staleness; flags that need another strategy, a job without
+/// a worker, bf16 gradients and the GPT job's tensor parallelism refuse them.
 #[test]
 fn parameter_servers_equal_allreduce_and_resume_exactly() {
     let dir = scratch("train-ps");
@@ -509,8 +566,8 @@ fn parameter_servers_equal_allreduce_and_resume_exactly() {
             "the servers must be fewer than the ranks",
         ),
         (
-            &["train", "gpt", "--strategy", "ps-async"][..],
-            "parameter servers are offered by the vision job",
+            &["train", "gpt", "--strategy", "ps-async", "--tp", "2"][..],
+            "parameter servers run over data-parallel replicas of the whole model",
         ),
         (
             &[

@@ -39,6 +39,11 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn fully_shards(&self) -> bool {
         false
     }
+    /// Whether the job checks the model state a rank would hold against
+    /// `--model-state-limit` before it trains.
+    fn checks_model_state(&self) -> bool {
+        false
+    }
 }
 
 /// The state of a run of job `J`, as its checkpoints hold it.

@@ -283,14 +283,30 @@ where
     Ok(whole)
 }
 
-/// Bytes of the parameters this rank holds, and of the whole parameters.
-struct ParamBytes(usize, usize);
+/// Bytes of the float tensors of a model (its parameters and buffers, such as a batch norm's
+/// running statistics) this rank holds and whole, and of the trained ones alone (those that get
+/// gradients and optimizer state).
+#[derive(Default)]
+struct ParamBytes {
+    held: usize,
+    whole: usize,
+    trained_held: usize,
+    trained_whole: usize,
+}
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for ParamBytes {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
-        self.0 += bonfire::held_bytes(&t);
-        self.1 += t.shape().num_elements() * t.dtype().size();
+        let (held, whole) = (
+            bonfire::held_bytes(&t),
+            t.shape().num_elements() * t.dtype().size(),
+        );
+        self.held += held;
+        self.whole += whole;
+        if t.is_require_grad() {
+            self.trained_held += held;
+            self.trained_whole += whole;
+        }
     }
 }
 
@@ -307,13 +323,13 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    let mut params = ParamBytes(0, 0);
+    let mut params = ParamBytes::default();
     model.visit(&mut params);
-    let (held, n) = (params.0, replicas.max(1));
+    let (held, trained, n) = (params.held, params.trained_held, replicas.max(1));
     match zero {
-        None | Some(ZeroStage::Three) => (held, held, 2 * held),
-        Some(ZeroStage::One) => (held, held, 2 * held / n),
-        Some(ZeroStage::Two) => (held, held / n, 2 * held / n),
+        None | Some(ZeroStage::Three) => (held, trained, 2 * trained),
+        Some(ZeroStage::One) => (held, trained, 2 * trained / n),
+        Some(ZeroStage::Two) => (held, trained / n, 2 * trained / n),
     }
 }
 
@@ -330,7 +346,7 @@ where
     M: AutodiffModule<B>,
     B: AutodiffBackend,
 {
-    let mut params = ParamBytes(0, 0);
+    let mut params = ParamBytes::default();
     model.visit(&mut params);
     let (rank, ranks) = (ctx.rank(), ctx.world_size());
     // Each rank fills its own slots; the sum over ranks is every rank's figures.
@@ -341,8 +357,9 @@ where
     let all = ctx.sum(mine, "gathering each rank's memory")?;
     let bytes = |part: &[f64]| part.iter().map(|&b| b as usize).collect();
     Ok(ModelMemory {
-        parameters: params.0,
-        parameters_whole: params.1,
+        parameters: params.held,
+        parameters_whole: params.whole,
+        trained_whole: params.trained_whole,
         gradients: bytes(&all[..ranks]),
         optimizer: bytes(&all[ranks..2 * ranks]),
         peak_resident: all[2 * ranks..]

@@ -7,6 +7,9 @@ use std::time::Duration;
 use bonfire::World;
 use bonfire::collectives::Communicator;
 use bonfire::topology::ReduceOp;
+use burn::module::Module;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -370,6 +373,34 @@ impl<'a, J: Job> RankContext<'a, J> {
         comm.broadcast(buf, 0)
             .wait()
             .map_err(JobError::collective(during))
+    }
+
+    /// Rank 0's `module` on every rank (a collective): rank 0 encodes it and sends it, and every
+    /// rank, rank 0 too, loads it into its own (values and ids), as whole tensors. With
+    /// `everyone_encodes`, every rank encodes its module and only rank 0's bytes are kept: for
+    /// a module whose whole tensors are read through a collective (ZeRO-3's gathers), which
+    /// after loading needs none.
+    pub fn rank0_module<B: Backend, M: Module<B>>(
+        &self,
+        module: M,
+        device: &B::Device,
+        everyone_encodes: bool,
+        during: &'static str,
+    ) -> Result<M, JobError> {
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let mine = if self.is_main() || everyone_encodes {
+            recorder
+                .record(module.clone().into_record(), ())
+                .map_err(|source| JobError::EncodeRecord {
+                    what: "model",
+                    source,
+                })?
+        } else {
+            Vec::new()
+        };
+        let bytes = self.broadcast_bytes(mine, during)?;
+        let record = recorder.load(bytes, device).map_err(JobError::Rank0Model)?;
+        Ok(module.load_record(record))
     }
 
     /// The element-wise sum of every rank's `values`; `during` says what for, in an error.

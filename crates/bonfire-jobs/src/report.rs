@@ -248,6 +248,26 @@ fn late_line(st: &StepStats) -> Option<String> {
     Some(format!("waited for      {}", parts.join(", ")))
 }
 
+/// Under ZeRO-3, rank 0's parameter gathers while training (none of them overlapped with
+/// compute) and how many more `elsewhere` ran (`all` counts the whole run): the report's
+/// `fully sharded` line.
+pub fn fully_sharded_line(
+    all: &bonfire::backend::tensor_parallel::TpStats,
+    train: &bonfire::backend::tensor_parallel::TpStats,
+    train_seconds: f64,
+    elsewhere: &str,
+) -> String {
+    format!(
+        "fully sharded   on rank 0, training: {} parameter gathers ({:.1} MiB of slices sent), \
+         waited {:.2} s ({:.0}% of the training time); {elsewhere}: {} more gathers",
+        train.gathers,
+        train.gather_bytes as f64 / (1 << 20) as f64,
+        train.gather_time.as_secs_f64(),
+        100.0 * train.gather_time.as_secs_f64() / train_seconds.max(1e-9),
+        all.gathers.saturating_sub(train.gathers),
+    )
+}
+
 /// `checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and
 /// runs/vision-1/accuracy.png`.
 pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String {
@@ -273,8 +293,11 @@ pub struct ModelMemory {
     /// Bytes of the parameters each rank holds: whole on every rank, or under ZeRO-3 its
     /// slices (the same on every rank).
     pub parameters: usize,
-    /// Bytes of the whole parameters.
+    /// Bytes of the whole parameters (with the buffers, such as a batch norm's running
+    /// statistics, which stay whole on every rank).
     pub parameters_whole: usize,
+    /// Bytes of the whole trained parameters: those that get gradients and optimizer state.
+    pub trained_whole: usize,
     /// Bytes of the gradients each rank's last optimizer step got, by rank: every trained
     /// parameter's, whole on every rank, without ZeRO or with stage 1 (which averages whole
     /// gradients); this rank's share under stage 2.
@@ -314,7 +337,8 @@ impl ModelMemory {
         };
         let stage = self.zero.map(bonfire::ZeroStage::number);
         // Under ZeRO-3 a parameter that does not split stays whole on every rank, so the sum
-        // over the ranks is not the whole: it is the parameters' (gradients), twice (Adam).
+        // over the ranks is not the whole: it is the trained parameters' (gradients), twice
+        // (Adam).
         let most = |v: &[usize], whole: Option<usize>| {
             let (m, share, sum) = most(v);
             match whole {
@@ -322,7 +346,7 @@ impl ModelMemory {
                 None => (m, share, sum),
             }
         };
-        let three = |k: usize| (stage == Some(3)).then_some(k * self.parameters_whole);
+        let three = |k: usize| (stage == Some(3)).then_some(k * self.trained_whole);
         let (grads, grads_share, grads_whole) = most(&self.gradients, three(1));
         let parameters = if stage == Some(3) {
             format!(
@@ -404,6 +428,7 @@ mod tests {
         let sharded = ModelMemory {
             parameters: 3 * mib,
             parameters_whole: 3 * mib,
+            trained_whole: 3 * mib,
             gradients: vec![3 * mib; 2],
             optimizer: vec![3 * mib, 3 * mib + mib / 2],
             peak_resident: vec![Some(200 * mib), None],
@@ -463,6 +488,22 @@ mod tests {
             ),
             "{}",
             zero3.line()
+        );
+        // Buffers (a batch norm's running statistics) stay whole on every rank and get no
+        // gradients: the gradients' and the state's shares are of the trained parameters.
+        let buffers = ModelMemory {
+            parameters: 2 * mib + mib / 2,
+            parameters_whole: 4 * mib,
+            ..zero3
+        };
+        assert!(
+            buffers.line().contains(
+                "per rank: parameters 2.50 MiB (ZeRO-3: 62% of the whole 4.00 MiB), gradients \
+                 1.50 MiB on the rank with most (ZeRO-3: 50% of the whole 3.00 MiB), optimizer \
+                 state 3.00 MiB on the rank with most (ZeRO-3: 50% of the whole 6.00 MiB)"
+            ),
+            "{}",
+            buffers.line()
         );
         // This process has touched more than a MiB by now.
         assert!(peak_resident_bytes().is_some_and(|b| b > mib));

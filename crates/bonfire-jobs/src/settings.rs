@@ -183,10 +183,10 @@ pub fn settle<J: Job>(
 /// in a job that does not shard its parameters: refused (a fresh run refuses it before making
 /// its directory).
 fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<(), JobError> {
-    // The job that shards its parameters (the GPT job) is the one that checks its model state,
-    // for all-reduce runs without pipeline stages (what it predicts a rank holds).
+    // A job that checks its model state (the GPT job) does so for all-reduce runs without
+    // pipeline stages (what it predicts a rank holds).
     if let Some(mib) = options.model_state_limit_mib {
-        let why = if !config.fully_shards() {
+        let why = if !config.checks_model_state() {
             Some("this job does not check its model state; the GPT job does")
         } else if config.pipeline_stages() > 1 {
             Some("a pipeline's stages hold their own blocks; the limit is checked without --pp")
@@ -211,8 +211,8 @@ fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<()
             return Err(JobError::Invalid {
                 flag: "--zero",
                 given: "3".into(),
-                why: "this job shards the optimizer's state and the gradients (--zero 1 or 2); \
-                      the GPT job shards its parameters too",
+                why: "this job shards the optimizer's state and the gradients (--zero 1 or 2), \
+                      not its parameters",
             });
         }
         let tp = config.tensor_parallel();

@@ -475,6 +475,28 @@ pub(crate) fn check_servers(servers: usize, ranks: usize) -> Result<(), JobError
     Ok(())
 }
 
+/// Under parameter servers, checks a fresh run of `ranks` ranks: a worker beside the servers,
+/// and f32 gradients (`bf16` given as `flag`, the job's flag for bf16 gradients).
+pub(crate) fn check_served(
+    strategy: &Strategy,
+    ranks: usize,
+    bf16: bool,
+    flag: &'static str,
+) -> Result<(), JobError> {
+    let Some(servers) = strategy.servers() else {
+        return Ok(());
+    };
+    check_servers(servers, ranks)?;
+    if bf16 {
+        return Err(JobError::Invalid {
+            flag,
+            given: "with --strategy ps-sync or ps-async".into(),
+            why: "parameter servers push gradients and pull parameters in f32",
+        });
+    }
+    Ok(())
+}
+
 /// A server's report over the rounds so far: `total` with round `r` added.
 pub(crate) fn merge_served(
     total: Option<bonfire::PsReport>,

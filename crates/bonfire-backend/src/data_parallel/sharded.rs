@@ -386,7 +386,11 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes<B> {
         if self.device.is_none() {
             self.device = Some(tensor.device());
         }
-        if let Some(params) = &mut self.params {
+        // Buffers (a batch norm's running statistics) are not trained: no owner, no state, no
+        // gather; each rank keeps its own, as under DDP. Their ids may also differ between
+        // processes (Burn's `RunningState` keeps its own id when a module is mapped), so an
+        // owner planned by id would differ between ranks.
+        if let Some(params) = self.params.as_mut().filter(|_| tensor.is_require_grad()) {
             let whole = tensor.shape().num_elements();
             let inner = tensor.inner().into_primitive().tensor();
             let local = local::shape::<B::InnerBackend>(&inner).num_elements();
@@ -488,6 +492,10 @@ struct Theirs<'a> {
 impl<B: AutodiffBackend> ModuleMapper<B> for Theirs<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(&owner) = self.plan.owner.get(&param.id) else {
+            if !param.val().is_require_grad() {
+                // A buffer: this rank's own (see `Sizes`).
+                return param;
+            }
             self.rep.fail(SyncError::Sharded {
                 what: format!(
                     "parameter {} was not in the model at the first sharded step",

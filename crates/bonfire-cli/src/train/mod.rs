@@ -96,8 +96,10 @@ pub(crate) struct VisionArgs {
     /// Shard over the data-parallel ranks: 1, Adam's state (each rank keeps and updates its
     /// share of the parameters, then they all-gather the updated ones; the same weights, bit for
     /// bit); 2, the gradients too (reduce-scattered to their owners; the same weights at 2
-    /// ranks, within rounding above)
-    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=2))]
+    /// ranks, within rounding above); 3, the parameters too (each rank holds a slice of every
+    /// parameter, of its gradient and of Adam's state, and gathers a parameter where a layer
+    /// reads it)
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint any rank can read (sent to ranks that lack it) [default: 0]
@@ -133,10 +135,10 @@ pub(crate) struct StrategyArgs {
     /// How the data-parallel replicas stay together: allreduce (every step's gradients
     /// averaged in backward), local-sgd (each replica steps on its own gradients and the
     /// replicas average their parameters every --sync-every steps), diloco (the same, the
-    /// mean change applied by an outer Nesterov SGD), or, vision only, ps-sync and ps-async
-    /// (the last --servers ranks hold the parameters and Adam's state; the others push
-    /// gradients and pull parameters every step, all together or each as it comes)
-    /// [default: allreduce]
+    /// mean change applied by an outer Nesterov SGD), ps-sync or ps-async (the last --servers
+    /// ranks hold the parameters and Adam's state; the others push gradients and pull
+    /// parameters every step, all together or each as it comes); only allreduce with --tp or
+    /// --pp [default: allreduce]
     #[arg(long, value_name = "NAME")]
     strategy: Option<String>,
     /// Steps between the replicas' meetings under local-sgd or diloco; they also meet at each

@@ -261,9 +261,15 @@ impl GptRunConfig {
         self.ranks / (self.tp * self.pp)
     }
 
-    /// Characters seen per optimizer step, over all replicas.
+    /// Data-parallel replicas that train: all of them, or under parameter servers those that
+    /// do not serve (the last ranks serve).
+    pub fn workers(&self) -> usize {
+        self.dp() - self.strategy.servers().unwrap_or(0)
+    }
+
+    /// Characters seen per optimizer step, over all replicas that train.
     pub fn tokens_per_step(&self) -> usize {
-        self.dp() * self.grad_accum * self.batch * self.context
+        self.workers() * self.grad_accum * self.batch * self.context
     }
 }
 
@@ -285,10 +291,14 @@ impl JobConfig for GptRunConfig {
     }
 
     fn local_strategy(&self) -> bool {
-        self.strategy.is_local()
+        !self.strategy.is_all_reduce()
     }
 
     fn fully_shards(&self) -> bool {
+        true
+    }
+
+    fn checks_model_state(&self) -> bool {
         true
     }
 }
@@ -345,6 +355,8 @@ pub struct GptReport {
     pub pipeline: Option<Vec<pipeline::StageSummary>>,
     /// A local strategy, and what this rank's meetings sent.
     pub outer: Option<(Strategy, bonfire::OuterStats)>,
+    /// Under parameter servers, rank 0's lines on what the servers saw and the workers sent.
+    pub servers: Vec<String>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
 }
@@ -430,18 +442,6 @@ impl Job for GptJob {
             });
         }
         r.strategy.check()?;
-        if let Some(k) = r
-            .strategy
-            .kind
-            .filter(|k| matches!(k, StrategyKind::PsSync | StrategyKind::PsAsync))
-        {
-            return Err(JobError::Invalid {
-                flag: "--strategy",
-                given: crate::strategy::kind_name(k).into(),
-                why: "parameter servers are offered by the vision job (and the library's \
-                      bonfire::param_server); the GPT job runs allreduce, local-sgd or diloco",
-            });
-        }
         if r.strategy
             .kind
             .is_some_and(|k| k != StrategyKind::AllReduce)
@@ -450,7 +450,8 @@ impl Job for GptJob {
             return Err(JobError::Invalid {
                 flag: "--strategy",
                 given: format!("with --tp {tp} --pp {pp}"),
-                why: "local-sgd and diloco run over data-parallel replicas of the whole model",
+                why: "local-sgd, diloco and parameter servers run over data-parallel replicas of \
+                      the whole model",
             });
         }
         if let Some(v) = r.lr.filter(|v| !(*v > 0.0 && v.is_finite())) {
@@ -640,6 +641,7 @@ impl Job for GptJob {
         }
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
+        crate::strategy::check_served(&r.strategy.resolve(), ranks, r.bf16, "--bf16-comm")?;
         let context = r.context.unwrap_or(64);
         let vocab = vocabulary(&text, context)?;
         let steps = r.steps.unwrap_or(1200);

@@ -40,6 +40,12 @@ pub(super) fn start_line(
             "{} rank(s): {replicas} data-parallel replica(s){tp}",
             c.ranks
         )
+    } else if let Some(servers) = c.strategy.servers() {
+        format!(
+            "{} rank(s): {replicas} worker(s) and {servers} parameter server(s) ({})",
+            c.ranks,
+            c.strategy.describe()
+        )
     } else {
         format!("{} rank(s)", c.ranks)
     };
@@ -137,6 +143,7 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
         state.config.dp(),
     ));
     lines.extend(report.split.line());
+    lines.extend(report.servers.iter().cloned());
     if let Some((strategy, outer)) = &report.outer {
         lines.push(crate::strategy::report_line(
             strategy,
@@ -146,16 +153,11 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
     }
     lines.extend(report.memory.as_ref().map(crate::report::ModelMemory::line));
     if let (Some(all), Some(train)) = (&report.tp_stats, &report.train_tp_stats) {
-        // ZeRO-3: the parameters' gathers, none of them overlapped with compute.
-        lines.push(format!(
-            "fully sharded   on rank 0, training: {} parameter gathers ({:.1} MiB of slices sent), \
-             waited {:.2} s ({:.0}% of the training time); evaluations and samples: {} more \
-             gathers",
-            train.gathers,
-            train.gather_bytes as f64 / (1 << 20) as f64,
-            train.gather_time.as_secs_f64(),
-            100.0 * train.gather_time.as_secs_f64() / report.throughput.seconds.max(1e-9),
-            all.gathers.saturating_sub(train.gathers),
+        lines.push(crate::report::fully_sharded_line(
+            all,
+            train,
+            report.throughput.seconds,
+            "evaluations and samples",
         ));
     } else if let Some(tp) = &report.tp_stats {
         lines.push(format!(
@@ -187,8 +189,13 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
             st.activation_bytes as f64 / (1 << 20) as f64,
         ));
     }
+    // Parameter servers (the last ranks) train nothing: only the workers are compared.
+    let trainers = state.config.ranks - state.config.strategy.servers().unwrap_or(0);
     lines.extend(crate::stragglers::report_line(
-        state.history.iter().map(|r| (r.eval, r.ranks.as_slice())),
+        state
+            .history
+            .iter()
+            .map(|r| (r.eval, &r.ranks[..trainers.min(r.ranks.len())])),
     ));
     lines.push(checkpoints_line(&report.checkpoint_dir, last.eval, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));

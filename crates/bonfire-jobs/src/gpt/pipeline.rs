@@ -157,6 +157,7 @@ pub(super) fn run<A: AutodiffBackend>(
         train_tp_stats: None,
         pipeline,
         outer: None,
+        servers: Vec::new(),
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {

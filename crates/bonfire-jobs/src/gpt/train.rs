@@ -26,12 +26,12 @@ use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION,
 use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::data::{mix64, param_digest};
-use crate::optim::{JobOptimizer, model_memory};
+use crate::optim::{JobOptimizer, model_memory, served_record};
 use crate::progress::StepProgress;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
-use crate::strategy::{optimizer_file, optimizer_part};
+use crate::strategy::{merge_served, optimizer_file, optimizer_part, served_lines};
 
 pub(super) type Rec = BinBytesRecorder<FullPrecisionSettings>;
 /// The job's optimizer: Adam over the GPT, whole on every rank or sharded (`--zero 1`).
@@ -87,12 +87,15 @@ fn run_on<A: AutodiffBackend>(
 ) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
-    let (replica, replicas) = (ctx.world().dp_group().rank(), c.dp());
+    // Under parameter servers the last ranks serve and train on nothing (a server takes the
+    // first worker's shard, which it never reads).
+    let (replica, replicas) = (ctx.world().dp_group().rank(), c.workers());
+    let serving = replica >= replicas;
     let text = c.dataset.text(&s.data_dir)?;
     let corpus = CharCorpus::with_vocab(c.vocab(), &text, VAL_FRACTION)?;
     drop(text);
     let train = corpus.train_windows(c.context, 1)?;
-    let shard = train.shard(replica, replicas)?;
+    let shard = train.shard(if serving { 0 } else { replica }, replicas)?;
     let val = corpus.val_windows(c.context, c.context)?;
     A::seed(&device, c.seed);
     let model: Gpt<A> = c.model().init(&device);
@@ -119,31 +122,45 @@ fn run_on<A: AutodiffBackend>(
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
-        ranks: ctx.world_size(),
+        ranks: ctx.world_size() - c.strategy.servers().unwrap_or(0),
         ..Throughput::default()
     };
     // What the tensor-parallel decorator communicated while training (not evaluating).
     let mut train_tp = bonfire::backend::tensor_parallel::TpStats::default();
+    let mut served: Option<bonfire::PsReport> = None;
     for round in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let tp_before = bonfire::backend::tensor_parallel::stats();
         let trained;
-        (model, trained) = train_round(
-            ctx,
-            model,
-            &mut optim,
-            &train,
-            &shard,
-            round,
-            split.batches,
-            &device,
-        )?;
+        (model, trained) = if serving {
+            serve_round(ctx, model, &mut optim, &mut served, round)
+        } else {
+            train_round(
+                ctx,
+                model,
+                &mut optim,
+                &train,
+                &shard,
+                round,
+                split.batches,
+                &device,
+            )?
+        };
         if let (Some(before), Some(after)) = (tp_before, bonfire::backend::tensor_parallel::stats())
         {
             train_tp.add(&after.since(&before));
         }
-        // A local strategy's replicas agree on one model before it is evaluated and saved.
+        // A local strategy's replicas agree on one model before it is evaluated and saved; a
+        // parameter servers' worker takes the servers' final parameters, and a server the
+        // workers' (rank 0's).
         model = optim.meet(model);
+        // A server holds only its share up to date: it takes rank 0's parameters (the ids are
+        // every rank's since the job began from rank 0's) before the model is evaluated, saved
+        // and served again.
+        if c.strategy.servers().is_some() {
+            let during = "sharing the workers' parameters with the servers";
+            model = ctx.rank0_module(model, &device, false, during)?;
+        }
         let train_secs = t0.elapsed().as_secs_f64();
         let mut account = Account {
             throughput: &mut throughput,
@@ -165,6 +182,12 @@ fn run_on<A: AutodiffBackend>(
     } else {
         None
     };
+    let servers = served_lines(
+        ctx,
+        serving,
+        served.as_ref(),
+        optim.as_served().map(|o| o.stats()),
+    )?;
     let report = GptReport {
         memory,
         split,
@@ -176,6 +199,7 @@ fn run_on<A: AutodiffBackend>(
         train_tp_stats: (s.zero_stage() == Some(ZeroStage::Three)).then_some(train_tp),
         pipeline: None,
         outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
+        servers,
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
@@ -330,8 +354,9 @@ pub(super) fn evaluate<A: AutodiffBackend>(
     device: &A::Device,
 ) -> Result<EvalRecord, JobError> {
     let c = ctx.settings().config.clone();
-    let replicas = c.dp();
-    let trainers = ctx.world_size();
+    // Parameter servers (the last ranks) train nothing: only the workers are compared.
+    let replicas = c.workers();
+    let trainers = ctx.world_size() - c.strategy.servers().unwrap_or(0);
     let ranks = ctx.epoch_times(trained.times, trainers)?;
     account.throughput.items += trained.tokens * replicas;
     account.throughput.seconds += account.train_secs;
@@ -431,15 +456,19 @@ fn train_round<A: AutodiffBackend>(
     device: &A::Device,
 ) -> Result<(Gpt<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
-    let (replica, replicas, rounds) =
-        (ctx.world().dp_group().rank(), c.dp(), ctx.settings().epochs);
+    let (replica, replicas, rounds) = (
+        ctx.world().dp_group().rank(),
+        c.workers(),
+        ctx.settings().epochs,
+    );
     let first = round * c.eval_every;
     let end = ((round + 1) * c.eval_every).min(c.steps);
     let steps = end - first;
     let mut log = RoundLog::new(round, rounds, steps, replicas);
     let (mut loss_sum, mut batches, mut tokens) = (0.0f64, 0usize, 0usize);
     let mut timer = EpochTimer::start_after(before);
-    let local = c.strategy.is_local();
+    // Local strategies and parameter servers step on each replica's own gradients.
+    let local = !c.strategy.is_all_reduce();
     let mut accumulated = GradientsAccumulator::new();
     for (i, step) in (first..end).enumerate() {
         let lr = c.lr_at(step);
@@ -485,6 +514,37 @@ fn train_round<A: AutodiffBackend>(
         split: timer.split(),
     };
     Ok((model, trained))
+}
+
+/// A parameter server's round: serves the workers until every one is done with the round (or,
+/// asynchronous, gone), adding what it saw to `served`. It trains on nothing.
+fn serve_round<A: AutodiffBackend>(
+    ctx: &RankContext<'_, GptJob>,
+    model: Gpt<A>,
+    optim: &mut Optim<A>,
+    served: &mut Option<bonfire::PsReport>,
+    round: usize,
+) -> (Gpt<A>, Trained) {
+    let t0 = Instant::now();
+    let (model, report) = optim.serve(model);
+    if let Some(r) = report {
+        *served = Some(merge_served(served.take(), r));
+    }
+    let c = &ctx.settings().config;
+    let trained = Trained {
+        loss_sum: 0.0,
+        batches: 0,
+        tokens: 0,
+        last_step: ((round + 1) * c.eval_every).min(c.steps),
+        curve: Vec::new(),
+        times: RankTimes {
+            input: 0.0,
+            compute: t0.elapsed().as_secs_f64(),
+            wait: 0.0,
+        },
+        split: StepSplit::default(),
+    };
+    (model, trained)
 }
 
 /// A round's running account for rank 0's progress line and the training-loss curve: the mean
@@ -629,8 +689,14 @@ fn record_round<A: AutodiffBackend>(
     let model_bytes = recorder
         .record(model.clone().into_record(), ())
         .map_err(encode("model"))?;
+    // Under parameter servers the servers' shares, gathered to rank 0.
+    let whole = optim.whole_record(device);
+    let whole = match optim.as_served() {
+        Some(_) => served_record::<Adam, Gpt<A>, A>(ctx.world().dp_group(), whole, device)?,
+        None => whole,
+    };
     let optim_bytes = recorder
-        .record(InOrder::new(optim.whole_record(device), model), ())
+        .record(InOrder::new(whole, model), ())
         .map_err(encode("optimizer state"))?;
     // A local strategy's replicas each add their own inner state and rounding error.
     let outer = optim.as_local().map(|o| o.outer_state());

@@ -178,6 +178,10 @@ impl JobConfig for VisionConfig {
     fn local_strategy(&self) -> bool {
         !self.strategy.is_all_reduce()
     }
+
+    fn fully_shards(&self) -> bool {
+        true
+    }
 }
 
 /// What one epoch of a vision run measured (an entry of `state.json`'s `history`).
@@ -225,6 +229,12 @@ pub struct VisionReport {
     pub throughput: Throughput,
     /// The data-parallel decorator's totals on this rank, if it measured any step.
     pub stats: Option<StepStats>,
+    /// Under ZeRO-3, what this rank's fully sharded group did over the run and while training
+    /// (the parameters' gathers).
+    pub fully_sharded: Option<(
+        bonfire::backend::tensor_parallel::TpStats,
+        bonfire::backend::tensor_parallel::TpStats,
+    )>,
     /// A local strategy, and what this rank's meetings sent.
     pub outer: Option<(Strategy, bonfire::OuterStats)>,
     /// Under parameter servers, rank 0's lines on what the servers saw and the workers sent.
@@ -330,16 +340,7 @@ impl Job for Vision {
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         crate::strategy::check_deltas(&r.strategy.resolve(), r.bf16, "--bf16")?;
-        if let Some(servers) = r.strategy.resolve().servers() {
-            crate::strategy::check_servers(servers, ranks)?;
-            if r.bf16 {
-                return Err(JobError::Invalid {
-                    flag: "--bf16",
-                    given: "with --strategy ps-sync or ps-async".into(),
-                    why: "parameter servers push gradients and pull parameters in f32",
-                });
-            }
-        }
+        crate::strategy::check_served(&r.strategy.resolve(), ranks, r.bf16, "--bf16")?;
         let dataset = match r.dataset {
             None => match VisionSet::Mnist.fetch(data_dir) {
                 Ok(_) => VisionData::Mnist,

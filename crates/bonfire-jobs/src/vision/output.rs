@@ -55,7 +55,6 @@ pub(super) fn start_line(
             Some(bonfire::ZeroStage::Two) => {
                 ", its state and the gradients sharded over the ranks (ZeRO-2)"
             }
-            // Refused when the run is settled (`fully_shards` is false for this job).
             Some(bonfire::ZeroStage::Three) => {
                 ", its state, the gradients and the parameters sharded over the ranks (ZeRO-3)"
             }
@@ -118,6 +117,14 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         ));
     }
     lines.push(report.memory.line());
+    if let Some((all, train)) = &report.fully_sharded {
+        lines.push(crate::report::fully_sharded_line(
+            all,
+            train,
+            report.throughput.seconds,
+            "evaluations and checkpoints",
+        ));
+    }
     // Parameter servers (the last ranks) train nothing: only the workers are compared.
     let trainers = state.config.ranks - state.config.strategy.servers().unwrap_or(0);
     lines.extend(crate::stragglers::report_line(

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use bonfire::DataParallel;
+use bonfire::{DataParallel, Hybrid, ZeroStage};
 use bonfire_datasets::{ImageSet, Shard, Split};
 use bonfire_models::{ResNet, ResNetConfig};
 use burn::backend::Autodiff;
@@ -11,7 +11,7 @@ use burn::module::{AutodiffModule, Module};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{Adam, AdamConfig, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor};
 
 use super::{EpochRecord, Vision, VisionReport, VisionState, output};
@@ -29,21 +29,39 @@ use crate::strategy::{optimizer_file, optimizer_part};
 
 use super::VisionConfig;
 
-/// The training backend: `B` under bonfire's data-parallel decorator, with autodiff.
-type A<B> = Autodiff<DataParallel<B>>;
 type Rec = BinBytesRecorder<FullPrecisionSettings>;
-/// The job's optimizer: Adam over the ResNet, whole on every rank or sharded (`--zero 1`).
-type Optim<B> = JobOptimizer<Adam, ResNet<A<B>>, A<B>>;
+/// The job's optimizer: Adam over the ResNet, whole on every rank or sharded (`--zero`).
+type Optim<A> = JobOptimizer<Adam, ResNet<A>, A>;
 
 /// Points on the training-loss curve per epoch.
 const CURVE_POINTS: usize = 20;
 /// Test images evaluated at once.
 const EVAL_BATCH: usize = 500;
 
-/// Trains on backend `B` (wrapped in `Autodiff<DataParallel<B>>`).
+/// Trains on backend `B`: under `DataParallel`, or with ZeRO stage 3 under `Hybrid` (the
+/// parameters sharded over the replicas, through a communicator of its own that
+/// `fully_shard` makes).
 pub(super) fn run<B: Backend>(
     ctx: &mut RankContext<'_, Vision>,
     device: B::Device,
+) -> Result<(VisionState, VisionReport), JobError> {
+    let strategy = ctx.settings().config.strategy;
+    if ctx.settings().zero_stage() == Some(ZeroStage::Three) {
+        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &|model| Ok(bonfire::fully_shard(model)?))
+    } else {
+        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &|model| Ok(strategy.start(model)))
+    }
+}
+
+/// How a rank lays out the whole model it built or loaded over the job: replicated (or, for a
+/// local strategy, started from rank 0's parameters and ids, unmarked), or sharded (ZeRO-3).
+type Layout<'a, A> = dyn Fn(ResNet<A>) -> Result<ResNet<A>, JobError> + 'a;
+
+/// Trains on autodiff backend `A`, with the model laid out by `layout`.
+fn run_on<A: AutodiffBackend>(
+    ctx: &mut RankContext<'_, Vision>,
+    device: A::Device,
+    layout: &Layout<'_, A>,
 ) -> Result<(VisionState, VisionReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -55,17 +73,20 @@ pub(super) fn run<B: Backend>(
     if ctx.is_main() {
         ctx.say(Say::Start, &output::start_line(&s, &train, &test, workers));
     }
-    <A<B> as Backend>::seed(&device, c.seed);
-    let model: ResNet<A<B>> = ResNetConfig::new().with_width(c.width).init(&device);
+    A::seed(&device, c.seed);
+    let model: ResNet<A> = ResNetConfig::new().with_width(c.width).init(&device);
     let optim = c.strategy.optimizer(
-        AdamConfig::new().init::<A<B>, ResNet<A<B>>>(),
+        AdamConfig::new().init::<A, ResNet<A>>(),
         c.bf16,
         s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
-    let (model, mut optim) = resume(ctx, model, optim, &mut state, &device)?;
-    // A local strategy's replicas start from rank 0's parameters and ids, unmarked.
-    let mut model = c.strategy.start(model);
+    let (model, optim) = resume(ctx, model, optim, &mut state, &device)?;
+    // Under ZeRO-3 a resumed whole state is then sharded as the parameters are.
+    let mut model = layout(model)?;
+    let mut optim = optim.shard_state(&model);
+    // What the fully sharded group gathered while training (not evaluating).
+    let mut train_gathers = bonfire::backend::tensor_parallel::TpStats::default();
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -75,6 +96,7 @@ pub(super) fn run<B: Backend>(
     let mut served: Option<bonfire::PsReport> = None;
     for epoch in state.epochs_done..s.epochs {
         let t0 = Instant::now();
+        let gathers_before = bonfire::backend::tensor_parallel::stats();
         let trained;
         (model, trained) = if serving {
             // A server's epoch: the workers' pushes until every worker is done with it.
@@ -106,6 +128,11 @@ pub(super) fn run<B: Backend>(
                 &device,
             )?
         };
+        if let (Some(before), Some(after)) =
+            (gathers_before, bonfire::backend::tensor_parallel::stats())
+        {
+            train_gathers.add(&after.since(&before));
+        }
         // A local strategy's replicas agree on one model before it is tested and saved; a
         // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
@@ -150,11 +177,16 @@ pub(super) fn run<B: Backend>(
         served.as_ref(),
         optim.as_served().map(|o| o.stats()),
     )?;
+    let fully_sharded = (s.zero_stage() == Some(ZeroStage::Three))
+        .then(bonfire::backend::tensor_parallel::stats)
+        .flatten()
+        .map(|all| (all, train_gathers));
     let report = VisionReport {
         memory,
         split,
         throughput,
         stats: bonfire::total_stats(),
+        fully_sharded,
         outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
         servers,
         checkpoint_dir: s.checkpoint_dir.clone(),
@@ -207,13 +239,13 @@ fn load_data(
 
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
 /// ones unchanged.
-fn resume<B: Backend>(
+fn resume<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, Vision>,
-    model: ResNet<A<B>>,
-    optim: Optim<B>,
+    model: ResNet<A>,
+    optim: Optim<A>,
     state: &mut VisionState,
-    device: &B::Device,
-) -> Result<(ResNet<A<B>>, Optim<B>), JobError> {
+    device: &A::Device,
+) -> Result<(ResNet<A>, Optim<A>), JobError> {
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((model, optim));
     };
@@ -232,7 +264,7 @@ fn resume<B: Backend>(
     )?;
     let optim = optim
         .load_whole_record(
-            checkpoint::decode::<A<B>, _>(&bytes, device).map_err(bad("optimizer state"))?,
+            checkpoint::decode::<A, _>(&bytes, device).map_err(bad("optimizer state"))?,
             &model,
         )
         .load_outer_state(outer);
@@ -260,15 +292,15 @@ struct Trained {
 
 /// Trains one epoch on this rank's shard, in the epoch's order for this rank, after `before`
 /// batches trained by this process.
-fn train_epoch<B: Backend>(
+fn train_epoch<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, Vision>,
-    mut model: ResNet<A<B>>,
-    optim: &mut Optim<B>,
+    mut model: ResNet<A>,
+    optim: &mut Optim<A>,
     train: &ImageSet,
     epoch: usize,
     before: u64,
-    device: &B::Device,
-) -> Result<(ResNet<A<B>>, Trained), JobError> {
+    device: &A::Device,
+) -> Result<(ResNet<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
     let (rank, epochs) = (ctx.rank(), ctx.settings().epochs);
     // The ranks that train: all but the parameter servers.
@@ -283,7 +315,7 @@ fn train_epoch<B: Backend>(
     let mut curve = Vec::new();
     let mut timer = EpochTimer::start_after(before);
     for (i, idx) in order.chunks(c.batch).enumerate() {
-        let (x, y) = train.batch::<A<B>>(idx, device);
+        let (x, y) = train.batch::<A>(idx, device);
         timer.input_done();
         let logits = model.forward(x);
         let hits = hits(logits.clone().detach(), y.clone());
@@ -348,32 +380,22 @@ fn hits<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> i64 {
 }
 
 /// Rank 0's model (its batch-norm statistics) evaluated on every rank's test shard: the summed
-/// test loss, images right and images, over all ranks.
-fn evaluate<B: Backend>(
+/// test loss, images right and images, over all ranks. Under ZeRO-3 encoding the model gathers
+/// its parameters, so every rank encodes it; each then evaluates rank 0's whole copy, with no
+/// gathers.
+fn evaluate<A: AutodiffBackend>(
     ctx: &RankContext<'_, Vision>,
-    model: &ResNet<A<B>>,
+    model: &ResNet<A>,
     test: &ImageSet,
-    device: &B::Device,
+    device: &A::Device,
 ) -> Result<Vec<f64>, JobError> {
-    let recorder = Rec::default();
-    let valid = model.valid();
-    let mine = if ctx.is_main() {
-        recorder
-            .record(valid.clone().into_record(), ())
-            .map_err(|source| JobError::EncodeRecord {
-                what: "model",
-                source,
-            })?
-    } else {
-        Vec::new()
-    };
-    let bytes = ctx.broadcast_bytes(mine, "sharing rank 0's model for evaluation")?;
-    let valid = valid.load_record(recorder.load(bytes, device).map_err(JobError::Rank0Model)?);
+    let during = "sharing rank 0's model for evaluation";
+    let valid = ctx.rank0_module(model.valid(), device, sharded_at_rest(ctx), during)?;
     let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
     let all: Vec<usize> = (0..test.len()).collect();
     let eval_loss = CrossEntropyLossConfig::new().init(device);
     for idx in all.chunks(EVAL_BATCH) {
-        let (x, y) = test.batch::<DataParallel<B>>(idx, device);
+        let (x, y) = test.batch::<A::InnerBackend>(idx, device);
         let logits = valid.forward(x);
         let hits = hits(logits.clone(), y.clone());
         let l: f64 = eval_loss.forward(logits, y).into_scalar().elem();
@@ -386,25 +408,38 @@ fn evaluate<B: Backend>(
     )
 }
 
+/// Whether the parameters are sharded at rest (ZeRO-3): reading one whole, as encoding the model
+/// does, is then a collective every rank runs.
+fn sharded_at_rest(ctx: &RankContext<'_, Vision>) -> bool {
+    ctx.settings().zero_stage() == Some(ZeroStage::Three)
+}
+
 /// Rank 0 writes the epoch's checkpoint and plots and says its line (a sharded optimizer first
-/// gathers its state from every rank).
-fn record_epoch<B: Backend>(
+/// gathers its state from every rank, and under ZeRO-3 the model its parameters).
+fn record_epoch<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, Vision>,
     state: &VisionState,
-    model: &ResNet<A<B>>,
-    optim: &Optim<B>,
-    device: &B::Device,
+    model: &ResNet<A>,
+    optim: &Optim<A>,
+    device: &A::Device,
 ) -> Result<(), JobError> {
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
+    let model_bytes = || {
+        recorder
+            .record(model.clone().into_record(), ())
+            .map_err(encode("model"))
+    };
+    let gathered = match sharded_at_rest(ctx) {
+        true => Some(model_bytes()?),
+        false => None,
+    };
     // Gathering a sharded optimizer's state is a collective; encoding it is rank 0's work,
     // but under a local strategy every replica encodes and sends its own, and under parameter
     // servers every server its share.
     let whole = optim.whole_record(device);
     let whole = match optim.as_served() {
-        Some(_) => {
-            served_record::<Adam, ResNet<A<B>>, A<B>>(ctx.world().dp_group(), whole, device)?
-        }
+        Some(_) => served_record::<Adam, ResNet<A>, A>(ctx.world().dp_group(), whole, device)?,
         None => whole,
     };
     let local = match optim.as_local() {
@@ -419,10 +454,9 @@ fn record_epoch<B: Backend>(
     };
     let saved = ctx.save_checkpoint(
         state,
-        || {
-            recorder
-                .record(model.clone().into_record(), ())
-                .map_err(encode("model"))
+        || match gathered {
+            Some(bytes) => Ok(bytes),
+            None => model_bytes(),
         },
         || match local {
             Ok(whole) => recorder

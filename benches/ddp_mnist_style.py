@@ -258,15 +258,6 @@ def main():
     except ImportError:
         print("ddp_mnist_style: torch is not installed (pip install torch); skipped")
         return 0
-    if a.fsdp2 or a.many_only:
-        many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist, a.fsdp2,
-                       state=bool(a.epochs))
-        how = f"fsdp2 ({a.fsdp2}" if a.fsdp2 else "ddp ("
-        print(f"pytorch {how}, gloo, {a.device}), {a.model}, batch {a.batch} per rank, 1 thread per rank")
-        print(f"  {a.nproc} ranks: {many:.0f} images/s")
-        return 0
-    one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
-    many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
     if a.device == "cuda":
         import torch
 
@@ -274,6 +265,15 @@ def main():
         how = f"{'nccl' if gpus >= a.nproc else 'gloo'}, {gpus} gpu(s): {torch.cuda.get_device_name(0)}"
     else:
         how = "gloo, cpu"
+    if a.fsdp2 or a.many_only:
+        many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist, a.fsdp2,
+                       state=bool(a.epochs))
+        what = f"fsdp2 {a.fsdp2}" if a.fsdp2 else "ddp"
+        print(f"pytorch {what} ({how}), {a.model}, batch {a.batch} per rank, 1 thread per rank")
+        print(f"  {a.nproc} ranks: {many:.0f} images/s")
+        return 0
+    one = measure(1, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
+    many = measure(a.nproc, a.batch, a.steps, a.model, a.device, a.epochs, a.mnist)
     print(f"pytorch ddp ({how}), {a.model}, batch {a.batch} per rank, 1 thread per rank")
     print(f"  1 rank:  {one:.0f} images/s")
     print(f"  {a.nproc} ranks: {many:.0f} images/s")

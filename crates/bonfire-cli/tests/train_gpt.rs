@@ -1070,7 +1070,8 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         ),
         (
             &["--strategy", "diloco", "--tp", "2"][..],
-            "local-sgd and diloco run over data-parallel replicas of the whole model",
+            "local-sgd, diloco and parameter servers run over data-parallel replicas of the whole \
+             model",
         ),
         (
             &["--strategy", "diloco", "--zero", "1"][..],

@@ -369,8 +369,8 @@ fn assign(
     (owner, counts)
 }
 
-/// The device of the parameters, and (when `params` is given) the float parameters in module
-/// order: each one's id, elements, and elements of this rank's part (fewer under tensor
+/// The device of the parameters, and (when `params` is given) the trained float parameters in
+/// module order: each one's id, elements, and elements of this rank's part (fewer under tensor
 /// parallelism).
 struct Sizes<B: AutodiffBackend> {
     params: Option<Vec<(ParamId, usize, usize)>>,

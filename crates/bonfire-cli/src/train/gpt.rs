@@ -124,7 +124,8 @@ pub(crate) struct GptArgs {
     zero: Option<u8>,
     /// Refuse to train when a rank would hold more than MIB mebibytes of model state
     /// (parameters, gradients and Adam's state, from the sizes it holds once sharded), and,
-    /// without --tp, say what it held after training (not with --pp or a local strategy)
+    /// without --tp, say what it held after training (not with --pp, a local strategy or
+    /// parameter servers)
     #[arg(long, value_name = "MIB")]
     model_state_limit: Option<f64>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes

@@ -563,14 +563,15 @@ impl Job for GptJob {
         }
         r.strategy
             .fits(r.strategy.resolve_over(&saved.strategy).kind())?;
-        if pp > 1 && saved.strategy.is_local() {
+        if pp > 1 && !saved.strategy.is_all_reduce() {
             return Err(JobError::Invalid {
                 flag: "--pp",
                 given: format!(
                     "{pp} for a run with --strategy {}",
                     saved.strategy.describe()
                 ),
-                why: "local-sgd and diloco run over data-parallel replicas of the whole model",
+                why: "local-sgd, diloco and parameter servers run over data-parallel replicas of \
+                      the whole model",
             });
         }
         Ok(GptRunConfig {

@@ -76,7 +76,8 @@ pub(super) fn run<B: Backend>(
 }
 
 /// How a rank lays out the whole model it built or loaded over the job: replicated (or, for a
-/// local strategy, started from rank 0's parameters), split by the plan, or sharded (ZeRO-3).
+/// local strategy or parameter servers, started from rank 0's parameters), split by the plan,
+/// or sharded (ZeRO-3).
 type Layout<'a, A> = dyn Fn(Gpt<A>) -> Result<Gpt<A>, JobError> + 'a;
 
 /// Trains on autodiff backend `A`, with the model laid out by `layout`.
@@ -113,9 +114,9 @@ fn run_on<A: AutodiffBackend>(
     );
     let mut state = State::new(c.clone(), s.epochs);
     let (model, optim) = resume(ctx, model, optim, &mut state, &device)?;
-    // A local strategy's replicas start from rank 0's parameters, with its parameter ids (the
-    // keys of each replica's optimizer state in the checkpoint), and average nothing in
-    // backward. Under ZeRO-3 a resumed state is then sharded as the parameters are.
+    // A local strategy's replicas and parameter servers' ranks start from rank 0's parameters,
+    // with its parameter ids (the keys of the optimizer state in the checkpoint), and average
+    // nothing in backward. Under ZeRO-3 a resumed state is then sharded as the parameters are.
     let mut model = layout(model)?;
     let mut optim = optim.shard_state(&model);
     check_state_before(&s, &model, replicas)?;
@@ -151,8 +152,7 @@ fn run_on<A: AutodiffBackend>(
             train_tp.add(&after.since(&before));
         }
         // A local strategy's replicas agree on one model before it is evaluated and saved; a
-        // parameter servers' worker takes the servers' final parameters, and a server the
-        // workers' (rank 0's).
+        // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
         // A server holds only its share up to date: it takes rank 0's parameters (the ids are
         // every rank's since the job began from rank 0's) before the model is evaluated, saved

@@ -54,7 +54,8 @@ pub(super) fn run<B: Backend>(
 }
 
 /// How a rank lays out the whole model it built or loaded over the job: replicated (or, for a
-/// local strategy, started from rank 0's parameters and ids, unmarked), or sharded (ZeRO-3).
+/// local strategy or parameter servers, started from rank 0's parameters and ids, unmarked),
+/// or sharded (ZeRO-3).
 type Layout<'a, A> = dyn Fn(ResNet<A>) -> Result<ResNet<A>, JobError> + 'a;
 
 /// Trains on autodiff backend `A`, with the model laid out by `layout`.

@@ -2,7 +2,7 @@
 //! and third halve the resolution and double the width), global average pooling and a linear head.
 
 use burn::config::Config;
-use burn::module::Module;
+use burn::module::{Module, Param, RunningState};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
@@ -129,6 +129,60 @@ impl<B: Backend> ResNet<B> {
         let [n, c, _, _] = x.dims();
         self.head.forward(self.pool.forward(x).reshape([n, c]))
     }
+
+    /// Every batch norm's running statistics, `(mean, variance)`, in module order (the stem's,
+    /// then each block's first, second and shortcut's).
+    pub fn running_statistics(&self) -> Vec<(Tensor<B, 1>, Tensor<B, 1>)> {
+        self.batch_norms()
+            .into_iter()
+            .map(|bn| {
+                let mean = bn.running_mean.clone().into_record().val();
+                let var = bn.running_var.clone().into_record().val();
+                (mean, var)
+            })
+            .collect()
+    }
+
+    /// The model with its batch norms' running statistics replaced by `stats`, in the order of
+    /// [`ResNet::running_statistics`]; each keeps its id.
+    ///
+    /// # Panics
+    /// When `stats` does not have one pair per batch norm.
+    pub fn with_running_statistics(mut self, stats: Vec<(Tensor<B, 1>, Tensor<B, 1>)>) -> Self {
+        let mut bns = self.batch_norms_mut();
+        assert_eq!(
+            bns.len(),
+            stats.len(),
+            "one (mean, variance) per batch norm"
+        );
+        for (bn, (mean, var)) in bns.iter_mut().zip(stats) {
+            let replace = |state: &RunningState<Tensor<B, 1>>, value| {
+                let id = state.clone().into_record().id;
+                RunningState::from_record(Param::initialized(id, value))
+            };
+            bn.running_mean = replace(&bn.running_mean, mean);
+            bn.running_var = replace(&bn.running_var, var);
+        }
+        self
+    }
+
+    fn batch_norms(&self) -> Vec<&BatchNorm<B>> {
+        let mut all = vec![&self.stem_bn];
+        for b in &self.blocks {
+            all.extend([&b.bn1, &b.bn2]);
+            all.extend(b.shortcut.as_ref().map(|(_, bn)| bn));
+        }
+        all
+    }
+
+    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm<B>> {
+        let mut all = vec![&mut self.stem_bn];
+        for b in &mut self.blocks {
+            all.extend([&mut b.bn1, &mut b.bn2]);
+            all.extend(b.shortcut.as_mut().map(|(_, bn)| bn));
+        }
+        all
+    }
 }
 
 #[cfg(test)]
@@ -191,5 +245,48 @@ mod tests {
         let out = valid.forward(images.inner());
         assert_eq!(out.dims(), [16, 10]);
         assert!(out.into_data().iter::<f32>().all(f32::is_finite));
+    }
+
+    /// The running statistics come out in module order, one pair per batch norm (9 at the
+    /// default depth), as forward in training mode left them; replaced, they keep their ids and
+    /// read back as given.
+    #[test]
+    fn running_statistics_read_and_replace() {
+        let device = FlexDevice;
+        // Training mode (an autodiff backend) updates the statistics.
+        let model = ResNetConfig::new().init::<Autodiff<Flex>>(&device);
+        let images = Tensor::random([4, 1, 28, 28], Distribution::Default, &device);
+        let _ = model.forward(images);
+        let stats = model.running_statistics();
+        let widths: Vec<usize> = stats.iter().map(|(m, _)| m.dims()[0]).collect();
+        assert_eq!(widths, [8, 8, 8, 16, 16, 16, 32, 32, 32]);
+        // One forward moved the stem's mean off zero (momentum 0.1 of a positive batch mean).
+        let stem: Vec<f32> = stats[0].0.to_data().to_vec().unwrap();
+        assert!(stem.iter().any(|&x| x != 0.0), "{stem:?}");
+        let ids = |m: &ResNet<Autodiff<Flex>>| {
+            let mut ids = Vec::new();
+            for bn in m.batch_norms() {
+                ids.push(bn.running_mean.clone().into_record().id);
+                ids.push(bn.running_var.clone().into_record().id);
+            }
+            ids
+        };
+        let before = ids(&model);
+        let given: Vec<_> = widths
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                let mean = Tensor::<Autodiff<Flex>, 1>::full([w], i as f32, &device);
+                let var = Tensor::<Autodiff<Flex>, 1>::full([w], 1.0 + i as f32, &device);
+                (mean, var)
+            })
+            .collect();
+        let model = model.with_running_statistics(given);
+        assert_eq!(ids(&model), before);
+        for (i, (mean, var)) in model.running_statistics().into_iter().enumerate() {
+            let m: Vec<f32> = mean.to_data().to_vec().unwrap();
+            let v: Vec<f32> = var.to_data().to_vec().unwrap();
+            assert!(m.iter().all(|&x| x == i as f32) && v.iter().all(|&x| x == 1.0 + i as f32));
+        }
     }
 }

@@ -592,3 +592,92 @@ fn parameter_servers_equal_allreduce_and_resume_exactly() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--pool-bn-stats` over a non-IID split: at each epoch's end every rank's batch-norm running
+/// statistics become the pooled ones. Training itself is unchanged (a batch norm trains on its
+/// batch's statistics), so every epoch's training loss is the plain run's, bit for bit, while
+/// the weights' digest (running statistics included) differs; a run killed after its first
+/// checkpoint and resumed ends on the uninterrupted run's digests; parameter servers refuse it.
+#[test]
+fn pooled_batch_norm_statistics_change_only_the_statistics_and_resume_exactly() {
+    let dir = scratch("train-pool-bn");
+    let args = [
+        "train",
+        "vision",
+        "--dataset",
+        "embedded",
+        "--epochs",
+        "3",
+        "--train-limit",
+        "768",
+        "--test-limit",
+        "200",
+        "--non-iid",
+        "--checkpoint-dir",
+    ];
+    let plain = dir.join("plain");
+    let out = bonfire(&dir, &args).arg(&plain).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let pooled = dir.join("pooled");
+    let out = bonfire(&dir, &args)
+        .arg(&pooled)
+        .arg("--pool-bn-stats")
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("batch-norm statistics pooled over the ranks each epoch"),
+        "{log}"
+    );
+    let (a, p) = (state(&plain, 3), state(&pooled, 3));
+    assert_eq!(p["config"]["pool_bn_stats"], true);
+    for e in 0..3 {
+        let (ra, rp) = (&a["history"][e], &p["history"][e]);
+        assert_eq!(ra["train_loss"], rp["train_loss"], "epoch {}", e + 1);
+        assert_ne!(ra["param_digest"], rp["param_digest"], "epoch {}", e + 1);
+    }
+
+    let killed = dir.join("killed");
+    let done = kill_after_first_checkpoint(
+        bonfire(&dir, &args).arg(&killed).arg("--pool-bn-stats"),
+        &killed,
+    );
+    assert_ne!(done, "epoch-3", "the job finished before it was killed");
+    let out = bonfire(&dir, &["train", "vision", "--resume", "--checkpoint-dir"])
+        .arg(&killed)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let k = state(&killed, 3);
+    for e in 0..3 {
+        assert_eq!(
+            p["history"][e]["param_digest"],
+            k["history"][e]["param_digest"],
+            "epoch {}: the resumed run differs",
+            e + 1
+        );
+    }
+
+    let out = bonfire(
+        &dir,
+        &[
+            "train",
+            "vision",
+            "--ranks",
+            "3",
+            "--strategy",
+            "ps-sync",
+            "--pool-bn-stats",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("--pool-bn-stats with --strategy ps-sync or ps-async"),
+        "{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -124,6 +124,12 @@ pub(crate) struct VisionArgs {
     /// and 5-9)
     #[arg(long)]
     non_iid: bool,
+    /// At each epoch's end, replace every rank's batch-norm running statistics by those pooled
+    /// over the ranks (the mean of their means; the variance of all their batches together), so
+    /// that the model evaluated and saved has statistics of every rank's images (not with
+    /// parameter servers)
+    #[arg(long)]
+    pool_bn_stats: bool,
     /// Set by the parent command on the ranks it starts: the flags are settled.
     #[arg(long, hide = true)]
     resolved: bool,
@@ -240,6 +246,7 @@ impl VisionArgs {
             train_limit: self.train_limit.map(|n| n as usize),
             test_limit: self.test_limit.map(|n| n as usize),
             non_iid: self.non_iid,
+            pool_bn_stats: self.pool_bn_stats,
         })
     }
 
@@ -323,6 +330,9 @@ fn rank_args(s: &Settings<VisionConfig>) -> Vec<OsString> {
     if c.non_iid {
         v.push("--non-iid".into());
     }
+    if c.pool_bn_stats {
+        v.push("--pool-bn-stats".into());
+    }
     v
 }
 
@@ -371,6 +381,7 @@ mod tests {
             train_limit: Some(512),
             test_limit: None,
             non_iid: true,
+            pool_bn_stats: true,
         };
         let s = Settings {
             config: config.clone(),
@@ -392,7 +403,10 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}: {args:?}"));
         let request = parsed.args.request().unwrap();
-        assert!(request.non_iid && request.strategy.int8, "{args:?}");
+        assert!(
+            request.non_iid && request.pool_bn_stats && request.strategy.int8,
+            "{args:?}"
+        );
         assert_eq!(request.strategy.resolve(), config.strategy);
     }
 }

@@ -131,6 +131,9 @@ pub struct VisionRequest {
     pub test_limit: Option<usize>,
     /// Each rank trains on a share of the training images sorted by label (a non-IID split).
     pub non_iid: bool,
+    /// At each epoch's end, every rank's batch-norm running statistics become those pooled
+    /// over the ranks that train.
+    pub pool_bn_stats: bool,
 }
 
 /// The settings that decide a vision run's result (`state.json`'s `config`); a resumed run must
@@ -164,6 +167,11 @@ pub struct VisionConfig {
     /// `state.json` when off, as before it existed).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub non_iid: bool,
+    /// At each epoch's end, every rank's batch-norm running statistics become those pooled over
+    /// the ranks that train: the mean of their means, and the variance of the union of their
+    /// batches (left out of `state.json` when off, as before it existed).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pool_bn_stats: bool,
 }
 
 impl JobConfig for VisionConfig {
@@ -307,6 +315,19 @@ impl Job for Vision {
             Clash::check("--non-iid", r.non_iid.then_some(&true), &s.non_iid, |on| {
                 if *on { "on" } else { "shards in split order" }.into()
             }),
+            Clash::check(
+                "--pool-bn-stats",
+                r.pool_bn_stats.then_some(&true),
+                &s.pool_bn_stats,
+                |on| {
+                    if *on {
+                        "on"
+                    } else {
+                        "each rank's own statistics"
+                    }
+                    .into()
+                },
+            ),
         ]
         .into_iter()
         .flatten()
@@ -341,6 +362,14 @@ impl Job for Vision {
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         crate::strategy::check_deltas(&r.strategy.resolve(), r.bf16, "--bf16")?;
         crate::strategy::check_served(&r.strategy.resolve(), ranks, r.bf16, "--bf16")?;
+        if r.pool_bn_stats && r.strategy.resolve().servers().is_some() {
+            return Err(JobError::Invalid {
+                flag: "--pool-bn-stats",
+                given: "with --strategy ps-sync or ps-async".into(),
+                why: "the servers run no forward pass, so they gather no statistics to pool; \
+                      the workers' model is evaluated with rank 0's",
+            });
+        }
         let dataset = match r.dataset {
             None => match VisionSet::Mnist.fetch(data_dir) {
                 Ok(_) => VisionData::Mnist,
@@ -376,6 +405,7 @@ impl Job for Vision {
             train_limit: r.train_limit,
             test_limit: r.test_limit,
             non_iid: r.non_iid,
+            pool_bn_stats: r.pool_bn_stats,
         })
     }
 
@@ -414,6 +444,7 @@ mod tests {
             train_limit: Some(768),
             test_limit: None,
             non_iid: false,
+            pool_bn_stats: false,
         }
     }
 

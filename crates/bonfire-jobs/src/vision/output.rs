@@ -32,7 +32,7 @@ pub(super) fn start_line(
     format!(
         "bonfire train vision: {} ({} images, {} per {who}), {} test images, {size} {}, \
          backend {} ({} compute thread(s) per rank), batch {} per {who}, Adam lr {} (x{} per \
-         epoch){}{}",
+         epoch){}{}{}",
         train.description(),
         train.len() * size,
         train.len(),
@@ -50,6 +50,11 @@ pub(super) fn start_line(
         c.lr,
         c.lr_decay,
         if c.bf16 { ", bf16 gradients" } else { "" },
+        if c.pool_bn_stats {
+            ", batch-norm statistics pooled over the ranks each epoch"
+        } else {
+            ""
+        },
         match s.zero_stage() {
             Some(bonfire::ZeroStage::One) => ", its state sharded over the ranks (ZeRO-1)",
             Some(bonfire::ZeroStage::Two) => {

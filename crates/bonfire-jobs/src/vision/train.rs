@@ -12,7 +12,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{Adam, AdamConfig, GradientsParams};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 
 use super::{EpochRecord, Vision, VisionReport, VisionState, output};
 use crate::JobError;
@@ -137,6 +137,9 @@ fn run_on<A: AutodiffBackend>(
         // A local strategy's replicas agree on one model before it is tested and saved; a
         // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
+        if c.pool_bn_stats {
+            model = pool_running_statistics(ctx, model, &device)?;
+        }
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times, workers)?;
         throughput.seconds += train_secs;
@@ -198,6 +201,63 @@ fn run_on<A: AutodiffBackend>(
         }
     }
     Ok((state, report))
+}
+
+/// `model` with every batch norm's running statistics pooled over the ranks (a collective): the
+/// mean of the ranks' means, and the variance of the union of their images as the ranks'
+/// statistics describe it, `mean(var_r + mean_r^2) - mean^2`, computed in f64. Every rank ends
+/// with the same statistics.
+fn pool_running_statistics<A: AutodiffBackend>(
+    ctx: &RankContext<'_, Vision>,
+    model: ResNet<A>,
+    device: &A::Device,
+) -> Result<ResNet<A>, JobError> {
+    let stats = model.running_statistics();
+    let values = |t: &Tensor<A, 1>| -> Vec<f64> {
+        t.to_data()
+            .convert::<f32>()
+            .iter::<f32>()
+            .map(f64::from)
+            .collect()
+    };
+    let moments: Vec<f64> = stats
+        .iter()
+        .flat_map(|(mean, var)| moments(&values(mean), &values(var)))
+        .collect();
+    let all = ctx.sum(moments, "pooling the batch norms' running statistics")?;
+    let mut at = 0;
+    let mut pooled = Vec::with_capacity(stats.len());
+    for (mean, _) in &stats {
+        let n = mean.dims()[0];
+        let (m, v) = pooled_statistics(&all[at..at + 2 * n], ctx.world_size());
+        pooled.push((
+            Tensor::from_data(TensorData::new(m, [n]), device),
+            Tensor::from_data(TensorData::new(v, [n]), device),
+        ));
+        at += 2 * n;
+    }
+    Ok(model.with_running_statistics(pooled))
+}
+
+/// One batch norm's statistics on one rank as the moments the ranks sum: its means, then its
+/// second moments `var + mean^2`.
+fn moments(mean: &[f64], var: &[f64]) -> Vec<f64> {
+    let second = mean.iter().zip(var).map(|(m, v)| v + m * m);
+    mean.iter().copied().chain(second).collect()
+}
+
+/// The mean and variance of the union of `ranks` ranks' data from the sum of their
+/// [`moments`] (n means, then n second moments).
+fn pooled_statistics(sums: &[f64], ranks: usize) -> (Vec<f32>, Vec<f32>) {
+    let (first, second) = sums.split_at(sums.len() / 2);
+    let r = ranks as f64;
+    let mean: Vec<f64> = first.iter().map(|s| s / r).collect();
+    let var = mean
+        .iter()
+        .zip(second)
+        .map(|(m, s)| (s / r - m * m).max(0.0) as f32)
+        .collect();
+    (mean.iter().map(|&m| m as f32).collect(), var)
 }
 
 /// The training and test shards of this rank: equal shards of the training images (every rank
@@ -480,4 +540,32 @@ fn record_epoch<A: AutodiffBackend>(
     let line = output::epoch_line(r, ctx.settings().epochs, &dir);
     ctx.say(Say::Epoch, &line);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{moments, pooled_statistics};
+
+    /// Two ranks' statistics of two halves of a data set pool into the whole set's.
+    #[test]
+    fn pooled_statistics_are_the_unions() {
+        let stats = |xs: &[f64]| {
+            let n = xs.len() as f64;
+            let mean = xs.iter().sum::<f64>() / n;
+            let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+            (mean, var)
+        };
+        let (a, b) = ([1.0, 2.0, 3.0, 6.0], [10.0, 12.0, 8.0, 14.0]);
+        let whole: Vec<f64> = a.iter().chain(&b).copied().collect();
+        let ((ma, va), (mb, vb), (m, v)) = (stats(&a), stats(&b), stats(&whole));
+        let sums: Vec<f64> = moments(&[ma, 0.5], &[va, 2.0])
+            .iter()
+            .zip(moments(&[mb, 1.5], &[vb, 4.0]))
+            .map(|(x, y)| x + y)
+            .collect();
+        let (mean, var) = pooled_statistics(&sums, 2);
+        assert!((f64::from(mean[0]) - m).abs() < 1e-5 && (f64::from(var[0]) - v).abs() < 1e-4);
+        // Means 0.5 and 1.5, variances 2 and 4: their mean, 3, plus the means' spread, 0.25.
+        assert_eq!((mean[1], var[1]), (1.0, 3.25));
+    }
 }

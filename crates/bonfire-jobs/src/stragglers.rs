@@ -7,6 +7,16 @@ pub use bonfire::launch::stragglers::{
     Cause, MIN_EXCESS_SECS, RankTimes, Straggler, THRESHOLD, report_line, stragglers,
 };
 
+/// A parameter server's times for a round it served since `since`: all of it counted as
+/// compute (the straggler rule compares only the workers).
+pub(crate) fn serving_times(since: Instant) -> RankTimes {
+    RankTimes {
+        input: 0.0,
+        compute: since.elapsed().as_secs_f64(),
+        wait: 0.0,
+    }
+}
+
 /// Batches at the start of a process's training that the steady rate leaves out: the first steps
 /// compile (and, with autotune, tune) a GPU backend's kernels and fault in fresh memory on any
 /// backend, which the peers' own timings leave out as warm-up (`benches/ddp_mnist_style.py`

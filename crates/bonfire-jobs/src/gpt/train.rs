@@ -537,11 +537,7 @@ fn serve_round<A: AutodiffBackend>(
         tokens: 0,
         last_step: ((round + 1) * c.eval_every).min(c.steps),
         curve: Vec::new(),
-        times: RankTimes {
-            input: 0.0,
-            compute: t0.elapsed().as_secs_f64(),
-            wait: 0.0,
-        },
+        times: crate::stragglers::serving_times(t0),
         split: StepSplit::default(),
     };
     (model, trained)

@@ -110,11 +110,7 @@ fn run_on<A: AutodiffBackend>(
                 correct: 0,
                 seen: 0,
                 curve: Vec::new(),
-                times: RankTimes {
-                    input: 0.0,
-                    compute: t0.elapsed().as_secs_f64(),
-                    wait: 0.0,
-                },
+                times: crate::stragglers::serving_times(t0),
                 split: StepSplit::default(),
             };
             (m, trained)

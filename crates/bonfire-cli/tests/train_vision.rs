@@ -8,6 +8,20 @@ use common::{
     text,
 };
 
+/// A short run on the embedded slice: 3 epochs of 768 training images, 200 test images.
+const SMALL: [&str; 10] = [
+    "train",
+    "vision",
+    "--dataset",
+    "embedded",
+    "--epochs",
+    "3",
+    "--train-limit",
+    "768",
+    "--test-limit",
+    "200",
+];
+
 /// The default data set cannot be fetched (no npm on PATH), so the job says so and trains on the
 /// embedded slice; across two processes the loss falls and test accuracy ends far above chance.
 #[test]
@@ -74,19 +88,7 @@ fn two_processes_learn_and_fall_back_to_the_embedded_slice() {
 #[test]
 fn resume_after_a_kill_equals_the_uninterrupted_run() {
     let dir = scratch("train-resume");
-    let args = [
-        "train",
-        "vision",
-        "--dataset",
-        "embedded",
-        "--epochs",
-        "3",
-        "--train-limit",
-        "768",
-        "--test-limit",
-        "200",
-        "--checkpoint-dir",
-    ];
+    let args = [&SMALL[..], &["--checkpoint-dir"]].concat();
     let straight = dir.join("straight");
     let out = bonfire(&dir, &args).arg(&straight).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -320,22 +322,16 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
 fn diloco_meets_learns_and_resumes_exactly() {
     let dir = scratch("train-diloco");
     let args = [
-        "train",
-        "vision",
-        "--dataset",
-        "embedded",
-        "--epochs",
-        "3",
-        "--train-limit",
-        "768",
-        "--test-limit",
-        "200",
-        "--strategy",
-        "diloco",
-        "--sync-every",
-        "4",
-        "--checkpoint-dir",
-    ];
+        &SMALL[..],
+        &[
+            "--strategy",
+            "diloco",
+            "--sync-every",
+            "4",
+            "--checkpoint-dir",
+        ][..],
+    ]
+    .concat();
     let straight = dir.join("straight");
     let out = bonfire(&dir, &args).arg(&straight).output().unwrap();
     let log = text(&out);
@@ -447,18 +443,7 @@ fn diloco_meets_learns_and_resumes_exactly() {
 #[test]
 fn parameter_servers_equal_allreduce_and_resume_exactly() {
     let dir = scratch("train-ps");
-    let common = [
-        "train",
-        "vision",
-        "--dataset",
-        "embedded",
-        "--epochs",
-        "3",
-        "--train-limit",
-        "768",
-        "--test-limit",
-        "200",
-    ];
+    let common = SMALL;
     let run = |extra: &[&str], out: &std::path::Path| {
         let o = bonfire(&dir, &[&common[..], extra, &["--checkpoint-dir"]].concat())
             .arg(out)
@@ -601,20 +586,7 @@ fn parameter_servers_equal_allreduce_and_resume_exactly() {
 #[test]
 fn pooled_batch_norm_statistics_change_only_the_statistics_and_resume_exactly() {
     let dir = scratch("train-pool-bn");
-    let args = [
-        "train",
-        "vision",
-        "--dataset",
-        "embedded",
-        "--epochs",
-        "3",
-        "--train-limit",
-        "768",
-        "--test-limit",
-        "200",
-        "--non-iid",
-        "--checkpoint-dir",
-    ];
+    let args = [&SMALL[..], &["--non-iid", "--checkpoint-dir"]].concat();
     let plain = dir.join("plain");
     let out = bonfire(&dir, &args).arg(&plain).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));

@@ -519,7 +519,7 @@ impl Communicator {
                 dtype: T::DTYPE,
                 op: collective.reduce_op().unwrap_or(ReduceOp::Sum),
                 group_size: n,
-                reducer: &*reducer,
+                reducer,
             };
             let started = std::time::Instant::now();
             let ran = driver::run(
@@ -618,7 +618,7 @@ impl Communicator {
                 dtype: T::DTYPE,
                 op: ReduceOp::Sum,
                 group_size: 2,
-                reducer: &*reducer,
+                reducer,
             };
             driver::run(
                 &exchange,

@@ -16,18 +16,21 @@
 //! participants whose arrival never came (they did not call the collective) and the frame the
 //! rank was waiting for.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use bonfire_topology::Rank;
-use bonfire_transport::{Inbox, Tag, Transport, TransportError};
+use bonfire_topology::{DType, Rank, ReduceOp};
+use bonfire_transport::{Expected, Inbox, Sink, Tag, Transport, TransportError};
 use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::CollectiveError;
-use crate::exec::{Action, Arith, Executor};
+use crate::exec::{Action, Arith, Executor, Span};
 use crate::fingerprint::Fingerprint;
-use crate::schedule::{CONTROL_PHASE, Program};
+use crate::reducer::Reducer;
+use crate::schedule::{Apply, CONTROL_PHASE, Instr, Program};
 
 /// Step of the arrival frame.
 const ARRIVAL: u32 = (CONTROL_PHASE as u32) << 24;
@@ -164,7 +167,7 @@ pub(crate) async fn run(
     exchange: &Exchange,
     program: &Program,
     buf: &mut [u8],
-    arith: &Arith<'_>,
+    arith: &Arith,
 ) -> Result<(), CollectiveError> {
     let result = run_inner(exchange, program, buf, arith).await;
     if let Err(e) = &result
@@ -179,7 +182,7 @@ async fn run_inner(
     ex: &Exchange,
     program: &Program,
     buf: &mut [u8],
-    arith: &Arith<'_>,
+    arith: &Arith,
 ) -> Result<(), CollectiveError> {
     let inbox = ex
         .transport
@@ -209,7 +212,7 @@ async fn run_program(
     waiter: &mut Waiter<'_>,
     program: &Program,
     buf: &mut [u8],
-    arith: &Arith<'_>,
+    arith: &Arith,
 ) -> Result<(), CollectiveError> {
     let ex = waiter.ex;
     let arrival = Bytes::copy_from_slice(&ex.fingerprint.encode());
@@ -217,17 +220,22 @@ async fn run_program(
         waiter.send(m, ARRIVAL, arrival.clone()).await?;
     }
 
+    let buf = Span::new(buf);
+    // Declared after `buf`, so dropped before it: every sink is withdrawn before the buffer is
+    // the caller's again, however this returns.
+    let mut ahead = InPlace::new(program, arith);
     let mut exec = Executor::default();
     loop {
-        match exec.next(program, buf, arith) {
+        ahead.expect(ex, program, exec.position(), &buf, arith);
+        match exec.next(program, &buf, arith) {
             Action::Done => break,
             Action::Send { bytes, to } => {
+                // SAFETY: no lane writes a range that an instruction before its receive reads
+                // (see `InPlace::expect`), and this send comes before every receive not yet run.
+                let data = unsafe { buf.get(bytes) };
                 let mut frame = None;
                 for &(peer, step) in to {
-                    waiter
-                        .ex
-                        .send_from(peer, step, &buf[bytes.clone()], &mut frame)
-                        .await?;
+                    waiter.ex.send_from(peer, step, data, &mut frame).await?;
                 }
             }
             Action::Await { from, step } => {
@@ -235,8 +243,23 @@ async fn run_program(
                     .wait(Some((from, step)))
                     .await?
                     .expect("a frame was awaited");
+                // Withdrawn before anything else touches the range.
+                let in_place = ahead.take(exec.position());
+                if in_place {
+                    let (bytes, _) = exec.awaited(program, arith);
+                    let forward = exec.received_in_place(program, arith);
+                    // SAFETY: the lane is done with this range (its sink is withdrawn), and
+                    // only receives whose range is disjoint from it have sinks (a receive that
+                    // forwards has one only if it copies, so the range holds the frame).
+                    let data = unsafe { buf.get(bytes) };
+                    let mut owned = None;
+                    for &(peer, step) in forward {
+                        waiter.ex.send_from(peer, step, data, &mut owned).await?;
+                    }
+                    continue;
+                }
                 let forward = exec
-                    .deliver(program, buf, &frame, arith)
+                    .deliver(program, &buf, &frame, arith)
                     .map_err(|problem| CollectiveError::BadFrame {
                         me: ex.me_world(),
                         collective: ex.fingerprint,
@@ -253,6 +276,148 @@ async fn run_program(
     }
     waiter.wait(None).await?;
     Ok(())
+}
+
+/// Frames smaller than this are copied out as usual: copying them costs less than expecting
+/// them (a sink, a registration), and the small collectives' microseconds stay as they were.
+pub(crate) const IN_PLACE_MIN: usize = 64 << 10;
+/// How many instructions ahead of the program's position receives are expected.
+const LOOKAHEAD: usize = 64;
+
+/// The receives of one program whose frames are expected straight into the working buffer
+/// (see [`Transport::expect`]): the lane combines or copies each as it comes off shared memory,
+/// with no frame of its own, even while this rank is still sending what comes before.
+///
+/// A receive is expected only when nothing between the program's position and it touches its
+/// range (no send reads it, no finalize or other receive writes it): the lane then writes memory
+/// that nobody else uses until the program reaches that receive. One that forwards its frame is
+/// expected only if it copies it (the range then holds the frame to forward).
+struct InPlace {
+    /// Whether any receive is large enough (if none, nothing is ever expected).
+    any: bool,
+    /// Expected frames by instruction index.
+    expected: HashMap<usize, Expected>,
+    /// The lanes that cannot (by peer): not asked again.
+    unable: Vec<Rank>,
+    /// Ranges touched between the position and the receive looked at (scratch).
+    touched: Vec<Range<usize>>,
+}
+
+impl InPlace {
+    fn new(program: &Program, arith: &Arith) -> InPlace {
+        let any = program.instrs.iter().any(
+            |i| matches!(i, Instr::Recv { range, .. } if arith.bytes(range).len() >= IN_PLACE_MIN),
+        );
+        InPlace {
+            any,
+            expected: HashMap::new(),
+            unable: Vec::new(),
+            touched: Vec::new(),
+        }
+    }
+
+    /// Expects the frames of the receives ahead of `pc` that can go straight into `buf`.
+    fn expect(
+        &mut self,
+        ex: &Exchange,
+        program: &Program,
+        pc: usize,
+        buf: &Span<'_>,
+        arith: &Arith,
+    ) {
+        if !self.any {
+            return;
+        }
+        self.touched.clear();
+        for (i, instr) in program.instrs.iter().enumerate().skip(pc).take(LOOKAHEAD) {
+            let (range, from, step, apply, forward) = match instr {
+                Instr::Send { range, .. } | Instr::Finalize { range } => {
+                    self.touched.push(range.clone());
+                    continue;
+                }
+                Instr::Recv {
+                    range,
+                    from,
+                    step,
+                    apply,
+                    forward,
+                } => (range, *from, *step, *apply, forward),
+            };
+            let bytes = arith.bytes(range);
+            let free = self
+                .touched
+                .iter()
+                .all(|t| t.end <= range.start || range.end <= t.start);
+            self.touched.push(range.clone());
+            let peer = ex.world(from);
+            if !free
+                || bytes.len() < IN_PLACE_MIN
+                || (apply != Apply::Copy && !forward.is_empty())
+                || self.expected.contains_key(&i)
+                || self.unable.contains(&peer)
+            {
+                continue;
+            }
+            let sink = Arc::new(IntoRange {
+                at: buf.at(&bytes),
+                len: bytes.len(),
+                apply,
+                dtype: arith.dtype,
+                op: arith.op,
+                reducer: arith.reducer.clone(),
+            });
+            match ex.transport.expect(peer, ex.tag(step), sink) {
+                Some(expected) => {
+                    self.expected.insert(i, expected);
+                }
+                None => self.unable.push(peer),
+            }
+        }
+    }
+
+    /// Withdraws the sink of receive `pc`, if it had one; returns whether its whole frame went
+    /// there.
+    fn take(&mut self, pc: usize) -> bool {
+        self.expected.remove(&pc).is_some_and(|e| e.filled())
+    }
+}
+
+/// A receive's range of the working buffer, as a sink: a frame's pieces are combined into it
+/// (or copied over it) as they come off the lane.
+struct IntoRange {
+    at: *mut u8,
+    len: usize,
+    apply: Apply,
+    dtype: DType,
+    op: ReduceOp,
+    reducer: Arc<dyn Reducer>,
+}
+
+// SAFETY: `at` points into a working buffer that outlives the sink's registration (the
+// `Expected` is dropped before the buffer's borrow ends), and only the lane writes the range
+// while it is registered (see `InPlace`).
+unsafe impl Send for IntoRange {}
+// SAFETY: as above; the lane calls `take` from one thread at a time.
+unsafe impl Sync for IntoRange {}
+
+impl Sink for IntoRange {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn take(&self, at: usize, piece: &[u8]) {
+        assert!(
+            at + piece.len() <= self.len,
+            "a piece past the end of its range"
+        );
+        // SAFETY: in the range (checked above), which nothing else touches while the sink is
+        // registered; pieces of a frame come one at a time.
+        let acc = unsafe { std::slice::from_raw_parts_mut(self.at.add(at), piece.len()) };
+        match self.apply {
+            Apply::Copy => acc.copy_from_slice(piece),
+            Apply::Reduce(order) => self.reducer.combine(self.dtype, self.op, order, acc, piece),
+        }
+    }
 }
 
 /// Waits for frames of one exchange while watching arrivals, aborts and lost peers.

@@ -1,7 +1,9 @@
 //! Steps a [`Program`] over a working buffer. Sans-IO: the caller moves the frames (the async
 //! driver over a transport, or the simulator over a simulated network).
 
+use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::Arc;
 
 use bonfire_topology::{DType, ReduceOp};
 
@@ -9,19 +11,73 @@ use crate::reducer::Reducer;
 use crate::schedule::{Apply, Instr, Program};
 
 /// The arithmetic of one call.
-pub(crate) struct Arith<'a> {
+pub(crate) struct Arith {
     pub(crate) dtype: DType,
     /// The reduction (any value for collectives that do not reduce).
     pub(crate) op: ReduceOp,
     /// The group size, for means.
     pub(crate) group_size: usize,
-    pub(crate) reducer: &'a dyn Reducer,
+    pub(crate) reducer: Arc<dyn Reducer>,
 }
 
-impl Arith<'_> {
-    fn bytes(&self, range: &Range<usize>) -> Range<usize> {
+impl Arith {
+    /// The bytes of an element range.
+    pub(crate) fn bytes(&self, range: &Range<usize>) -> Range<usize> {
         let s = self.dtype.size();
         range.start * s..range.end * s
+    }
+}
+
+/// The working buffer of one call. The thread running the program and the lanes that write
+/// expected frames straight into it (see `driver`) share it, each touching only its own ranges:
+/// a lane writes the range of a receive that no instruction before that receive reads or writes,
+/// and the program does not touch that range until the lane is done with it. So it is held as a
+/// pointer, and every access names its range.
+pub(crate) struct Span<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _buf: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: a Span is a `&mut [u8]` split by range; every access to a range is unsafe and
+// documents why nothing else touches that range meanwhile.
+unsafe impl Send for Span<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Span<'_> {}
+
+impl<'a> Span<'a> {
+    pub(crate) fn new(buf: &'a mut [u8]) -> Span<'a> {
+        Span {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _buf: PhantomData,
+        }
+    }
+
+    /// The start of `range`, for a writer that other threads use.
+    pub(crate) fn at(&self, range: &Range<usize>) -> *mut u8 {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: in bounds, checked above.
+        unsafe { self.ptr.add(range.start) }
+    }
+
+    /// Reads `range`.
+    ///
+    /// # Safety
+    /// Nothing may write `range` while the slice lives.
+    pub(crate) unsafe fn get(&self, range: Range<usize>) -> &[u8] {
+        // SAFETY: in bounds (`at` checks); nothing writes it, by the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.at(&range), range.len()) }
+    }
+
+    /// Writes `range`.
+    ///
+    /// # Safety
+    /// Nothing else may read or write `range` while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn get_mut(&self, range: Range<usize>) -> &mut [u8] {
+        // SAFETY: in bounds (`at` checks); exclusive, by the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.at(&range), range.len()) }
     }
 }
 
@@ -54,8 +110,8 @@ impl Executor {
     pub(crate) fn next<'p>(
         &mut self,
         program: &'p Program,
-        buf: &mut [u8],
-        arith: &Arith<'_>,
+        buf: &Span<'_>,
+        arith: &Arith,
     ) -> Action<'p> {
         loop {
             let Some(instr) = program.instrs.get(self.pc) else {
@@ -79,13 +135,38 @@ impl Executor {
                     self.pc += 1;
                     if arith.op == ReduceOp::Mean {
                         let range = arith.bytes(range);
-                        arith
-                            .reducer
-                            .divide(arith.dtype, &mut buf[range], arith.group_size);
+                        // SAFETY: no lane writes a range an instruction before its receive
+                        // touches, and this instruction comes before every receive not yet run.
+                        let acc = unsafe { buf.get_mut(range) };
+                        arith.reducer.divide(arith.dtype, acc, arith.group_size);
                     }
                 }
             }
         }
+    }
+
+    /// The receive the program waits at: its range in bytes and where to forward the frame.
+    pub(crate) fn awaited<'p>(
+        &self,
+        program: &'p Program,
+        arith: &Arith,
+    ) -> (Range<usize>, &'p [(u32, u32)]) {
+        let Some(Instr::Recv { range, forward, .. }) = program.instrs.get(self.pc) else {
+            panic!("the program does not wait for a frame");
+        };
+        (arith.bytes(range), forward)
+    }
+
+    /// Moves past the receive the program waits at, whose frame a lane already wrote into the
+    /// buffer; returns where to forward it.
+    pub(crate) fn received_in_place<'p>(
+        &mut self,
+        program: &'p Program,
+        arith: &Arith,
+    ) -> &'p [(u32, u32)] {
+        let (_, forward) = self.awaited(program, arith);
+        self.pc += 1;
+        forward
     }
 
     /// Applies the frame the program waits for and returns where to forward it. A frame of the
@@ -93,9 +174,9 @@ impl Executor {
     pub(crate) fn deliver<'p>(
         &mut self,
         program: &'p Program,
-        buf: &mut [u8],
+        buf: &Span<'_>,
         frame: &[u8],
-        arith: &Arith<'_>,
+        arith: &Arith,
     ) -> Result<&'p [(u32, u32)], String> {
         let Some(Instr::Recv {
             range,
@@ -116,12 +197,15 @@ impl Executor {
                 arith.dtype
             ));
         }
+        // SAFETY: this receive's range is the lane's only until the driver withdrew the sink
+        // expecting it, which it does before delivering a frame that did not go there.
+        let acc = unsafe { buf.get_mut(bytes) };
         match apply {
-            Apply::Copy => buf[bytes].copy_from_slice(frame),
+            Apply::Copy => acc.copy_from_slice(frame),
             Apply::Reduce(order) => {
                 arith
                     .reducer
-                    .combine(arith.dtype, arith.op, *order, &mut buf[bytes], frame)
+                    .combine(arith.dtype, arith.op, *order, acc, frame)
             }
         }
         self.pc += 1;

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::exec::{Action, Arith, Executor};
+use crate::exec::{Action, Arith, Executor, Span};
 use crate::reducer::HostReducer;
 use crate::schedule::{Instr, Program};
 use crate::{Algorithm, Collective, CommConfig, Element};
@@ -118,12 +118,11 @@ pub fn run<T: Element>(
         Some(layout) => (0..n).map(|r| layout.node_of(Rank::from(r))).collect(),
         None => vec![NodeId(0); n],
     };
-    let reducer = HostReducer;
     let arith = Arith {
         dtype: T::DTYPE,
         op: collective.reduce_op().unwrap_or(ReduceOp::Sum),
         group_size: n,
-        reducer: &reducer,
+        reducer: std::sync::Arc::new(HostReducer),
     };
 
     let mut shapes = Vec::with_capacity(n);
@@ -222,14 +221,15 @@ fn step_rank<T: Element>(
     state: &mut RankState<T>,
     program: &Program,
     r: usize,
-    arith: &Arith<'_>,
+    arith: &Arith,
     in_flight: &mut Vec<(usize, u32, u32, Bytes)>,
 ) -> Result<(), SimError> {
-    let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut state.work);
-    match state.exec.next(program, buf, arith) {
+    let buf = Span::new(bytemuck::cast_slice_mut(&mut state.work));
+    match state.exec.next(program, &buf, arith) {
         Action::Done => state.done = true,
         Action::Send { bytes, to } => {
-            let payload = bonfire_transport::pool::frame(&buf[bytes]);
+            // SAFETY: the simulator writes no frame in place: this thread is the only user.
+            let payload = bonfire_transport::pool::frame(unsafe { buf.get(bytes) });
             in_flight.extend(
                 to.iter()
                     .map(|&(p, s)| (p as usize, r as u32, s, payload.clone())),
@@ -247,7 +247,7 @@ fn step_rank<T: Element>(
             };
             let forward = state
                 .exec
-                .deliver(program, buf, &frame, arith)
+                .deliver(program, &buf, &frame, arith)
                 .map_err(|problem| SimError::BadFrame {
                     rank: r,
                     from,

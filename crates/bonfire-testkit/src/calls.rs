@@ -59,10 +59,18 @@ pub fn make(
 /// # Panics
 /// On an error or a wrong result, naming the call, the algorithm, the length and the rank.
 pub fn every_call<T: OracleElement>(comm: &Communicator, seed: u64) {
+    every_call_of::<T>(comm, seed, &[0, 1, 13, 130]);
+}
+
+/// As [`every_call`], on the element counts `lengths`.
+///
+/// # Panics
+/// On an error or a wrong result, naming the call, the algorithm, the length and the rank.
+pub fn every_call_of<T: OracleElement>(comm: &Communicator, seed: u64, lengths: &[usize]) {
     let n = comm.size();
     let me = comm.rank();
     for kind in 0..KINDS {
-        for (li, &len) in [0usize, 1, 13, 130].iter().enumerate() {
+        for (li, &len) in lengths.iter().enumerate() {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
                 let (collective, lens) = make(kind, op, n, len, li + kind);
                 let mut algorithms = vec![Algorithm::Auto];

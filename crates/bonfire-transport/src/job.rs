@@ -71,6 +71,8 @@ pub struct JobTransport {
     inbound: Vec<Arc<InLink>>,
     stop: Arc<AtomicBool>,
     fallback: Option<String>,
+    /// Whether expected frames go straight into place ([`ShmConfig::in_place`]).
+    in_place: bool,
 }
 
 impl JobTransport {
@@ -116,6 +118,7 @@ impl JobTransport {
             inbound: lanes.inbound,
             stop,
             fallback: lanes.fallback,
+            in_place: shm.in_place,
         })
     }
 
@@ -133,6 +136,12 @@ impl JobTransport {
                 }
             })
             .collect()
+    }
+
+    /// Payload bytes this rank received straight into a collective's memory (frames a collective
+    /// expected, see [`Transport::expect`]), over all its shared-memory lanes.
+    pub fn received_in_place(&self) -> u64 {
+        self.inbound.iter().map(|l| l.received_in_place()).sum()
     }
 
     /// Why some ranks of this host talk QUIC although shared memory was allowed, if they do.
@@ -217,6 +226,14 @@ impl Transport for JobTransport {
             .get(to.index())
             .and_then(Option::as_ref)?
             .send_from(tag, payload, deadline)
+    }
+
+    fn expect(&self, from: Rank, tag: Tag, sink: Arc<dyn crate::Sink>) -> Option<crate::Expected> {
+        if !self.in_place {
+            return None;
+        }
+        let link = self.inbound.iter().find(|l| l.peer() == from)?;
+        Some(link.expect(tag, sink))
     }
 
     fn mailbox(&self) -> &Arc<Mailbox> {

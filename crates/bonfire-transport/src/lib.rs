@@ -17,6 +17,7 @@ mod mailbox;
 pub mod pool;
 pub mod quic;
 pub mod shm;
+mod sink;
 mod tag;
 
 use std::future::Future;
@@ -31,6 +32,7 @@ pub use inproc::{InProcess, InProcessTransport};
 pub use job::{JobTransport, JobTransportError, Lane};
 pub use mailbox::{Inbox, Mailbox, OpenError};
 pub use quic::{KDF_ROUNDS, QuicConfig, QuicError, QuicTransport, Secret, SecretError, SetupError};
+pub use sink::{Expected, Sink};
 pub use tag::Tag;
 
 /// `text` a peer sent before proving anything (a refusal's reason, say), safe to log: control
@@ -100,6 +102,19 @@ pub trait Transport: Send + Sync + 'static {
         deadline: std::time::Instant,
     ) -> Option<Result<(), TransportError>> {
         let _ = (to, tag, payload, deadline);
+        None
+    }
+
+    /// Asks that the frame `tag` from `from`, if it comes with exactly `sink.len()` bytes, go
+    /// straight into `sink` as it comes off the lane, where the lane allows it (shared memory),
+    /// instead of into a frame of its own: the receiver's working memory then takes the bytes,
+    /// combined into or copied over, without a copy into a frame and out again. When it has
+    /// gone there, the lane files an empty frame under `tag` (to wake whoever waits for it) and
+    /// [`Expected::filled`] says so; a frame of another length, or one filed before this call,
+    /// is filed as usual. Returns `None` where the lane from `from` cannot do this; the default
+    /// never can. Dropping the [`Expected`] withdraws the sink.
+    fn expect(&self, from: Rank, tag: Tag, sink: Arc<dyn Sink>) -> Option<Expected> {
+        let _ = (from, tag, sink);
         None
     }
 

@@ -194,6 +194,13 @@ impl World {
         }
     }
 
+    /// Payload bytes this rank has received straight into its collectives' buffers: large frames
+    /// over shared memory that a collective expected, combined or copied into place as they came
+    /// off the ring instead of into a frame of their own. 0 without shared-memory lanes.
+    pub fn received_in_place(&self) -> u64 {
+        self.transport.as_ref().map_or(0, |t| t.received_in_place())
+    }
+
     /// Leaves the job cleanly: everything sent reaches its peer before the links close.
     pub fn shutdown(self) {
         drop(self);

@@ -301,6 +301,14 @@ fn bench<T: Element>(args: &Args) -> Result<(), CliError> {
     say!(
         "# memcpy: one thread copying the same number of bytes between two buffers of this process, best of 5, in the same run."
     );
+    if let Some(w) = &world
+        && w.lanes().contains(&bonfire::transport::Lane::SharedMemory)
+    {
+        say!(
+            "# in place: {:.1} MiB of the frames this rank received went straight into the collectives' buffers (frames of 64 KiB or more that were expected before they came)",
+            w.received_in_place() as f64 / f64::from(1 << 20)
+        );
+    }
     drop(comms);
     if let Some(w) = world {
         w.shutdown();

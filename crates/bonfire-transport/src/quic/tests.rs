@@ -128,10 +128,15 @@ async fn every_pair_exchanges_frames(congestion: Congestion) {
 async fn a_wrong_secret_is_refused_on_both_sides() {
     let m = master();
     let mut c0 = config(0, 2, &m, secret("right"));
-    c0.connect_timeout = Duration::from_secs(3);
+    // Rank 1 dials again after each unproven refusal until its own timeout, and reports the
+    // last answer: rank 0 must still be there to give it. With equal timeouts rank 0 could go
+    // first, and rank 1's last dial then found nobody ("did not answer within 0.48 s", seen
+    // on every run on a fresh machine). Rank 0 waits its whole timeout for a rank 1 that never
+    // joins.
+    c0.connect_timeout = Duration::from_secs(8);
     let host = tokio::spawn(QuicTransport::connect(c0));
     let mut c1 = config(1, 2, &m, secret("wrong"));
-    c1.connect_timeout = Duration::from_secs(3);
+    c1.connect_timeout = Duration::from_secs(4);
     let err = QuicTransport::connect(c1)
         .await
         .err()

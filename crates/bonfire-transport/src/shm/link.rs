@@ -1,7 +1,7 @@
 //! The two ends of a shared-memory lane: [`OutLink`], whose writer thread copies queued frames
 //! into the peer's ring, and the reader thread, which copies them out and files them.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -12,14 +12,15 @@ use bytes::Bytes;
 
 use super::ring::{Dest, Ring, RingStop};
 use super::sys::Process;
-use crate::{Mailbox, Tag, TransportError};
+use crate::sink::{Sinks, Slot};
+use crate::{Expected, Mailbox, Sink, Tag, TransportError};
 
 /// Bytes of a frame's record header in the ring: kind, step, context, seq, length.
 const RECORD: usize = 32;
-const KIND_DATA: u32 = 1;
-const KIND_GOODBYE: u32 = 2;
+pub(super) const KIND_DATA: u32 = 1;
+pub(super) const KIND_GOODBYE: u32 = 2;
 
-fn record(kind: u32, tag: Tag, len: u64) -> [u8; RECORD] {
+pub(super) fn record(kind: u32, tag: Tag, len: u64) -> [u8; RECORD] {
     let mut r = [0u8; RECORD];
     r[0..4].copy_from_slice(&kind.to_le_bytes());
     r[4..8].copy_from_slice(&tag.step.to_le_bytes());
@@ -374,6 +375,11 @@ fn write_loop(p: &Producer, rx: &Receiver<(Tag, Bytes)>) {
 /// mailbox; a thread waiting for a collective may take whole frames that are already in the ring
 /// itself ([`InLink::take_ready`]), which saves the hand-over to the reader thread and back.
 /// Frames are taken whole, under `reading`, so the two never split one between them.
+///
+/// A frame that a collective expects ([`InLink::expect`]) goes straight into the collective's
+/// memory instead, piece by piece as it comes off the ring; every other frame is copied out into
+/// a frame of its own. So a frame never waits in the ring for its consumer: nothing pins the
+/// ring, and two collectives in flight on one lane never wait on each other.
 pub(crate) struct InLink {
     peer: Rank,
     ring: Ring,
@@ -383,7 +389,17 @@ pub(crate) struct InLink {
     max_frame: u64,
     /// Held while a frame is taken out of the ring.
     reading: Mutex<()>,
+    /// The frames expected straight into a sink.
+    sinks: Sinks,
+    /// Where pieces of a frame going into a sink pass through (one piece, in cache).
+    bounce: Mutex<Vec<u8>>,
+    /// Payload bytes that went straight into sinks.
+    in_place: AtomicU64,
 }
+
+/// The piece of an expected frame copied out of the ring at a time: small enough to stay in the
+/// core's cache between the copy and the sink's use of it.
+const PIECE: usize = 64 << 10;
 
 impl InLink {
     /// Files the frames that are wholly in the ring now, on this thread, unless the reader
@@ -420,8 +436,29 @@ impl InLink {
         }
     }
 
-    /// Takes the next `len` bytes, the payload of the frame tagged `tag`, and files the frame.
+    /// The peer this lane reads from.
+    pub(crate) fn peer(&self) -> Rank {
+        self.peer
+    }
+
+    /// Registers `sink` for the frame `tag` (see [`crate::Transport::expect`]).
+    pub(crate) fn expect(&self, tag: Tag, sink: Arc<dyn Sink>) -> Expected {
+        Slot::register(&self.sinks, tag, sink)
+    }
+
+    /// Payload bytes that went straight into sinks so far.
+    pub(crate) fn received_in_place(&self) -> u64 {
+        self.in_place.load(Ordering::Relaxed)
+    }
+
+    /// Takes the next `len` bytes, the payload of the frame tagged `tag`, and files the frame,
+    /// or hands them to the sink expecting it.
     fn file(&self, tag: Tag, len: usize) -> Result<(), RingStop> {
+        if len > 0
+            && let Some(slot) = Slot::claim(&self.sinks, tag, len)
+        {
+            return self.fill(&slot, tag, len);
+        }
         // Payloads are copied into recycled buffers, so steady traffic does not fault in fresh
         // pages (the frames usually outlive the next one's arrival, in the mailbox).
         let mut read = Ok(());
@@ -432,6 +469,36 @@ impl InLink {
         });
         read?;
         self.mailbox.deliver(self.peer, tag, frame);
+        Ok(())
+    }
+}
+
+impl InLink {
+    /// Takes the next `len` bytes into `slot`'s sink, piece by piece through the bounce buffer,
+    /// then files an empty frame under `tag` to wake whoever waits for it. A sink withdrawn
+    /// part-way gets nothing more: the rest of the frame is taken and dropped.
+    fn fill(&self, slot: &Slot, tag: Tag, len: usize) -> Result<(), RingStop> {
+        let mut bounce = crate::lock(&self.bounce);
+        if bounce.len() < PIECE {
+            bounce.resize(PIECE, 0);
+        }
+        let mut at = 0;
+        let mut kept = true;
+        while at < len {
+            let k = (len - at).min(PIECE);
+            self.ring
+                .read(k, &self.process, &self.stop, Dest::Slice(&mut bounce[..k]))?;
+            match &*crate::lock(&slot.sink) {
+                Some(sink) => sink.take(at, &bounce[..k]),
+                None => kept = false,
+            }
+            at += k;
+        }
+        if kept {
+            self.in_place.fetch_add(len as u64, Ordering::Relaxed);
+            slot.filled.store(true, Ordering::Release);
+        }
+        self.mailbox.deliver(self.peer, tag, Bytes::new());
         Ok(())
     }
 }
@@ -470,6 +537,9 @@ pub(crate) fn start_reader(
         stop,
         max_frame,
         reading: Mutex::new(()),
+        sinks: Sinks::default(),
+        bounce: Mutex::new(Vec::new()),
+        in_place: AtomicU64::new(0),
     });
     let l = link.clone();
     let thread = std::thread::Builder::new()

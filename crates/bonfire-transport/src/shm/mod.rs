@@ -61,6 +61,9 @@ pub mod vars {
     /// The ring from one rank to another, in bytes with an optional binary unit (`512K`, `1M`;
     /// default 1M).
     pub const SHM_RING: &str = "BONFIRE_SHM_RING";
+    /// `1` (default): large frames a collective expects go straight from the ring into its
+    /// buffer; `0`: every frame is copied out into a frame of its own first.
+    pub const SHM_IN_PLACE: &str = "BONFIRE_SHM_IN_PLACE";
 }
 
 /// Where frames between ranks of one host travel.
@@ -104,6 +107,9 @@ pub struct ShmConfig {
     pub ring_bytes: usize,
     /// How long setting up may take before it fails (mode `shm`) or falls back (mode `auto`).
     pub setup_timeout: Duration,
+    /// Whether frames a collective expects go straight from the ring into its buffer
+    /// ([`crate::Transport::expect`]).
+    pub in_place: bool,
 }
 
 impl Default for ShmConfig {
@@ -114,6 +120,7 @@ impl Default for ShmConfig {
             tag: "job".into(),
             ring_bytes: 1 << 20,
             setup_timeout: Duration::from_secs(30),
+            in_place: true,
         }
     }
 }
@@ -131,8 +138,8 @@ pub struct ShmConfigError {
 }
 
 impl ShmConfig {
-    /// The settings from `BONFIRE_TRANSPORT`, `BONFIRE_SHM_DIR`, `BONFIRE_SHM_TAG` and
-    /// `BONFIRE_SHM_RING`, with defaults for those unset.
+    /// The settings from `BONFIRE_TRANSPORT`, `BONFIRE_SHM_DIR`, `BONFIRE_SHM_TAG`,
+    /// `BONFIRE_SHM_RING` and `BONFIRE_SHM_IN_PLACE`, with defaults for those unset.
     pub fn from_env() -> Result<ShmConfig, ShmConfigError> {
         let mut c = ShmConfig::default();
         let get = |var: &str| std::env::var(var).ok().filter(|v| !v.trim().is_empty());
@@ -167,6 +174,19 @@ impl ShmConfig {
                     });
                 }
             }
+        }
+        if let Some(v) = get(vars::SHM_IN_PLACE) {
+            c.in_place = match v.trim() {
+                "1" => true,
+                "0" => false,
+                _ => {
+                    return Err(ShmConfigError {
+                        var: vars::SHM_IN_PLACE,
+                        value: v,
+                        why: "use 1 (large expected frames go straight into place) or 0".into(),
+                    });
+                }
+            };
         }
         Ok(c)
     }

@@ -228,6 +228,7 @@ fn shm_config(dir: &std::path::Path, mode: TransportMode) -> ShmConfig {
         tag: "test".into(),
         ring_bytes: 64 << 10,
         setup_timeout: Duration::from_secs(20),
+        in_place: true,
     }
 }
 
@@ -679,5 +680,117 @@ fn a_dead_ranks_old_segments_are_removed_at_the_next_setup() {
     }
     assert!(dir.join(&recent).exists(), "a recent segment was removed");
     assert_eq!(super::remove_orphans(&dir, super::ORPHAN_AGE), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A sink that records every piece it is given.
+#[derive(Default)]
+struct Recording {
+    len: usize,
+    pieces: std::sync::Mutex<Vec<(usize, Vec<u8>)>>,
+}
+
+impl crate::Sink for Recording {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn take(&self, at: usize, piece: &[u8]) {
+        self.pieces.lock().unwrap().push((at, piece.to_vec()));
+    }
+}
+
+#[test]
+fn an_expected_frame_goes_straight_into_its_sink_and_the_others_are_filed() {
+    let dir = temp_dir("sink");
+    // A ring far smaller than the frames: they stream through it while being taken.
+    let (producer, consumer) = ring_pair(&dir, 16 << 10);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
+    let link = link_to_1(producer, &mailbox, &stop);
+    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let mut frame = |n: usize| Bytes::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>());
+    let (big, other, wrong, late) = (frame(200_003), frame(70_000), frame(1000), frame(65_536));
+
+    let sink = |len| {
+        Arc::new(Recording {
+            len,
+            ..Recording::default()
+        })
+    };
+    // Frame 1 is expected; frame 0, ahead of it in the ring, is not (it is copied out, and
+    // does not hold frame 1 back); frame 2 is expected with another length (filed as usual);
+    // frame 3's sink is withdrawn before it comes (filed as usual).
+    let (s1, s2, s3) = (sink(big.len()), sink(7), sink(late.len()));
+    let e1 = inbound.expect(tag(1), s1.clone());
+    let e2 = inbound.expect(tag(2), s2.clone());
+    drop(inbound.expect(tag(3), s3.clone()));
+    link.send(tag(0), other.clone()).unwrap();
+    link.send(tag(1), big.clone()).unwrap();
+    link.send(tag(2), wrong.clone()).unwrap();
+    link.send(tag(3), late.clone()).unwrap();
+    assert!(link.finish(Duration::from_secs(10)));
+    reader.join().unwrap();
+
+    assert_eq!(inbox.take(Rank(0), 0), Some(other));
+    // The expected frame's marker is empty; its bytes are in the sink, in pieces of 64 KiB.
+    assert_eq!(inbox.take(Rank(0), 1), Some(Bytes::new()));
+    assert!(e1.filled());
+    let pieces = s1.pieces.lock().unwrap().clone();
+    let starts: Vec<usize> = pieces.iter().map(|(at, _)| *at).collect();
+    assert_eq!(starts, [0, 65_536, 131_072, 196_608]);
+    let joined: Vec<u8> = pieces.into_iter().flat_map(|(_, p)| p).collect();
+    assert_eq!(joined, big);
+    assert_eq!(inbound.received_in_place(), big.len() as u64);
+    // The others were filed as frames of their own, and their sinks got nothing.
+    assert_eq!(inbox.take(Rank(0), 2), Some(wrong));
+    assert!(!e2.filled());
+    assert_eq!(inbox.take(Rank(0), 3), Some(late));
+    assert!(s2.pieces.lock().unwrap().is_empty() && s3.pieces.lock().unwrap().is_empty());
+    assert_eq!(inbox.pending(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_sink_withdrawn_while_its_frame_streams_in_gets_nothing_more() {
+    use super::link::{KIND_DATA, KIND_GOODBYE, record};
+    let dir = temp_dir("sink-withdrawn");
+    let (producer, consumer) = ring_pair(&dir, 16 << 10);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
+    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    let len = 1 << 20;
+    let sink = Arc::new(Recording {
+        len,
+        ..Recording::default()
+    });
+    let expected = inbound.expect(tag(0), sink.clone());
+    // The frame's first three pieces and a little more, written as a writer thread would.
+    let payload = vec![7u8; len];
+    let first = 3 * (64 << 10) + 100;
+    let head = record(KIND_DATA, tag(0), len as u64);
+    producer
+        .write(&[&head, &payload[..first]], &me(), &stop)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sink.pieces.lock().unwrap().len() < 3 {
+        assert!(Instant::now() < deadline, "the sink never got its pieces");
+        std::thread::yield_now();
+    }
+    drop(expected);
+    // Once withdrawn, it is never called again: the rest is taken off the ring and dropped, and
+    // the lane carries on.
+    let bye = record(KIND_GOODBYE, tag(0), 0);
+    producer
+        .write(&[&payload[first..], &bye], &me(), &stop)
+        .unwrap();
+    reader.join().unwrap();
+    assert_eq!(sink.pieces.lock().unwrap().len(), 3);
+    assert_eq!(inbox.take(Rank(0), 0), Some(Bytes::new()));
+    assert_eq!(inbound.received_in_place(), 0);
+    assert!(mailbox.lost_reason(Rank(0)).is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }

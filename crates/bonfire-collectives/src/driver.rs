@@ -246,8 +246,7 @@ async fn run_program(
                 // Withdrawn before anything else touches the range.
                 let in_place = ahead.take(exec.position());
                 if in_place {
-                    let (bytes, _) = exec.awaited(program, arith);
-                    let forward = exec.received_in_place(program, arith);
+                    let (bytes, forward) = exec.received_in_place(program, arith);
                     // SAFETY: the lane is done with this range (its sink is withdrawn), and
                     // only receives whose range is disjoint from it have sinks (a receive that
                     // forwards has one only if it copies, so the range holds the frame).

@@ -145,28 +145,18 @@ impl Executor {
         }
     }
 
-    /// The receive the program waits at: its range in bytes and where to forward the frame.
-    pub(crate) fn awaited<'p>(
-        &self,
+    /// Moves past the receive the program waits at, whose frame a lane already wrote into the
+    /// buffer; returns the receive's range in bytes and where to forward the frame.
+    pub(crate) fn received_in_place<'p>(
+        &mut self,
         program: &'p Program,
         arith: &Arith,
     ) -> (Range<usize>, &'p [(u32, u32)]) {
         let Some(Instr::Recv { range, forward, .. }) = program.instrs.get(self.pc) else {
             panic!("the program does not wait for a frame");
         };
-        (arith.bytes(range), forward)
-    }
-
-    /// Moves past the receive the program waits at, whose frame a lane already wrote into the
-    /// buffer; returns where to forward it.
-    pub(crate) fn received_in_place<'p>(
-        &mut self,
-        program: &'p Program,
-        arith: &Arith,
-    ) -> &'p [(u32, u32)] {
-        let (_, forward) = self.awaited(program, arith);
         self.pc += 1;
-        forward
+        (arith.bytes(range), forward)
     }
 
     /// Applies the frame the program waits for and returns where to forward it. A frame of the

@@ -18,7 +18,9 @@ pub trait Sink: Send + Sync {
 
     /// Takes the payload's bytes `at..at + piece.len()`. Pieces come in order, each once, and
     /// together cover the payload; every piece but the last is a multiple of 64 KiB long. Runs on
-    /// whichever thread takes the frame off the lane, so it must not wait for anything.
+    /// whichever thread takes the frame off the lane (the lane's reader thread, or a thread
+    /// waiting for a collective), so it must not wait for anything. A panic withdraws the sink:
+    /// the rest of the frame is dropped and [`Expected::filled`] stays false.
     fn take(&self, at: usize, piece: &[u8]);
 }
 

@@ -488,10 +488,19 @@ impl InLink {
             let k = (len - at).min(PIECE);
             self.ring
                 .read(k, &self.process, &self.stop, Dest::Slice(&mut bounce[..k]))?;
-            match &*crate::lock(&slot.sink) {
-                Some(sink) => sink.take(at, &bounce[..k]),
-                None => kept = false,
+            // A sink that panics (a user's reducer, say) gets nothing more: the rest of the
+            // frame is taken off the ring all the same, so the lane stays in step, and its
+            // collective sees an empty frame where it expected one and fails naming the peer.
+            let mut sink = crate::lock(&slot.sink);
+            let took = sink.as_ref().is_some_and(|s| {
+                let piece = &bounce[..k];
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.take(at, piece))).is_ok()
+            });
+            if !took {
+                *sink = None;
+                kept = false;
             }
+            drop(sink);
             at += k;
         }
         if kept {

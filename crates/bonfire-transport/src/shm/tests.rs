@@ -794,3 +794,39 @@ fn a_sink_withdrawn_while_its_frame_streams_in_gets_nothing_more() {
     assert!(mailbox.lost_reason(Rank(0)).is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A sink whose every piece panics, as a faulty reducer would.
+struct Panicking(usize);
+
+impl crate::Sink for Panicking {
+    fn len(&self) -> usize {
+        self.0
+    }
+
+    fn take(&self, _at: usize, _piece: &[u8]) {
+        panic!("a faulty reducer");
+    }
+}
+
+#[test]
+fn a_sink_that_panics_loses_its_frame_and_the_lane_carries_on() {
+    let dir = temp_dir("sink-panics");
+    let (producer, consumer) = ring_pair(&dir, 16 << 10);
+    let mailbox = Arc::new(Mailbox::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
+    let link = link_to_1(producer, &mailbox, &stop);
+    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    let expected = inbound.expect(tag(0), Arc::new(Panicking(200_000)));
+    link.send(tag(0), Bytes::from(vec![1u8; 200_000])).unwrap();
+    link.send(tag(1), Bytes::from(vec![2u8; 300])).unwrap();
+    assert!(link.finish(Duration::from_secs(10)));
+    // The reader thread survived the panic and stayed in step: the next frame is intact.
+    reader.join().unwrap();
+    assert_eq!(inbox.take(Rank(0), 0), Some(Bytes::new()));
+    assert!(!expected.filled());
+    assert_eq!(inbox.take(Rank(0), 1), Some(Bytes::from(vec![2u8; 300])));
+    assert!(mailbox.lost_reason(Rank(0)).is_none());
+    assert_eq!(inbound.received_in_place(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

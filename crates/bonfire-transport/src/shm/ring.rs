@@ -142,6 +142,18 @@ impl Ring {
         Ok(ring)
     }
 
+    /// Publishes so far (tests).
+    #[cfg(test)]
+    pub(crate) fn publishes(&self) -> u32 {
+        self.control().data_seq.load(Ordering::SeqCst)
+    }
+
+    /// Whether the consumer says it sleeps (tests).
+    #[cfg(test)]
+    pub(crate) fn consumer_asleep(&self) -> bool {
+        self.control().consumer_sleeps.load(Ordering::SeqCst) != 0
+    }
+
     fn control(&self) -> &Control {
         // SAFETY: the mapping is page-aligned and at least DATA_OFFSET long; Control is made of
         // atomics and padding, valid for any bit pattern.
@@ -197,50 +209,52 @@ impl Ring {
         let cap = self.capacity;
         let step = (cap / 4).max(1);
         let mut head = c.head.load(Ordering::Relaxed);
-        for part in parts {
-            let mut off = 0;
-            while off < part.len() {
-                let mut tail = c.tail.load(Ordering::Acquire);
-                if self.used(head, tail)? == cap {
-                    self.wait(
-                        &c.space_seq,
-                        &c.producer_sleeps,
-                        // Damaged counters end the wait too: the check below reports them.
-                        || {
-                            !matches!(
-                                self.used(head, c.tail.load(Ordering::Acquire)),
-                                Ok(used) if used == cap
-                            )
-                        },
-                        peer,
-                        stop,
-                        Side::Producer(deadline),
-                    )?;
-                    tail = c.tail.load(Ordering::Acquire);
-                }
-                let free = cap - self.used(head, tail)?;
-                let n = free.min(part.len() - off).min(step);
-                let at = (head % cap as u64) as usize;
-                let first = n.min(cap - at);
-                // SAFETY: [at, at + first) and [0, n - first) lie in the data area, and the
-                // consumer does not read them until `head` is published below.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        part.as_ptr().add(off),
-                        self.data().add(at),
-                        first,
-                    );
-                    std::ptr::copy_nonoverlapping(
-                        part.as_ptr().add(off + first),
-                        self.data(),
-                        n - first,
-                    );
-                }
-                head += n as u64;
-                off += n;
-                c.head.store(head, Ordering::Release);
-                signal(&c.data_seq, &c.consumer_sleeps);
+        let mut left: usize = parts.iter().map(|p| p.len()).sum();
+        // Where the next byte comes from: part `part`, at `off`.
+        let (mut part, mut off) = (0, 0);
+        while left > 0 {
+            let mut tail = c.tail.load(Ordering::Acquire);
+            if self.used(head, tail)? == cap {
+                self.wait(
+                    &c.space_seq,
+                    &c.producer_sleeps,
+                    // Damaged counters end the wait too: the check below reports them.
+                    || {
+                        !matches!(
+                            self.used(head, c.tail.load(Ordering::Acquire)),
+                            Ok(used) if used == cap
+                        )
+                    },
+                    peer,
+                    stop,
+                    Side::Producer(deadline),
+                )?;
+                tail = c.tail.load(Ordering::Acquire);
             }
+            // One publish per piece, across parts: a small frame's record and payload go out
+            // together, so the consumer never wakes for a record without its payload.
+            let mut n = (cap - self.used(head, tail)?).min(left).min(step);
+            left -= n;
+            let mut at = (head % cap as u64) as usize;
+            head += n as u64;
+            while n > 0 {
+                let src = &parts[part][off..];
+                let k = src.len().min(n).min(cap - at);
+                // SAFETY: [at, at + k) lies in the data area, and the consumer does not read it
+                // until `head` is published below.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(at), k);
+                }
+                n -= k;
+                at = (at + k) % cap;
+                off += k;
+                if off == parts[part].len() {
+                    part += 1;
+                    off = 0;
+                }
+            }
+            c.head.store(head, Ordering::Release);
+            signal(&c.data_seq, &c.consumer_sleeps);
         }
         Ok(())
     }
@@ -461,10 +475,23 @@ impl Ring {
 }
 
 /// Publishes a change of `word` and wakes the other side if it sleeps on it.
+///
+/// Whoever takes the sleeper's flag down makes the one system call: a sleeper that has been
+/// woken but not yet run is not woken again by every publish after it.
 fn signal(word: &AtomicU32, sleeps: &AtomicU32) {
     word.fetch_add(1, Ordering::Release);
     fence(Ordering::SeqCst);
-    if sleeps.load(Ordering::SeqCst) != 0 {
+    let asleep = sleeps.load(Ordering::SeqCst);
+    if asleep != 0 && take_down(sleeps, asleep) {
         futex_wake(word);
     }
+}
+
+/// Clears a sleeper's flag if it still reads `asleep`; whether this call cleared it. (The
+/// sleeper clears it too once it runs; after a cleared flag its sleep ends at once, since the
+/// word changed before the flag was read.)
+fn take_down(sleeps: &AtomicU32, asleep: u32) -> bool {
+    sleeps
+        .compare_exchange(asleep, 0, Ordering::SeqCst, Ordering::SeqCst)
+        .is_ok()
 }

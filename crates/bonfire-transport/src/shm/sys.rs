@@ -25,8 +25,16 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Wake-up system calls this thread has made (tests only).
+    pub(crate) static WAKES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Wakes every thread (of any process) sleeping on `word`.
 pub(crate) fn futex_wake(word: &AtomicU32) {
+    #[cfg(test)]
+    WAKES.with(|w| w.set(w.get() + 1));
     // SAFETY: as in `futex_wait`; FUTEX_WAKE does not read the word.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use super::link::{MAX_QUEUED_BYTES, OutLink, start_reader};
 use super::ring::{Dest, Ring, RingStop, YIELDED};
 use super::segment::Segment;
-use super::sys::Process;
+use super::sys::{Process, WAKES};
 use super::{ShmConfig, TransportMode};
 use crate::quic::tests::{config, master, secret, take};
 use crate::{JobTransport, Lane, Mailbox, Tag, Transport};
@@ -423,6 +423,61 @@ fn waiting_for_the_next_frame_sleeps_without_yielding() {
         0,
         "the consumer yielded while it waited for frames 20 ms apart"
     );
+}
+
+/// A frame goes into the ring in as few publishes as the ring allows, its record and payload
+/// together, and a consumer asleep waiting for data is woken once, however many publishes come
+/// before it runs. Each wake-up is a system call that cost the writer 6-7 µs on this project's
+/// virtual machines when the sleeper's core was idle (BENCHMARKS.md, "Where a small
+/// all-reduce's time goes"); before, a small frame was two publishes and every publish until
+/// the sleeper ran made one.
+#[test]
+fn a_frame_is_one_publish_per_piece_and_a_sleeper_is_woken_once() {
+    let dir = temp_dir("publish");
+    let (producer, consumer) = ring_pair(&dir, 4096);
+    let consumer = Arc::new(consumer);
+    let stop = AtomicBool::new(false);
+    let (a, b, c) = ([1u8; 32], [2u8; 900], [3u8; 5]);
+    let before = consumer.publishes();
+    producer.write(&[&a, &b, &c], &me(), &stop).unwrap();
+    assert_eq!(consumer.publishes() - before, 1, "a 937-byte frame");
+    // More than a quarter of the ring goes in quarters (1,024 bytes), across the parts.
+    let (d, e) = ([4u8; 32], (0..2968).map(|i| i as u8).collect::<Vec<u8>>());
+    let before = consumer.publishes();
+    producer.write(&[&d, &e], &me(), &stop).unwrap();
+    assert_eq!(consumer.publishes() - before, 3, "a 3,000-byte frame");
+    let mut got = Vec::new();
+    consumer
+        .read(937 + 3000, &me(), &stop, Dest::Append(&mut got))
+        .unwrap();
+    let want: Vec<u8> = [&a[..], &b, &c, &d, &e].concat();
+    assert_eq!(got, want);
+
+    // A consumer asleep for its next frame; 20 small frames come before it runs.
+    let sleeper = {
+        let consumer = consumer.clone();
+        std::thread::spawn(move || consumer.wait_data(&me(), &AtomicBool::new(false)))
+    };
+    let t = Instant::now();
+    while !consumer.consumer_asleep() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the consumer never slept"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let wakes = || WAKES.with(std::cell::Cell::get);
+    let before = wakes();
+    for i in 0..20u8 {
+        producer.write(&[&[i; 32], &[i; 16]], &me(), &stop).unwrap();
+    }
+    assert_eq!(
+        wakes() - before,
+        1,
+        "wake-up calls for one sleeping consumer"
+    );
+    sleeper.join().unwrap().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A peer that is alive but takes nothing (stopped by SIGSTOP, or stuck) cannot hold a rank's

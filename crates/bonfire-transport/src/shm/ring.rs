@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use super::segment::Segment;
 use super::sys::{Process, futex_wait, futex_wake};
 
-/// Marks a segment as a bonfire ring ("bfshmrg1").
-const MAGIC: u64 = 0x6266_7368_6d72_6731;
+/// Marks a segment as a bonfire ring of this layout ("bfshmrg2"; the sleep flags became 64-bit
+/// words holding the counter their side read).
+const MAGIC: u64 = 0x6266_7368_6d72_6732;
 /// Where the data starts; the control block lives in the first page.
 pub(crate) const DATA_OFFSET: usize = 4096;
 /// How long one sleep lasts before the other process's liveness is checked again.
@@ -20,6 +21,9 @@ const TICK: Duration = Duration::from_millis(20);
 /// Busy-wait iterations before yielding, and yields before sleeping.
 const SPINS: u32 = 64;
 const YIELDS: u32 = 64;
+/// Set in a sleep flag while its side sleeps; the low 32 bits hold the word it sleeps on, as it
+/// read it before it went to sleep.
+const ASLEEP: u64 = 1 << 32;
 
 #[cfg(test)]
 thread_local! {
@@ -43,12 +47,17 @@ struct Control {
     _t: [u8; 56],
     /// Bumped by the producer after each publish; the consumer sleeps on it.
     data_seq: AtomicU32,
-    consumer_sleeps: AtomicU32,
-    _d: [u8; 56],
+    _dp: [u8; 4],
+    /// The consumer's sleep flag: 0 awake, else [`ASLEEP`] and the value of `data_seq` it read
+    /// before it went to sleep.
+    consumer_sleeps: AtomicU64,
+    _d: [u8; 48],
     /// Bumped by the consumer after each release; the producer sleeps on it.
     space_seq: AtomicU32,
-    producer_sleeps: AtomicU32,
-    _s: [u8; 56],
+    _sp: [u8; 4],
+    /// The producer's sleep flag, as `consumer_sleeps` with `space_seq`.
+    producer_sleeps: AtomicU64,
+    _s: [u8; 48],
     /// Set by the consumer when it stops reading for good.
     consumer_closed: AtomicU32,
 }
@@ -231,8 +240,8 @@ impl Ring {
                 )?;
                 tail = c.tail.load(Ordering::Acquire);
             }
-            // One publish per piece, across parts: a small frame's record and payload go out
-            // together, so the consumer never wakes for a record without its payload.
+            // One publish per piece, across parts: a frame that fits in one piece goes out
+            // whole when the room allows, so the consumer does not wake for its record alone.
             let mut n = (cap - self.used(head, tail)?).min(left).min(step);
             left -= n;
             let mut at = (head % cap as u64) as usize;
@@ -402,7 +411,7 @@ impl Ring {
     fn wait(
         &self,
         word: &AtomicU32,
-        sleeps: &AtomicU32,
+        sleeps: &AtomicU64,
         ready: impl Fn() -> bool,
         peer: &Process,
         stop: &AtomicBool,
@@ -430,7 +439,7 @@ impl Ring {
         }
         loop {
             let seen = word.load(Ordering::Acquire);
-            sleeps.store(1, Ordering::SeqCst);
+            sleeps.store(ASLEEP | u64::from(seen), Ordering::SeqCst);
             fence(Ordering::SeqCst);
             if ready() {
                 sleeps.store(0, Ordering::Relaxed);
@@ -476,22 +485,91 @@ impl Ring {
 
 /// Publishes a change of `word` and wakes the other side if it sleeps on it.
 ///
-/// Whoever takes the sleeper's flag down makes the one system call: a sleeper that has been
-/// woken but not yet run is not woken again by every publish after it.
-fn signal(word: &AtomicU32, sleeps: &AtomicU32) {
-    word.fetch_add(1, Ordering::Release);
+/// One system call per sleep: the first publish that changes the word from the value the
+/// sleeper read before it went to sleep takes the sleeper's flag down (a compare-and-swap) and
+/// makes the call; the publishes after it, before the sleeper has run, find the flag down. That
+/// publish's change guarantees the sleep ends: either the sleeper is already in `futex_wait` and
+/// is woken, or it gets there later and finds the word no longer what it read. A publish the
+/// sleeper had already seen when it read the word leaves the flag alone (its bytes were visible
+/// to the sleeper's last look, and another thread of the consumer may have taken them): taking
+/// the flag down then would let the sleeper sleep through the next publish.
+fn signal(word: &AtomicU32, sleeps: &AtomicU64) {
+    let before = word.fetch_add(1, Ordering::Release);
+    wake_if_asleep(word, sleeps, before);
+}
+
+/// The second half of [`signal`], for the publish that found the word at `before`.
+fn wake_if_asleep(word: &AtomicU32, sleeps: &AtomicU64, before: u32) {
     fence(Ordering::SeqCst);
-    let asleep = sleeps.load(Ordering::SeqCst);
-    if asleep != 0 && take_down(sleeps, asleep) {
+    let flag = sleeps.load(Ordering::SeqCst);
+    if flag != 0
+        && changes_what_it_read(flag, before)
+        && sleeps
+            .compare_exchange(flag, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    {
         futex_wake(word);
     }
 }
 
-/// Clears a sleeper's flag if it still reads `asleep`; whether this call cleared it. (The
-/// sleeper clears it too once it runs; after a cleared flag its sleep ends at once, since the
-/// word changed before the flag was read.)
-fn take_down(sleeps: &AtomicU32, asleep: u32) -> bool {
-    sleeps
-        .compare_exchange(asleep, 0, Ordering::SeqCst, Ordering::SeqCst)
-        .is_ok()
+/// Whether a publish that found the word at `before` came after the sleeper whose flag is
+/// `flag` read it (counters wrap; they are never 2^31 apart).
+fn changes_what_it_read(flag: u64, before: u32) -> bool {
+    let seen = flag as u32;
+    before.wrapping_sub(seen) as i32 >= 0
+}
+
+#[cfg(test)]
+mod flag_tests {
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+    use super::super::sys::WAKES;
+    use super::{ASLEEP, changes_what_it_read, signal, wake_if_asleep};
+
+    /// The order a review found a wake-up lost in: a publish bumps the counter; another thread
+    /// of the consumer takes its frame; the reader reads the counter, raises its flag, finds
+    /// nothing and is about to sleep; only then does the publish look at the flag. It must
+    /// leave the flag up (the reader saw its bump), so that the next publish, which the reader
+    /// has not seen, takes it down and wakes it. (Before, the late look took the flag down and
+    /// woke nobody, and the next publish found the flag down: the reader slept a whole tick.)
+    #[test]
+    fn a_late_look_at_the_flag_leaves_it_for_the_next_publish() {
+        let (word, sleeps) = (AtomicU32::new(41), AtomicU64::new(0));
+        let wakes = || WAKES.with(std::cell::Cell::get);
+        let start = wakes();
+        // The publish's bump.
+        let before = word.fetch_add(1, Ordering::Release);
+        // The reader, after the frame was taken: reads 42 and raises its flag.
+        let seen = word.load(Ordering::Acquire);
+        sleeps.store(ASLEEP | u64::from(seen), Ordering::SeqCst);
+        // The publish's late look.
+        wake_if_asleep(&word, &sleeps, before);
+        assert_eq!(
+            sleeps.load(Ordering::SeqCst),
+            ASLEEP | 42,
+            "the flag was taken down"
+        );
+        assert_eq!(wakes(), start);
+        // The next publish wakes the reader, once.
+        signal(&word, &sleeps);
+        assert_eq!(sleeps.load(Ordering::SeqCst), 0);
+        assert_eq!(wakes(), start + 1);
+        signal(&word, &sleeps);
+        assert_eq!(wakes(), start + 1);
+    }
+
+    /// A publish wakes a sleeper only if its change came after the sleeper's read of the word,
+    /// across the counter's wrap.
+    #[test]
+    fn a_publish_the_sleeper_had_seen_leaves_its_flag_alone() {
+        for seen in [0u32, 7, u32::MAX - 1, u32::MAX] {
+            let flag = ASLEEP | u64::from(seen);
+            // The publish that moved the word from `seen`, and later ones.
+            assert!(changes_what_it_read(flag, seen));
+            assert!(changes_what_it_read(flag, seen.wrapping_add(3)));
+            // Publishes before the read.
+            assert!(!changes_what_it_read(flag, seen.wrapping_sub(1)));
+            assert!(!changes_what_it_read(flag, seen.wrapping_sub(1000)));
+        }
+    }
 }

@@ -425,11 +425,12 @@ fn waiting_for_the_next_frame_sleeps_without_yielding() {
     );
 }
 
-/// A frame goes into the ring in as few publishes as the ring allows, its record and payload
-/// together, and a consumer asleep waiting for data is woken once, however many publishes come
-/// before it runs. Each wake-up is a system call that cost the writer 6-7 µs on this project's
-/// virtual machines when the sleeper's core was idle (BENCHMARKS.md, "Where a small
-/// all-reduce's time goes"); before, a small frame was two publishes and every publish until
+/// A frame goes into the ring in one publish per piece (a quarter of the ring at most), its
+/// record and payload together, and a consumer asleep waiting for data is woken at most once,
+/// however many publishes come before it runs. Each wake-up is a system call that cost the
+/// writer 6-7 µs on this project's virtual machines when the sleeper's core was idle
+/// (BENCHMARKS.md, "Where a small all-reduce's time goes"); before, a small frame was two
+/// publishes and every publish until
 /// the sleeper ran made one.
 #[test]
 fn a_frame_is_one_publish_per_piece_and_a_sleeper_is_woken_once() {
@@ -471,10 +472,12 @@ fn a_frame_is_one_publish_per_piece_and_a_sleeper_is_woken_once() {
     for i in 0..20u8 {
         producer.write(&[&[i; 32], &[i; 16]], &me(), &stop).unwrap();
     }
-    assert_eq!(
-        wakes() - before,
-        1,
-        "wake-up calls for one sleeping consumer"
+    // At most: the consumer also wakes every 20 ms tick to look, and if the first frame lands
+    // while it is up between two sleeps, it finds the frames itself and no call is needed.
+    assert!(
+        wakes() - before <= 1,
+        "{} wake-up calls for one sleeping consumer",
+        wakes() - before
     );
     sleeper.join().unwrap().unwrap();
     let _ = std::fs::remove_dir_all(&dir);

@@ -23,8 +23,9 @@ pub enum Order {
 /// Contract: `combine` and `divide` are pure functions of their inputs (no dependence on timing,
 /// threads or earlier calls): determinism of every collective rests on it. `combine` works
 /// element by element: over shared memory a large received frame is combined in 64 KiB pieces,
-/// as it comes off the lane, on the lane's reader thread (see `bonfire_transport::Sink`), so it
-/// must not block; a panic there fails the collective with a bad frame.
+/// as it comes off the lane, on whichever thread takes it off (the lane's reader thread, or a
+/// thread waiting for a collective; see `bonfire_transport::Sink`), so it must not block; a
+/// panic there fails the collective with a bad frame.
 pub trait Reducer: Send + Sync + 'static {
     /// `acc[i] = acc[i] ∘ incoming[i]` (or the reverse order) for every element; [`ReduceOp::Mean`]
     /// combines as a sum. Both slices hold the same number of whole elements.

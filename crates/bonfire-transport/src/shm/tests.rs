@@ -758,16 +758,47 @@ impl crate::Sink for Recording {
     }
 }
 
-#[test]
-fn an_expected_frame_goes_straight_into_its_sink_and_the_others_are_filed() {
-    let dir = temp_dir("sink");
-    // A ring far smaller than the frames: they stream through it while being taken.
+/// Rank 0's lane to rank 1 through a 16 KiB ring, far smaller than the frames the sink tests
+/// send (this process plays both ranks): the writer's end, rank 1's reader thread, and rank 1's
+/// inbox for the collective of [`tag`].
+struct SinkLane {
+    dir: PathBuf,
+    mailbox: Arc<Mailbox>,
+    inbound: Arc<super::link::InLink>,
+    reader: std::thread::JoinHandle<()>,
+    link: OutLink,
+    inbox: crate::Inbox,
+}
+
+fn sink_lane(name: &str) -> SinkLane {
+    let dir = temp_dir(name);
     let (producer, consumer) = ring_pair(&dir, 16 << 10);
     let mailbox = Arc::new(Mailbox::new());
     let stop = Arc::new(AtomicBool::new(false));
     let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
     let link = link_to_1(producer, &mailbox, &stop);
     let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    SinkLane {
+        dir,
+        mailbox,
+        inbound,
+        reader,
+        link,
+        inbox,
+    }
+}
+
+#[test]
+fn an_expected_frame_goes_straight_into_its_sink_and_the_others_are_filed() {
+    // The frames stream through the small ring while being taken.
+    let SinkLane {
+        dir,
+        inbound,
+        reader,
+        link,
+        inbox,
+        ..
+    } = sink_lane("sink");
     let mut rng = rand::rngs::StdRng::seed_from_u64(4);
     let mut frame = |n: usize| Bytes::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>());
     let (big, other, wrong, late) = (frame(200_003), frame(70_000), frame(1000), frame(65_536));
@@ -868,13 +899,14 @@ impl crate::Sink for Panicking {
 
 #[test]
 fn a_sink_that_panics_loses_its_frame_and_the_lane_carries_on() {
-    let dir = temp_dir("sink-panics");
-    let (producer, consumer) = ring_pair(&dir, 16 << 10);
-    let mailbox = Arc::new(Mailbox::new());
-    let stop = Arc::new(AtomicBool::new(false));
-    let (inbound, reader) = reader_from_0(consumer, &mailbox, &stop);
-    let link = link_to_1(producer, &mailbox, &stop);
-    let inbox = mailbox.open(tag(0).context, tag(0).seq).unwrap();
+    let SinkLane {
+        dir,
+        mailbox,
+        inbound,
+        reader,
+        link,
+        inbox,
+    } = sink_lane("sink-panics");
     let expected = inbound.expect(tag(0), Arc::new(Panicking(200_000)));
     link.send(tag(0), Bytes::from(vec![1u8; 200_000])).unwrap();
     link.send(tag(1), Bytes::from(vec![2u8; 300])).unwrap();

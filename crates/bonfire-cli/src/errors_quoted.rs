@@ -29,6 +29,7 @@ use bonfire::launch::{AddrError, EnvError, LaunchError};
 use bonfire::pipeline::PipelineError;
 use bonfire::topology::{DType, GroupId, Rank, ReduceOp};
 use bonfire::transport::JobTransportError;
+use bonfire::transport::placement::PlacementError;
 use bonfire::transport::quic::SetupError;
 use bonfire::transport::quic::Who;
 use bonfire::transport::shm::ShmConfigError;
@@ -469,6 +470,7 @@ variants!(
         InitError::Connect(..),
         InitError::Log(..),
         InitError::Transport(..),
+        InitError::Placement(..),
         InitError::Communicator(..),
         InitError::TensorParallelSize { .. },
         InitError::PipelineSize { .. },
@@ -510,6 +512,11 @@ fn init_examples() -> Vec<InitError> {
             var: "BONFIRE_TRANSPORT",
             value: "carrier-pigeon".into(),
             why: "expected auto, shm or quic".into(),
+        }),
+        InitError::Placement(PlacementError {
+            var: "BONFIRE_COMM_CPUS",
+            value: "9".into(),
+            why: "CPU 9 is not one this process may run on (0-7)".into(),
         }),
         InitError::Communicator(peer_lost()),
         InitError::TensorParallelSize {
@@ -568,6 +575,10 @@ variants!(
         LaunchError::NoFreePort(..),
         LaunchError::Secret(..),
         LaunchError::NeedsSecret,
+        LaunchError::TooFewCpus { .. },
+        LaunchError::CpuBindVar(..),
+        LaunchError::CommCpusOutsideBlocks { .. },
+        LaunchError::Cpus(..),
         LaunchError::Spawn { .. },
         LaunchError::RankFailed { .. },
         LaunchError::NodeLost { .. },
@@ -596,6 +607,19 @@ fn launch_examples() -> Vec<LaunchError> {
             len: 5,
         }),
         LaunchError::NeedsSecret,
+        LaunchError::TooFewCpus {
+            ranks: 4,
+            cpus: "0-1".into(),
+            count: 2,
+        },
+        LaunchError::CpuBindVar("sockets".into()),
+        LaunchError::CommCpusOutsideBlocks {
+            setting: "15".into(),
+            cpu: 15,
+            rank: 0,
+            block: "0-7".into(),
+        },
+        LaunchError::Cpus(io_error()),
         LaunchError::Spawn {
             rank: 0,
             program: "./train".into(),

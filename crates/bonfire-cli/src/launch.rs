@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bonfire::launch::slurm::{self, SlurmPlace};
-use bonfire::launch::{LaunchConfig, launch};
+use bonfire::launch::{CpuBind, LaunchConfig, launch};
 
 use crate::error::{ArgError, CliError};
 
@@ -68,6 +68,13 @@ pub(crate) struct Args {
     /// node's launcher the same list; not every rank.
     #[arg(long, value_delimiter = ',', value_name = "RANKS")]
     expendable_ranks: Vec<u32>,
+    /// How this node's ranks are placed on its CPUs: none (every rank may run on every CPU) or
+    /// cores (each rank gets a block of its own of equal size, a core's hardware threads
+    /// together, named in BONFIRE_CPUS; in a job of several ranks a block of 3 CPUs or more
+    /// keeps its last one for the rank's communication threads, see BONFIRE_COMM_CPUS)
+    /// [default: BONFIRE_CPU_BIND, else none].
+    #[arg(long, value_parser = ["none", "cores"])]
+    cpu_bind: Option<String>,
     /// The program every rank runs, and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]...")]
     command: Vec<OsString>,
@@ -144,6 +151,10 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
              succeed for the job to succeed"
         )));
     }
+    let cpu_bind = match &args.cpu_bind {
+        Some(b) => CpuBind::parse(b).expect("clap checked the value"),
+        None => CpuBind::from_env()?,
+    };
     let config = LaunchConfig {
         nproc_per_node: args.nproc_per_node as usize,
         nnodes,
@@ -163,6 +174,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .collect(),
         prefix_output: true,
         expendable,
+        cpu_bind,
     };
     let launched = launch(&config)?;
     if let Some(summary) = launched.summary() {
@@ -188,6 +200,7 @@ pub(crate) mod tests {
             max_restarts: 0,
             join_timeout: Duration::from_secs(300),
             expendable_ranks: Vec::new(),
+            cpu_bind: None,
             command: vec!["./train".into()],
         }
     }

@@ -5,7 +5,8 @@ use std::ffi::OsString;
 use std::time::Duration;
 
 use bonfire::World;
-use bonfire::launch::{LaunchConfig, launch};
+use bonfire::launch::{CpuBind, LaunchConfig, launch};
+use bonfire::transport::placement;
 use serde::{Deserialize, Serialize};
 
 use crate::JobError;
@@ -233,8 +234,26 @@ impl<'a, J: Job> Runner<'a, J> {
         // 10-20% of the throughput; see BENCHMARKS.md). An explicit setting is kept.
         // OMP_NUM_THREADS is LibTorch's (and OpenBLAS's, in a build with `openblas`), set the
         // same way.
+        // Under BONFIRE_CPU_BIND=cores a rank's block of 3 cores or more keeps one for its
+        // communication threads, and computes on the others.
+        config.cpu_bind = CpuBind::from_env()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = (cores / ranks).max(1);
+        // The block the launcher will give each rank (all are the same size).
+        let block = match config.cpu_bind {
+            CpuBind::None => None,
+            CpuBind::Cores => placement::thread_cpus().ok().and_then(|cpus| {
+                placement::blocks(&placement::physical_order(&cpus), ranks)
+                    .map(|mut b| b.swap_remove(0))
+            }),
+        };
+        let threads = match block {
+            Some(block) => placement::compute_threads_in_block(
+                &block,
+                ranks,
+                std::env::var(placement::COMM_CPUS_VAR).ok().as_deref(),
+            ),
+            None => (cores / ranks).max(1),
+        };
         for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
             if std::env::var_os(var).is_none() {
                 config

@@ -7,6 +7,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bonfire_transport::placement;
 use bonfire_transport::shm::{self, vars as shm_vars};
 use bonfire_transport::{Secret, SecretError};
 
@@ -50,6 +51,45 @@ pub struct LaunchConfig {
     /// servers): the launcher says how each ended, and the job goes on without it. A job
     /// whose other ranks all succeed succeeds.
     pub expendable: Vec<usize>,
+    /// How this node's ranks are placed on its CPUs.
+    pub cpu_bind: CpuBind,
+}
+
+/// How `bonfire launch` places a node's ranks on the CPUs it may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuBind {
+    /// Every rank may run on every CPU (torchrun's default).
+    #[default]
+    None,
+    /// Each rank gets a block of its own of equal size, in order (`BONFIRE_CPUS` names it), and
+    /// a block of 3 CPUs or more keeps its last one for the rank's communication threads
+    /// ([`bonfire_transport::placement`]).
+    Cores,
+}
+
+impl CpuBind {
+    /// The variable `bonfire train` and `bonfire launch` take the placement from when no flag
+    /// gives it.
+    pub const VAR: &str = "BONFIRE_CPU_BIND";
+
+    /// `none` or `cores`.
+    pub fn parse(text: &str) -> Option<CpuBind> {
+        match text {
+            "none" => Some(CpuBind::None),
+            "cores" => Some(CpuBind::Cores),
+            _ => None,
+        }
+    }
+
+    /// From [`CpuBind::VAR`]; [`CpuBind::None`] when it is unset or empty.
+    pub fn from_env() -> Result<CpuBind, LaunchError> {
+        match std::env::var(Self::VAR) {
+            Ok(v) if !v.trim().is_empty() => {
+                CpuBind::parse(v.trim()).ok_or(LaunchError::CpuBindVar(v))
+            }
+            _ => Ok(CpuBind::None),
+        }
+    }
 }
 
 impl LaunchConfig {
@@ -70,7 +110,50 @@ impl LaunchConfig {
             extra_env: Vec::new(),
             prefix_output: true,
             expendable: Vec::new(),
+            cpu_bind: CpuBind::None,
         }
+    }
+
+    /// Each local rank's block of CPUs under `--cpu-bind cores` (none otherwise).
+    fn cpu_blocks(&self) -> Result<Option<Vec<Vec<usize>>>, LaunchError> {
+        if self.cpu_bind == CpuBind::None {
+            return Ok(None);
+        }
+        let cpus = placement::thread_cpus().map_err(LaunchError::Cpus)?;
+        if cpus.is_empty() {
+            // Nothing to bind off Linux.
+            return Ok(None);
+        }
+        let blocks = placement::blocks(&placement::physical_order(&cpus), self.nproc_per_node)
+            .ok_or_else(|| LaunchError::TooFewCpus {
+                ranks: self.nproc_per_node,
+                cpus: placement::format_cpu_list(&cpus),
+                count: cpus.len(),
+            })?;
+        // A list of communication CPUs names CPUs of the machine, and a bound rank may use its
+        // block only. (A malformed list is the rank's `bonfire::init` to report.)
+        let setting = self
+            .extra_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == placement::COMM_CPUS_VAR)
+            .map(|(_, v)| v.to_string_lossy().into_owned())
+            .or_else(|| std::env::var(placement::COMM_CPUS_VAR).ok());
+        if let Some(setting) = setting
+            && let Ok(list) = placement::parse_cpu_list(&setting)
+        {
+            for (local, block) in blocks.iter().enumerate() {
+                if let Some(&cpu) = list.iter().find(|c| !block.contains(c)) {
+                    return Err(LaunchError::CommCpusOutsideBlocks {
+                        setting,
+                        cpu,
+                        rank: self.node_rank * self.nproc_per_node + local,
+                        block: placement::format_cpu_list(block),
+                    });
+                }
+            }
+        }
+        Ok(Some(blocks))
     }
 }
 
@@ -146,6 +229,38 @@ pub enum LaunchError {
         "a job on several nodes needs --secret-file F (the same file on every node) or BONFIRE_SECRET"
     )]
     NeedsSecret,
+    /// `--cpu-bind cores` with fewer CPUs than ranks on this node; nothing was started.
+    #[error(
+        "--cpu-bind cores gives each rank a CPU of its own, but this node starts {ranks} ranks and the launcher may run on {count} CPUs ({cpus}): start fewer ranks per node or bind nothing (--cpu-bind none, BONFIRE_CPU_BIND=none)"
+    )]
+    TooFewCpus {
+        /// Ranks on this node.
+        ranks: usize,
+        /// The CPUs the launcher may run on.
+        cpus: String,
+        /// How many.
+        count: usize,
+    },
+    /// `BONFIRE_COMM_CPUS` names a CPU outside a bound rank's block; nothing was started.
+    #[error(
+        "BONFIRE_COMM_CPUS={setting:?} names CPU {cpu}, outside rank {rank}'s block ({block}) under --cpu-bind cores: leave BONFIRE_COMM_CPUS unset (a block of 3 CPUs or more keeps its last one for communication) or bind nothing (--cpu-bind none, BONFIRE_CPU_BIND=none) to give every rank one list"
+    )]
+    CommCpusOutsideBlocks {
+        /// The setting.
+        setting: String,
+        /// The first CPU outside a block.
+        cpu: usize,
+        /// The rank whose block it is outside.
+        rank: usize,
+        /// That block.
+        block: String,
+    },
+    /// `BONFIRE_CPU_BIND` is neither `none` nor `cores`; nothing was started.
+    #[error("BONFIRE_CPU_BIND={0:?}: expected none or cores")]
+    CpuBindVar(String),
+    /// The CPUs the launcher may run on cannot be read; nothing was started.
+    #[error("--cpu-bind cores: cannot read the CPUs this launcher may run on: {0}")]
+    Cpus(std::io::Error),
     /// A rank could not be started.
     #[error("cannot start rank {rank} ({program}): {source}")]
     Spawn {
@@ -406,9 +521,16 @@ impl LocalRanks {
             lost: Vec::new(),
             stopping: false,
         };
+        let blocks = c.cpu_blocks()?;
         for local in 0..c.nproc_per_node {
             let rank = c.node_rank * c.nproc_per_node + local;
             let mut cmd = Command::new(&c.program);
+            let block = blocks.as_ref().map(|b| &b[local]);
+            match block {
+                Some(block) => cmd.env(placement::CPUS_VAR, placement::format_cpu_list(block)),
+                // Not bound: a block this launcher was given itself is not the rank's.
+                None => cmd.env_remove(placement::CPUS_VAR),
+            };
             cmd.args(&c.args)
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 .env(vars::RANK, rank.to_string())
@@ -423,14 +545,25 @@ impl LocalRanks {
             #[cfg(target_os = "linux")]
             {
                 use std::os::unix::process::CommandExt;
+                let mask = match block.map(|b| placement::CpuMask::of(b)).transpose() {
+                    Ok(mask) => mask,
+                    Err(e) => {
+                        ranks.stop(Duration::ZERO);
+                        return Err(LaunchError::Cpus(e));
+                    }
+                };
                 // Each rank leads its own process group, so tearing it down reaches whatever it
                 // started; and the kernel kills it if this launcher dies, so no rank outlives
                 // it (a stopped rank would not act on a gentler signal).
                 // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of ours.
                 unsafe {
-                    cmd.pre_exec(|| {
+                    cmd.pre_exec(move || {
                         libc::setpgid(0, 0);
                         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        // The rank's block, before it starts any thread (a system call only).
+                        if let Some(mask) = &mask {
+                            placement::bind_with(mask)?;
+                        }
                         Ok(())
                     });
                 }
@@ -633,6 +766,7 @@ pub fn launch(config: &LaunchConfig) -> Result<Launched, LaunchError> {
             nnodes: c.nnodes,
         });
     }
+    c.cpu_blocks()?;
     let (host, port) = match &c.master {
         Some(m) => split_host_port(m)?,
         None if c.nnodes == 1 => (

@@ -20,7 +20,7 @@ pub mod wan;
 pub use env::{EnvError, EnvSource, JobEnv, SecretSource};
 pub use join::{JoinError, connect};
 pub use launcher::{
-    AddrError, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port, launch,
-    split_host_port,
+    AddrError, CpuBind, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port,
+    launch, split_host_port,
 };
 pub use logging::{LogFilterError, init_logging, init_logging_with_prefix};

@@ -14,6 +14,7 @@ mod error;
 mod inproc;
 mod job;
 mod mailbox;
+pub mod placement;
 pub mod pool;
 pub mod quic;
 pub mod shm;

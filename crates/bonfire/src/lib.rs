@@ -117,7 +117,8 @@ pub mod topology {
 pub mod transport {
     pub use bonfire_transport::{
         InProcess, InProcessTransport, JobTransport, JobTransportError, Lane, Mailbox, QuicConfig,
-        QuicError, QuicTransport, Secret, SecretError, Tag, Transport, TransportError, quic, shm,
+        QuicError, QuicTransport, Secret, SecretError, Tag, Transport, TransportError, placement,
+        quic, shm,
     };
 }
 
@@ -129,9 +130,9 @@ pub mod kernels {
 /// How jobs start: the job environment and the launcher behind `bonfire launch`.
 pub mod launch {
     pub use bonfire_launch::{
-        AddrError, EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched, LeaderProbe,
-        SecretSource, env, free_local_port, launch, logging, netns, probe_leader, slurm,
-        stragglers, wan,
+        AddrError, CpuBind, EnvError, EnvSource, JobEnv, LaunchConfig, LaunchError, Launched,
+        LeaderProbe, SecretSource, env, free_local_port, launch, logging, netns, probe_leader,
+        slurm, stragglers, wan,
     };
 }
 

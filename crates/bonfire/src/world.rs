@@ -39,6 +39,9 @@ pub enum InitError {
     /// `BONFIRE_LOG` (or `RUST_LOG`) is not a log filter.
     #[error("bonfire::init: {0}")]
     Log(#[from] bonfire_launch::LogFilterError),
+    /// `BONFIRE_COMM_CPUS` (where the rank's communication threads run) is malformed.
+    #[error("bonfire::init: {0}")]
+    Placement(#[from] bonfire_transport::placement::PlacementError),
     /// A transport setting (`BONFIRE_TRANSPORT`, `BONFIRE_SHM_*`) is malformed.
     #[error("bonfire::init: {0}")]
     Transport(#[from] ShmConfigError),
@@ -272,6 +275,8 @@ fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<Wor
     bonfire_launch::init_logging()?;
     let heap = crate::steady_heap();
     tracing::debug!(?heap, "malloc thresholds");
+    let placement = bonfire_transport::placement::current().map_err(Clone::clone)?;
+    tracing::debug!(?placement, "thread placement");
     if let Some(t) = env.timeout {
         config.timeout = t;
     }

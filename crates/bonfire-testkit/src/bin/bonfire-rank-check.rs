@@ -6,7 +6,9 @@
 //!   `digest`, then the lane to the other ranks (`transport=shm` if any pair shares memory);
 //! - `digest`: a 256 Ki-element f32 all-reduce, summarised as a hash of its bits;
 //! - `die K`: after a barrier, rank K kills itself with SIGKILL while the others wait in an
-//!   all-reduce; they report the error and how long it took to arrive.
+//!   all-reduce; they report the error and how long it took to arrive;
+//! - `threads`: the main thread computes (`bonfire::compute_on_this_thread`, before `init`);
+//!   after `digest`, the CPUs the main thread and each communication thread may run on.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -55,8 +57,43 @@ fn digest(world: &bonfire::World) -> Result<String, String> {
     Ok(format!("{hash:016x}"))
 }
 
+/// `threads main=LIST comm=NAME:LIST,... cpus=BONFIRE_CPUS`: where this process's threads may
+/// run, read from `/proc` (the communication threads: `bonfire-comm*`, `bonfire-shm*`).
+fn threads() -> Result<String, String> {
+    let allowed = |dir: &std::path::Path| -> Result<(String, String), String> {
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).map_err(|e| e.to_string());
+        let name = read("comm")?.trim().to_string();
+        let list = read("status")?
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .map(|l| l.trim().to_string())
+            .ok_or("no Cpus_allowed_list")?;
+        Ok((name, list))
+    };
+    let (_, main) = allowed(std::path::Path::new("/proc/thread-self"))?;
+    let mut comm = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").map_err(|e| e.to_string())? {
+        let Ok((name, list)) = allowed(&task.map_err(|e| e.to_string())?.path()) else {
+            continue; // a thread that ended meanwhile
+        };
+        if name.starts_with("bonfire-comm") || name.starts_with("bonfire-shm") {
+            comm.push(format!("{name}:{list}"));
+        }
+    }
+    comm.sort();
+    let cpus = std::env::var("BONFIRE_CPUS").unwrap_or_else(|_| "-".into());
+    Ok(format!(
+        "threads main={main} comm={} cpus={cpus}",
+        comm.join(",")
+    ))
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let _compute = match args.first().map(String::as_str) {
+        Some("threads") => bonfire::compute_on_this_thread(),
+        _ => None,
+    };
     let world = match bonfire::init() {
         Ok(w) => w,
         Err(e) => {
@@ -83,6 +120,20 @@ fn main() -> ExitCode {
             digest(&world).map(|d| format!("every ok digest={d} transport={transport}"))
         }
         Some("digest") => digest(&world).map(|d| format!("digest={d}")),
+        // A thread seen between its start and placing itself would read wrong: take the
+        // reading once two in a row agree.
+        Some("threads") => digest(&world).and_then(|_| {
+            let mut last = threads()?;
+            for _ in 0..50 {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                let now = threads()?;
+                if now == last {
+                    break;
+                }
+                last = now;
+            }
+            Ok(last)
+        }),
         Some("die") => {
             let victim: u32 = args.get(1).and_then(|k| k.parse().ok()).unwrap_or(1);
             world
@@ -114,7 +165,7 @@ fn main() -> ExitCode {
                 })
         }
         other => Err(format!(
-            "unknown mode {other:?}: use every, digest or die K"
+            "unknown mode {other:?}: use every, digest, threads or die K"
         )),
     };
     match outcome {

@@ -139,7 +139,10 @@ impl OutLink {
         let producer2 = producer.clone();
         let writer = std::thread::Builder::new()
             .name(format!("bonfire-shm-{}to{}", me.0, peer.0))
-            .spawn(move || write_loop(&producer2, &rx))?;
+            .spawn(move || {
+                crate::placement::enter(crate::placement::Role::Communication);
+                write_loop(&producer2, &rx)
+            })?;
         Ok(OutLink {
             queue: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
@@ -554,6 +557,7 @@ pub(crate) fn start_reader(
     let thread = std::thread::Builder::new()
         .name(format!("bonfire-shm-{}from{}", me.0, peer.0))
         .spawn(move || {
+            crate::placement::enter(crate::placement::Role::Communication);
             if let Err(reason) = read_loop(&l) {
                 l.mailbox.peer_lost(peer, reason);
             }

@@ -61,8 +61,9 @@ pub enum CpuBind {
     /// Every rank may run on every CPU (torchrun's default).
     #[default]
     None,
-    /// Each rank gets a block of its own of equal size, in order (`BONFIRE_CPUS` names it), and
-    /// a block of 3 CPUs or more keeps its last one for the rank's communication threads
+    /// Each rank gets a block of its own of equal size, a core's hardware threads together
+    /// (`BONFIRE_CPUS` names it), and in a job of several ranks a block of 3 CPUs or more keeps
+    /// its highest-numbered CPU for the rank's communication threads
     /// ([`bonfire_transport::placement`]).
     Cores,
 }

@@ -239,13 +239,7 @@ impl<'a, J: Job> Runner<'a, J> {
         config.cpu_bind = CpuBind::from_env()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // The block the launcher will give each rank (all are the same size).
-        let block = match config.cpu_bind {
-            CpuBind::None => None,
-            CpuBind::Cores => placement::thread_cpus().ok().and_then(|cpus| {
-                placement::blocks(&placement::physical_order(&cpus), ranks)
-                    .map(|mut b| b.swap_remove(0))
-            }),
-        };
+        let block = config.cpu_blocks()?.map(|mut b| b.swap_remove(0));
         let threads = match block {
             Some(block) => placement::compute_threads_in_block(
                 &block,

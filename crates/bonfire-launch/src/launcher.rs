@@ -115,8 +115,9 @@ impl LaunchConfig {
         }
     }
 
-    /// Each local rank's block of CPUs under `--cpu-bind cores` (none otherwise).
-    fn cpu_blocks(&self) -> Result<Option<Vec<Vec<usize>>>, LaunchError> {
+    /// Each local rank's block of CPUs under `--cpu-bind cores` (none otherwise), refused as
+    /// [`launch`] refuses it.
+    pub fn cpu_blocks(&self) -> Result<Option<Vec<Vec<usize>>>, LaunchError> {
         if self.cpu_bind == CpuBind::None {
             return Ok(None);
         }

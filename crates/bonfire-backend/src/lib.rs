@@ -26,6 +26,7 @@ pub mod passthrough;
 pub mod pipeline;
 pub mod tensor_parallel;
 
+pub use data_parallel::ShardAtRest;
 pub use data_parallel::{
     BindGuard, BucketTimes, BufferSync, ConfigError, DILOCO_OUTER, DataParallel,
     DataParallelConfig, DeltaDType, Departure, DistributedSampler, FailurePolicy, GradDType,

@@ -280,6 +280,7 @@ fn sync_examples() -> Vec<SyncError> {
             buckets: 2,
             elements: 20_000,
             counts: vec![10_000, 10_000],
+            stage: 2,
             source: peer_lost(),
         },
         SyncError::PartialGradient {

@@ -508,6 +508,9 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
             && log.contains("parameter gathers ("),
         "{log}"
     );
+    // Each rank receives its slices of the averaged gradients only (a reduce-scatter), and the
+    // two ranks add alike in either order: still the plain run's bits.
+    assert!(log.contains(", reduce-scattered ("), "{log}");
     assert_eq!(digests(&dir.join("zero3"), 6), plain);
     let killed = dir.join("zero3-killed");
     let done = kill_tiny(&dir, "60", &killed, &["--zero", "3"]);
@@ -561,6 +564,20 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
     assert!(log.contains("(ZeRO-2: "), "{log}");
     assert_eq!(
         digests(&dir.join("composed-zero2"), 2),
+        digests(&dir.join("composed"), 2)
+    );
+    let log = train_tiny(
+        &dir,
+        "20",
+        &dir.join("composed-zero3"),
+        &[&composed[..], &["--zero", "3"]].concat(),
+    );
+    assert!(
+        log.contains("(ZeRO-3: ") && log.contains(", reduce-scattered ("),
+        "{log}"
+    );
+    assert_eq!(
+        digests(&dir.join("composed-zero3"), 2),
         digests(&dir.join("composed"), 2)
     );
     let _ = std::fs::remove_dir_all(&dir);

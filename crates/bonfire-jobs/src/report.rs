@@ -146,7 +146,7 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
     let mut lines = vec![format!(
         "data parallel   {:.1} ms per step: backward {:.1} ms, communication {:.2} ms of which \
          {:.0}% hidden by backward, {:.2} ms exposed ({:.1}% of the step); {} KiB of gradients \
-         per step in {} bucket(s){}",
+         per step in {} bucket(s){}{}",
         step_ms,
         ms(st.backward),
         ms(st.communication),
@@ -155,6 +155,7 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         100.0 * exposed / step_ms.max(1e-9),
         st.bytes / st.steps / 1024,
         st.buckets / st.steps,
+        scatter_words(st),
         lane_words(st),
     )];
     lines.extend(bucket_lines(st));
@@ -167,6 +168,19 @@ pub fn data_parallel_lines(stats: Option<&StepStats>, seconds: f64, ranks: usize
         ));
     }
     lines
+}
+
+/// How much of the gradient traffic this rank received, when buckets were reduce-scattered
+/// (ZeRO stages 2 and 3): `", reduce-scattered (1586 KiB received)"`.
+fn scatter_words(st: &StepStats) -> String {
+    if st.received < st.bytes {
+        format!(
+            ", reduce-scattered ({} KiB received)",
+            st.received / st.steps / 1024
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// Where the buckets went when not all through the host: `"; 398 of 400 buckets in all
@@ -563,6 +577,7 @@ mod tests {
             communication: ms(10),
             exposed: ms(4),
             bytes: 2 * 5 * 80 * 1024,
+            received: 2 * 5 * 80 * 1024,
             buckets: 10,
             device_packed: 0,
             device_lane: 0,
@@ -603,6 +618,23 @@ mod tests {
         );
         assert!(
             lines[2].trim().starts_with("#1 (80 KiB): ready 10.00"),
+            "{lines:#?}"
+        );
+        assert!(
+            lines[0].ends_with("; 400 KiB of gradients per step in 5 bucket(s)"),
+            "{lines:#?}"
+        );
+        // Reduce-scattered buckets (ZeRO stages 2 and 3): what this rank received of them.
+        let scattered = StepStats {
+            received: 2 * 5 * 40 * 1024,
+            ..st
+        };
+        let lines = data_parallel_lines(Some(&scattered), 0.2, 2);
+        assert!(
+            lines[0].ends_with(
+                "; 400 KiB of gradients per step in 5 bucket(s), reduce-scattered (200 KiB \
+                 received)"
+            ),
             "{lines:#?}"
         );
     }

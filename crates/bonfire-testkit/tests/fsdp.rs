@@ -77,6 +77,8 @@ struct Rank {
     step_gathers: u64,
     /// What the last step communicated over the fully sharded group.
     last_step: TpStats,
+    /// What the last backward's gradient synchronisation sent and received.
+    sync: bonfire::StepStats,
 }
 
 type AdamRecord = HashMap<ParamId, AdaptorRecord<Adam, FsdpFlex>>;
@@ -157,10 +159,12 @@ where
         let mut grads_held = Vec::new();
         let mut last_step = TpStats::default();
         let mut step_gathers = 0;
+        let mut sync = bonfire::StepStats::default();
         for batch in &batches {
             let before = tensor_parallel::stats().expect("stats");
             let l = loss(&model, &batch.share(r, world), 1.0, &device);
             let grads = GradientsParams::from_grads(l.backward(), &model);
+            sync = bonfire::last_step_stats().expect("a bound data-parallel rank");
             grads_held.push(bonfire::gradient_bytes(&model, &grads));
             let stepping = tensor_parallel::stats().expect("stats");
             model = optim.step(1e-2, model, grads);
@@ -179,6 +183,7 @@ where
             whole_state,
             step_gathers,
             last_step,
+            sync,
         }
     })
 }
@@ -232,6 +237,18 @@ fn check<M, S>(
             rank.step_gathers, 0,
             "{what}: rank {r}'s optimizer steps gathered a tensor"
         );
+        // Gradients are reduce-scattered: the rank sends every gradient (f32) and one presence
+        // flag per parameter, and receives back its slice of each split gradient, the whole of
+        // the others and every flag.
+        let tensors = float_params(make_sharded);
+        assert_eq!(
+            (rank.sync.bytes, rank.sync.received),
+            (
+                4 * (rank.elements + tensors) as u64,
+                4 * (expected + tensors) as u64
+            ),
+            "{what}: rank {r}'s gradient bytes sent and received reduced"
+        );
         // Forward gathers every sharded parameter where a layer reads it, and backward gathers
         // each linear layer's weight again for its input's gradient: autodiff kept the shard,
         // not the gathered copy.
@@ -243,7 +260,8 @@ fn check<M, S>(
         );
         eprintln!(
             "{what}, {world} ranks, rank {r}: {} of {} parameter elements held, gradients held \
-             {:?} bytes, last step {} gathers ({} bytes), {} all-reduces, fallbacks {:?}; {} vs DDP",
+             {:?} bytes, last step {} gathers ({} bytes), {} all-reduces, fallbacks {:?}, gradient \
+             bytes sent {} and received {}; {} vs DDP",
             rank.held,
             rank.elements,
             rank.grads,
@@ -251,9 +269,24 @@ fn check<M, S>(
             rank.last_step.gather_bytes,
             rank.last_step.all_reduces,
             rank.last_step.fallbacks,
+            rank.sync.bytes,
+            rank.sync.received,
             diff
         );
     }
+}
+
+/// Float parameters (tensors) of the model `make` builds.
+fn float_params<S: Module<FsdpFlex>>(make: fn(&Device) -> S) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor<FsdpFlex> for Count {
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<FsdpFlex, D>>) {
+            self.0 += 1;
+        }
+    }
+    let mut count = Count(0);
+    seeded::<FsdpFlex, _>(0, &Device::default(), make).visit(&mut count);
+    count.0
 }
 
 /// Elements a rank of `world` holds of the model `make` builds: a 1/world slice of each

@@ -90,10 +90,11 @@ pub enum SyncError {
         #[source]
         source: CollectiveError,
     },
-    /// Under ZeRO stage 2, a bucket's reduce-scatter to the gradients' owners failed.
+    /// Under ZeRO stage 2 or 3, a bucket's reduce-scatter failed (at stage 2 it sends each
+    /// gradient to its owner, at stage 3 each rank its slice of every gradient).
     #[error(
-        "reduce-scatter of gradient bucket {bucket} of {buckets} to the gradients' owners \
-         ({elements} elements, {counts:?} to each rank; ZeRO stage 2): {source}"
+        "reduce-scatter of gradient bucket {bucket} of {buckets} ({elements} elements, \
+         {counts:?} to each rank; ZeRO stage {stage}): {source}"
     )]
     ReduceScatter {
         /// The bucket.
@@ -102,8 +103,10 @@ pub enum SyncError {
         buckets: usize,
         /// Elements in the bucket.
         elements: usize,
-        /// Elements each rank receives (its gradients and their presence flags).
+        /// Elements each rank receives (its gradients or slices and their presence flags).
         counts: Vec<usize>,
+        /// The ZeRO stage (2 or 3).
+        stage: u8,
         /// The collective's error, which names the peer.
         #[source]
         source: CollectiveError,

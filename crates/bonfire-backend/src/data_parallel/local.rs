@@ -14,6 +14,8 @@ use std::sync::{OnceLock, RwLock};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, ExecutionError, Shape, TensorData, TensorMetadata};
 
+pub use super::scatter::ShardAtRest;
+
 /// How `DataParallel` reads and writes this rank's part of one kind of float primitive.
 pub trait LocalParts: Send + Sync {
     /// The shape of this rank's part of `tensor`.
@@ -41,6 +43,22 @@ pub trait LocalParts: Send + Sync {
     fn reshard(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
         let _ = (tensor, param);
         None
+    }
+    /// How parameter `param` (its id's number) is sharded at rest over the data-parallel ranks
+    /// themselves (ZeRO stage 3), so that its gradient is reduce-scattered and each rank
+    /// receives only its slice; `None` for a parameter kept whole (all-reduced). By default,
+    /// `None`. A backend that returns a split here writes slices with
+    /// [`LocalParts::write_slice`].
+    fn shard_at_rest(&self, param: u64) -> Option<ShardAtRest> {
+        let _ = param;
+        None
+    }
+    /// A gradient of a parameter split as `split` ([`LocalParts::shard_at_rest`]), placed as the
+    /// parameter is, whose slice on this rank is `data` (of the slice's shape); `like` is the
+    /// rank's whole gradient. Called only for a split `shard_at_rest` gave.
+    fn write_slice(&self, like: &dyn Any, data: TensorData, split: &ShardAtRest) -> Box<dyn Any> {
+        let _ = (like, data);
+        unreachable!("write_slice for {split:?}, which shard_at_rest never gives")
     }
 }
 
@@ -104,6 +122,26 @@ pub(crate) fn write<B: Backend>(
     *placed
         .downcast::<FloatTensor<B>>()
         .expect("LocalParts::write returns the primitive it was registered for")
+}
+
+/// How parameter `param` is sharded at rest over the data-parallel ranks (ZeRO stage 3), if it
+/// is (see [`LocalParts::shard_at_rest`]).
+pub(crate) fn shard_at_rest<B: Backend>(param: u64) -> Option<ShardAtRest> {
+    parts_of::<FloatTensor<B>>().and_then(|parts| parts.shard_at_rest(param))
+}
+
+/// A gradient placed as its parameter is split (`split`), whose slice on this rank is `data`;
+/// `like` is the rank's whole gradient (see [`LocalParts::write_slice`]).
+pub(crate) fn write_slice<B: Backend>(
+    like: &FloatTensor<B>,
+    data: TensorData,
+    split: &ShardAtRest,
+) -> FloatTensor<B> {
+    let parts = parts_of::<FloatTensor<B>>().expect("a split comes from registered parts");
+    *parts
+        .write_slice(like, data, split)
+        .downcast::<FloatTensor<B>>()
+        .expect("LocalParts::write_slice returns the primitive it was registered for")
 }
 
 /// Parameter `id`'s value `t` placed as the backend keeps the parameter at rest, if it is not

@@ -5,8 +5,9 @@
 //! (`Replica`: its communicator, `config`, bucket `state` and `stats`); the hooks in `sync` and
 //! the module helpers in `replicate` take a replica from it and act on its state; `distributed`
 //! is Burn's gradient hook, which looks the replica up once per call and hands it to `sync`;
-//! `device_pack` packs buckets on CubeCL devices; `scatter` lays a bucket out for ZeRO stage 2's
-//! reduce-scatter, with the owners `sharded` registers; `local` reads and writes the part of a tensor
+//! `device_pack` packs buckets on CubeCL devices; `scatter` lays a bucket out for the
+//! reduce-scatter of ZeRO stage 2 (with the owners `sharded` registers) and of stage 3 (with the
+//! splits `local` reports); `local` reads and writes the part of a tensor
 //! this rank averages (the whole tensor, or its shard under `TensorParallel`); `error` names every failure, and
 //! `Replica::fail` applies the failure policy to it.
 
@@ -43,7 +44,7 @@ pub(crate) use context::{failure_policy, process_wide};
 pub use error::SyncError;
 #[cfg(feature = "cuda")]
 pub use lane::{CommCross, CommLink, NodeLane};
-pub use local::{LocalParts, register as register_local_parts};
+pub use local::{LocalParts, ShardAtRest, register as register_local_parts};
 pub use outer::{
     DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco,
     local_sgd,

@@ -70,6 +70,8 @@ pub(crate) struct Step {
     /// `Vec<Option<GradRef<B>>>` by parameter index.
     pub(crate) refs: Box<dyn Any + Send>,
     pub(crate) bytes: u64,
+    /// Bytes this rank receives reduced (see [`super::stats::StepStats::received`]).
+    pub(crate) received: u64,
 }
 
 /// A bucket-plan check in flight (see [`SyncState::agree`]).
@@ -91,9 +93,12 @@ pub(crate) struct Inflight {
     pub(crate) work: Option<Reduction>,
     /// The bucket packed for the device lane (when `work` is `None`).
     pub(crate) lane: Option<super::device_pack::LaneBucket>,
-    /// Under ZeRO stage 2, the layout it was reduce-scattered in (the work returns this rank's
-    /// share only); `None` for an all-reduce.
+    /// Under ZeRO stage 2 or 3, the layout it was reduce-scattered in (the work returns this
+    /// rank's share only); `None` for an all-reduce.
     pub(crate) scatter: Option<Scatter>,
+    /// Under ZeRO stage 3, the all-reduce of the bucket's gradients that stay whole
+    /// ([`Scatter::whole`]), beside the reduce-scatter; `None` when there are none.
+    pub(crate) whole: Option<Reduction>,
 }
 
 /// A bucket's all-reduce in flight, in the dtype it travels in.

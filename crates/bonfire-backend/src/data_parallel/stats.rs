@@ -22,8 +22,15 @@ pub struct StepStats {
     pub communication: Duration,
     /// Communication time not hidden by backward.
     pub exposed: Duration,
-    /// Gradient bytes all-reduced (in the communicated dtype).
+    /// Gradient bytes this rank's buckets held (in the communicated dtype, with one presence
+    /// flag per parameter), all-reduced or reduce-scattered.
     pub bytes: u64,
+    /// The bytes this rank received back reduced: every bucket whole when it is all-reduced;
+    /// when buckets are reduce-scattered, under ZeRO stage 2 the gradients this rank owns and
+    /// under stage 3 its slice of each gradient (and the gradients kept whole), with their
+    /// presence flags. Over `n` ranks a ring sends each rank `2 (n - 1) / n` of a bucket for an
+    /// all-reduce and `(n - 1) / n` for a reduce-scatter: half.
+    pub received: u64,
     /// Buckets all-reduced.
     pub buckets: u64,
     /// Buckets whose gradients were packed on the device by the fused pack kernel (and crossed
@@ -110,6 +117,7 @@ impl StepStats {
         self.communication += other.communication;
         self.exposed += other.exposed;
         self.bytes += other.bytes;
+        self.received += other.received;
         self.buckets += other.buckets;
         self.device_packed += other.device_packed;
         self.device_lane += other.device_lane;

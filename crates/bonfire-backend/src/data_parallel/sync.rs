@@ -1,6 +1,7 @@
 //! The gradient synchroniser behind `DataParallel`'s `DistributedBackend` impl: buckets filled as
 //! backward produces gradients, all-reduced in order in the background (under ZeRO stage 2,
-//! reduce-scattered to the gradients' owners: [`super::scatter`]), written back before backward
+//! reduce-scattered to the gradients' owners; under stage 3, reduce-scattered so that each rank
+//! receives its slice of every gradient: [`super::scatter`]), written back before backward
 //! returns.
 //!
 //! On CubeCL inner backends (wgpu, CUDA, plain or fused) a bucket's gradients are packed on the
@@ -15,6 +16,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use bonfire_collectives::{Communicator, Element, Work};
 use bonfire_kernels::reference::pack_with_feedback_reference;
 use bonfire_topology::{Bucket, BucketPlan, ReduceOp};
 use burn_backend::distributed::{DistributedParams, TensorRef};
@@ -165,6 +167,7 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
         agreement: None,
         refs: Box::new((0..n).map(|_| None).collect::<Vec<Option<GradRef<B>>>>()),
         bytes: 0,
+        received: 0,
     };
     if let Some(plan) = &plan {
         step.agreement = st.agree(&rep.comm, &rep.config);
@@ -183,7 +186,7 @@ pub(crate) fn begin<B: Backend>(rep: &Replica, params: Vec<DistributedParams>) {
             params,
             ..
         } = &mut *st;
-        launch_ready(rep, residual, owners.as_deref(), params, &mut step, false);
+        launch_ready::<B>(rep, residual, owners.as_deref(), params, &mut step, false);
     }
     st.step = Some(step);
 }
@@ -259,10 +262,12 @@ pub(crate) fn gradient<B: Backend>(
             step.ready[b] = Some(Instant::now());
             flush::<B>(rep, &plan, step, b, owners, params);
         }
-        launch_ready(rep, residual, owners, params, step, false);
+        launch_ready::<B>(rep, residual, owners, params, step, false);
         if rep.config.overlap == Overlap::Hooks {
-            for work in step.launched.iter().filter_map(|i| i.work.as_ref()) {
-                work.progress();
+            for inflight in &step.launched {
+                for work in [&inflight.work, &inflight.whole].into_iter().flatten() {
+                    work.progress();
+                }
             }
         }
     }
@@ -451,7 +456,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
     let SyncState {
         residual, params, ..
     } = &mut *st;
-    launch_ready(rep, residual, owners.as_deref(), params, &mut step, true);
+    launch_ready::<B>(rep, residual, owners.as_deref(), params, &mut step, true);
 
     // Outside Burn's graph lock now: safe to wait on peers.
     if let Some(agreement) = step.agreement.take() {
@@ -471,6 +476,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             work,
             lane,
             scatter,
+            whole,
         } = inflight;
         let work = match (work, lane) {
             (Some(work), _) => work,
@@ -499,7 +505,43 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             (None, None) => unreachable!("a launched bucket has host work or a lane bucket"),
         };
         let (result, times) = work.wait();
-        let done = times.finished;
+        let reduced = match (result, &scatter) {
+            (Ok(v), _) => v,
+            (Err(source), None) => rep.fail(SyncError::AllReduce {
+                bucket: b,
+                buckets: plan.buckets().len(),
+                elements: plan.buckets()[b].len,
+                source,
+            }),
+            (Err(source), Some(scatter)) => rep.fail(SyncError::ReduceScatter {
+                bucket: b,
+                buckets: plan.buckets().len(),
+                elements: plan.buckets()[b].len,
+                counts: scatter.counts().to_vec(),
+                stage: if owners.is_some() { 2 } else { 3 },
+                source,
+            }),
+        };
+        // Under ZeRO stage 3, the gradients kept whole, all-reduced beside the reduce-scatter
+        // (and waited on after it: a lost peer is reported by the reduce-scatter first).
+        let whole = whole.map(|w| {
+            let (result, times) = w.wait();
+            let values = result.unwrap_or_else(|source| {
+                rep.fail(SyncError::AllReduce {
+                    bucket: b,
+                    buckets: plan.buckets().len(),
+                    elements: scatter
+                        .as_ref()
+                        .map_or(0, |s| s.whole_elements(&plan.buckets()[b])),
+                    source,
+                })
+            });
+            (values, times.finished)
+        });
+        let done = match &whole {
+            Some((_, finished)) => times.finished.max(*finished),
+            None => times.finished,
+        };
         intervals.push((called, done));
         let own_end = backward_end.max(times.started);
         if b == last_bucket
@@ -523,24 +565,14 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             peers: since(times.arrived.max(called)),
             finished: since(done),
         });
-        let reduced = match (result, &scatter) {
-            (Ok(v), _) => v,
-            (Err(source), None) => rep.fail(SyncError::AllReduce {
-                bucket: b,
-                buckets: plan.buckets().len(),
-                elements: plan.buckets()[b].len,
-                source,
-            }),
-            (Err(source), Some(scatter)) => rep.fail(SyncError::ReduceScatter {
-                bucket: b,
-                buckets: plan.buckets().len(),
-                elements: plan.buckets()[b].len,
-                counts: scatter.counts().to_vec(),
-                source,
-            }),
-        };
         if let Some(scatter) = &scatter {
-            write_back_share::<B>(rep, &plan, b, scatter, &reduced, params, &mut refs, device);
+            let whole = whole.map(|(values, _)| values);
+            let share = Share {
+                scatter,
+                reduced: &reduced,
+                whole: whole.as_deref(),
+            };
+            write_back_share::<B>(rep, &plan, b, share, params, &mut refs, device);
             continue;
         }
         let bucket = &plan.buckets()[b];
@@ -556,19 +588,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
         for (&p, &off) in bucket.params.iter().zip(&bucket.offsets) {
             if let Some(r) = refs[p].take() {
                 let n = r.shape.num_elements();
-                // SAFETY: as in `gradient`; backward has not returned yet.
-                let like = unsafe { &*r.tensor.0 };
-                let values = reduced[off..off + n].to_vec();
-                let t = from_host::<B>(
-                    values,
-                    r.shape,
-                    r.dtype,
-                    device,
-                    Some(like),
-                    Some(params[p].id),
-                );
-                // SAFETY: as above.
-                unsafe { *r.tensor.0 = t };
+                write_gradient::<B>(r, reduced[off..off + n].to_vec(), params[p].id, device);
             }
         }
     }
@@ -587,6 +607,7 @@ pub(crate) fn finish<B: Backend>(rep: &Replica, device: &B::Device) {
             .max()
             .unwrap_or_default(),
         bytes: step.bytes,
+        received: step.received,
         buckets: intervals.len() as u64,
         device_packed: step.packed,
         device_lane: lanes,
@@ -727,45 +748,77 @@ fn check_presence(rep: &Replica, param: &ParamInfo, flag: f32) {
     }
 }
 
-/// Under ZeRO stage 2: writes bucket `b`'s reduced `share` (this rank's own gradients in the
-/// order of [`Scatter::mine`], then their presence flags) into this rank's gradients, and frees
-/// the bucket's gradients that other ranks own and are still held (those read at the end).
-#[allow(clippy::too_many_arguments)]
+/// What a rank got back for a reduce-scattered bucket.
+struct Share<'a> {
+    /// The layout it was sent in.
+    scatter: &'a Scatter,
+    /// This rank's share: its values in the order of [`Scatter::mine`], then the presence flags
+    /// of [`Scatter::my_flags`].
+    reduced: &'a [f32],
+    /// Under ZeRO stage 3, the all-reduced values of the gradients kept whole
+    /// ([`Scatter::whole`]), one after another.
+    whole: Option<&'a [f32]>,
+}
+
+/// Writes bucket `b`'s reduced `share` into this rank's gradients: under ZeRO stage 2 its own
+/// gradients whole, and the gradients other ranks own that are still held (those read at the
+/// end) are freed; under stage 3 its slice of every sharded gradient, placed as the parameter
+/// is, and the gradients kept whole.
 fn write_back_share<B: Backend>(
     rep: &Replica,
     plan: &BucketPlan,
     b: usize,
-    scatter: &Scatter,
-    share: &[f32],
+    share: Share<'_>,
     params: &[ParamInfo],
     refs: &mut [Option<GradRef<B>>],
     device: &B::Device,
 ) {
+    let Share {
+        scatter,
+        reduced,
+        whole,
+    } = share;
     let bucket = &plan.buckets()[b];
     let mine = scatter.mine();
-    let elements = scatter.my_elements(bucket);
-    for (j, &k) in mine.iter().enumerate() {
-        check_presence(rep, &params[bucket.params[k]], share[elements + j]);
+    let elements = scatter.my_elements();
+    for (j, &k) in scatter.my_flags().iter().enumerate() {
+        check_presence(rep, &params[bucket.params[k]], reduced[elements + j]);
     }
-    if !(rep.config.device_pack
-        && write_back_on_device::<B>(rep, plan, b, mine, &share[..elements], refs))
+    let slots: Vec<usize> = mine.iter().map(|m| m.slot).collect();
+    let whole_slots = mine.iter().all(|m| m.slice.is_none());
+    if !(whole_slots
+        && rep.config.device_pack
+        && write_back_on_device::<B>(rep, plan, b, &slots, &reduced[..elements], refs))
     {
         let mut at = 0;
-        for &k in mine {
+        for m in mine {
+            let p = bucket.params[m.slot];
+            let values = &reduced[at..at + m.elements];
+            at += m.elements;
+            let Some(r) = refs[p].take() else {
+                continue;
+            };
+            let Some(split) = &m.slice else {
+                write_gradient::<B>(r, values.to_vec(), params[p].id, device);
+                continue;
+            };
+            let mut data = TensorData::new(values.to_vec(), split.local_shape());
+            if r.dtype != DType::F32 {
+                data = data.convert_dtype(r.dtype);
+            }
+            // SAFETY: as in `gradient`; backward has not returned yet.
+            let t = local::write_slice::<B>(unsafe { &*r.tensor.0 }, data, split);
+            // SAFETY: as above.
+            unsafe { *r.tensor.0 = t };
+        }
+    }
+    if let Some(whole) = whole {
+        let mut at = 0;
+        for &k in scatter.whole() {
+            let p = bucket.params[k];
             let n = slot_len(bucket, k);
-            if let Some(r) = refs[bucket.params[k]].take() {
-                // SAFETY: as in `gradient`; backward has not returned yet.
-                let like = unsafe { &*r.tensor.0 };
-                let t = from_host::<B>(
-                    share[at..at + n].to_vec(),
-                    r.shape,
-                    r.dtype,
-                    device,
-                    Some(like),
-                    Some(params[bucket.params[k]].id),
-                );
-                // SAFETY: as above.
-                unsafe { *r.tensor.0 = t };
+            if let Some(r) = refs[p].take() {
+                write_gradient::<B>(r, whole[at..at + n].to_vec(), params[p].id, device);
             }
             at += n;
         }
@@ -775,6 +828,16 @@ fn write_back_share<B: Backend>(
             release(r);
         }
     }
+}
+
+/// Replaces the gradient `r` of parameter `param` (its id's number) with the averaged `values`
+/// of the whole tensor, placed as the gradient was (see `local`).
+fn write_gradient<B: Backend>(r: GradRef<B>, values: Vec<f32>, param: u64, device: &B::Device) {
+    // SAFETY: as in `gradient`; backward has not returned yet.
+    let like = unsafe { &*r.tensor.0 };
+    let t = from_host::<B>(values, r.shape, r.dtype, device, Some(like), Some(param));
+    // SAFETY: as above.
+    unsafe { *r.tensor.0 = t };
 }
 
 /// Writes averages into the gradients of bucket `b`'s parameters at `slots` (positions among
@@ -865,8 +928,10 @@ fn add_to_bucket(plan: &BucketPlan, buffers: &mut [Vec<f32>], i: usize, grad: &[
 
 /// Starts, in bucket order, every bucket whose gradients have all arrived (with
 /// [`Overlap::End`], only once backward is `finishing`): an all-reduce, or under ZeRO stage 2
-/// (`owners`) a reduce-scatter that sends each gradient to its owner.
-fn launch_ready(
+/// (`owners`) a reduce-scatter that sends each gradient to its owner, or under stage 3 (the
+/// inner backend reports parameters sharded at rest over these ranks) a reduce-scatter that
+/// sends each rank its slices, with an all-reduce of the gradients kept whole.
+fn launch_ready<B: Backend>(
     rep: &Replica,
     residual: &mut [Vec<f32>],
     owners: Option<&GradOwners>,
@@ -904,6 +969,7 @@ fn launch_ready(
             // here.
             packed.flags = buf[bucket.len..].to_vec();
             step.bytes += (buf.len() * 4) as u64;
+            step.received += (buf.len() * 4) as u64;
             step.launched.push(Inflight {
                 ready,
                 called,
@@ -911,17 +977,44 @@ fn launch_ready(
                 work: None,
                 lane: Some(packed),
                 scatter: None,
+                whole: None,
             });
             continue;
         }
-        let scatter = owners.map(|owners| Scatter::new(bucket, |p| params[p].id, owners));
-        let work = match rep.config.grad_dtype {
+        let scatter = match owners {
+            Some(owners) => Some(Scatter::owners(bucket, |p| params[p].id, owners)),
+            None => Scatter::shards(
+                bucket,
+                |k| {
+                    let param = &params[bucket.params[k]];
+                    let split = local::shard_at_rest::<B>(param.id)?;
+                    let (rank, ranks) = (rep.comm.rank(), rep.comm.size());
+                    if (split.rank, split.ranks) != (rank, ranks) {
+                        // Every rank must lay the bucket out alike: say so rather than send a
+                        // reduce-scatter of another shape than the peers'.
+                        rep.fail(SyncError::Sharded {
+                            what: format!(
+                                "{} is sharded at rest over a group in which this rank is {} of \
+                                 {}, but its gradients are averaged over one in which it is \
+                                 {rank} of {ranks}: fully_shard's group must be the \
+                                 data-parallel group's ranks, in their order",
+                                param.name, split.rank, split.ranks
+                            ),
+                            source: None,
+                        });
+                    }
+                    Some(split)
+                },
+                rep.comm.rank(),
+                rep.comm.size(),
+            ),
+        };
+        let (work, whole) = match rep.config.grad_dtype {
             GradDType::F32 => {
                 step.bytes += (buf.len() * 4) as u64;
-                Reduction::F32(match &scatter {
-                    None => comm.all_reduce(buf, op),
-                    Some(s) => comm.reduce_scatter_uneven(s.permute(bucket, &buf), s.counts(), op),
-                })
+                step.received += (received(&scatter, bucket, buf.len()) * 4) as u64;
+                let (work, whole) = start(comm, bucket, scatter.as_ref(), buf, op);
+                (Reduction::F32(work), whole.map(Reduction::F32))
             }
             GradDType::Bf16 => {
                 // The gradients with error feedback (the arithmetic of the device kernel
@@ -931,10 +1024,9 @@ fn launch_ready(
                     pack_with_feedback_reference(&[&buf[..len]], &mut residual[b], 1.0);
                 send.extend(buf[len..].iter().map(|&x| bf16::from_f32(x)));
                 step.bytes += (send.len() * 2) as u64;
-                Reduction::Bf16(match &scatter {
-                    None => comm.all_reduce(send, op),
-                    Some(s) => comm.reduce_scatter_uneven(s.permute(bucket, &send), s.counts(), op),
-                })
+                step.received += (received(&scatter, bucket, send.len()) * 2) as u64;
+                let (work, whole) = start(comm, bucket, scatter.as_ref(), send, op);
+                (Reduction::Bf16(work), whole.map(Reduction::Bf16))
             }
         };
         step.launched.push(Inflight {
@@ -944,7 +1036,35 @@ fn launch_ready(
             work: Some(work),
             lane: None,
             scatter,
+            whole,
         });
+    }
+}
+
+/// Starts the reduction of bucket `buf` (its values in the bucket's layout, then its flags): an
+/// all-reduce, or the reduce-scatter `scatter` lays out, with the all-reduce of the gradients it
+/// keeps whole (ZeRO stage 3) when there are any.
+fn start<T: Element>(
+    comm: &Communicator,
+    bucket: &Bucket,
+    scatter: Option<&Scatter>,
+    buf: Vec<T>,
+    op: ReduceOp,
+) -> (Work<Vec<T>>, Option<Work<Vec<T>>>) {
+    let Some(s) = scatter else {
+        return (comm.all_reduce(buf, op), None);
+    };
+    let work = comm.reduce_scatter_uneven(s.permute(bucket, &buf), s.counts(), op);
+    let whole = s.whole_values(bucket, &buf).map(|w| comm.all_reduce(w, op));
+    (work, whole)
+}
+
+/// Elements this rank receives reduced of a bucket of `len` elements (flags included), sent as
+/// `scatter` lays it out (`None`: all-reduced).
+fn received(scatter: &Option<Scatter>, bucket: &Bucket, len: usize) -> usize {
+    match scatter {
+        None => len,
+        Some(s) => s.counts()[s.rank()] + s.whole_elements(bucket),
     }
 }
 

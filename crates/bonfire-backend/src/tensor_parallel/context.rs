@@ -115,9 +115,9 @@ pub(crate) struct TpRank {
     /// their gradients and optimizer state, constants) may follow the rules; an op that reads
     /// anything else gathers its sharded inputs and runs locally.
     pub(crate) fully_sharded: bool,
-    /// In a fully sharded group: each sharded parameter's placement, by the number of its id
-    /// (this rank's: ranks that are threads of one process share ids).
-    placed: Mutex<std::collections::HashMap<u64, crate::Placement>>,
+    /// In a fully sharded group: each sharded parameter's placement and whole shape, by the
+    /// number of its id (this rank's: ranks that are threads of one process share ids).
+    placed: Mutex<std::collections::HashMap<u64, (crate::Placement, Vec<usize>)>>,
     /// Log the first fallback of each op at info level (`BONFIRE_TP_LOG=1`; at debug level
     /// otherwise).
     log: bool,
@@ -166,14 +166,19 @@ impl TpRank {
 
     /// Where parameter `param` (its id's number) is sharded, if it is.
     pub(crate) fn placed(&self, param: u64) -> Option<crate::Placement> {
-        let placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
-        placed.get(&param).copied()
+        self.placed_whole(param).map(|(placement, _)| placement)
     }
 
-    /// Records that parameter `param` is sharded as `placement`.
-    pub(crate) fn place(&self, param: u64, placement: crate::Placement) {
+    /// Where parameter `param` is sharded, with its whole shape, if it is.
+    pub(crate) fn placed_whole(&self, param: u64) -> Option<(crate::Placement, Vec<usize>)> {
+        let placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+        placed.get(&param).cloned()
+    }
+
+    /// Records that parameter `param`, of whole shape `shape`, is sharded as `placement`.
+    pub(crate) fn place(&self, param: u64, placement: crate::Placement, shape: Vec<usize>) {
         let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
-        placed.insert(param, placement);
+        placed.insert(param, (placement, shape));
     }
 
     /// Counts a fallback gather for `op` (and says so once per op, when logging is on).

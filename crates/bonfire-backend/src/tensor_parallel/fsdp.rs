@@ -15,9 +15,10 @@
 //!   on a parameter (a reshape, a transpose, an unsqueeze) stay sharded, so autodiff's saved
 //!   state holds the shard, not the gathered copy.
 //! - **Backward** gathers again where a gradient op reads a parameter, and produces each
-//!   parameter's whole gradient on each rank; `DataParallel`'s hook averages it over the ranks
-//!   in buckets, as in DDP, and writes back only this rank's slice of the average (the whole
-//!   gradient is freed as each bucket is written back).
+//!   parameter's whole gradient on each rank; `DataParallel`'s hook collects them in buckets, as
+//!   in DDP, and reduce-scatters each bucket so that each rank receives only its slice of every
+//!   gradient, averaged (half an all-reduce's bytes; `LocalParts::shard_at_rest` tells it the
+//!   splits), which becomes the gradient (the whole one is freed as each bucket is written back).
 //! - **The optimizer step** reads only shards (parameter, gradient, state), so its rules keep
 //!   everything sharded: Burn's Adam, AdamW and SGD, unwrapped, keep state for 1/N of each
 //!   parameter, and the parameters stay sharded. An op without a rule (AMSGrad's running
@@ -153,7 +154,8 @@ impl<B: AutodiffBackend + TensorParallelBackend> ModuleMapper<B> for Sharder {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let placement = Placement::shard(dim);
-        self.group.place(id.val(), placement);
+        self.group
+            .place(id.val(), placement, tensor.dims().to_vec());
         let tp = B::tp_part(tensor.into_primitive().tensor());
         let shape = tp.shape.clone();
         let full = whole::<B::Inner>(tp, Why::Read);

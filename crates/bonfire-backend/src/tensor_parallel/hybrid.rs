@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 
 use burn_backend::{Backend, ExecutionError, Shape, TensorData};
 
-use crate::data_parallel::{LocalParts, register_local_parts};
+use crate::data_parallel::{LocalParts, ShardAtRest, register_local_parts};
 
 use super::placement::{Placement, local_shape};
 use super::redistribute::{Why, local_of, ranks, whole};
@@ -83,6 +83,37 @@ impl<B: Backend> LocalParts for Parts<B> {
         let placed = fsdp::place_as_param::<B>(t.clone(), param);
         matches!(placed.placement(), Placement::Shard { .. })
             .then(|| Box::new(placed) as Box<dyn Any>)
+    }
+
+    fn shard_at_rest(&self, param: u64) -> Option<ShardAtRest> {
+        if !context::fully_sharded() {
+            return None;
+        }
+        let g = context::current().filter(|g| g.size() > 1)?;
+        match g.placed_whole(param)? {
+            (Placement::Shard { dim, blocks }, shape) => Some(ShardAtRest {
+                shape,
+                dim,
+                blocks,
+                ranks: g.size(),
+                rank: g.rank(),
+            }),
+            _ => None,
+        }
+    }
+
+    fn write_slice(&self, like: &dyn Any, data: TensorData, split: &ShardAtRest) -> Box<dyn Any> {
+        let like = tp::<B>(like);
+        let local = B::float_from_data(data, &like.device());
+        let placement = Placement::Shard {
+            dim: split.dim,
+            blocks: split.blocks,
+        };
+        Box::new(TpTensor::<B>::local(
+            local,
+            placement,
+            Some(Shape::from(split.shape.clone())),
+        ))
     }
 
     fn write_param(&self, like: &dyn Any, data: TensorData, param: u64) -> Box<dyn Any> {

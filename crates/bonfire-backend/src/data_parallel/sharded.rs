@@ -80,7 +80,7 @@ pub enum ZeroStage {
     Two,
     /// The parameters too (ZeRO-3, FSDP): the model is sharded at rest by
     /// [`crate::fully_shard`], each rank holding a slice of every parameter, of its gradient
-    /// and of the optimizer's state. The wrapper then steps each rank's slices with the wrapped
+    /// (reduce-scattered to it in backward) and of the optimizer's state. The wrapper then steps each rank's slices with the wrapped
     /// optimizer as it is (every rank owns a slice of everything; nothing is gathered after the
     /// step).
     Three,

@@ -10,7 +10,7 @@ with betas (0.9, 0.99) and eps 1e-5, warmup then cosine to a tenth. Each step re
 (`.item()`), as the bonfire job does for its progress line.
 
     python3 benches/gpt_ddp_torch.py --text PATH [--dp 1,2] [--steps 100] [--threads 1]
-        [--zero | --fsdp2 zero2|zero3] [--device cpu|cuda] [--batch 16] [--json PATH]
+        [--zero | --fsdp2 zero2|zero3] [--dcp N] [--device cpu|cuda] [--batch 16] [--json PATH]
 
 `--dp 2` runs two processes with DistributedDataParallel over gloo on 127.0.0.1, one compute
 thread each (`torch.set_num_threads`), as bonfire's job gives each of its two ranks on two cores.
@@ -27,7 +27,11 @@ holding the most (parameters, gradients and the optimizer's state tensors, in by
 rank's peak resident memory (`ru_maxrss`). `--device cuda` trains on the GPU (every rank on
 device 0; DDP still over gloo, since NCCL refuses two ranks on one device), the peer of
 `bonfire train gpt --backend cuda`; the loss is read every step there too, which waits for the
-GPU as the bonfire job's progress line does.
+GPU as the bonfire job's progress line does. `--dcp N` (several ranks) saves N distributed
+checkpoints after training with `torch.distributed.checkpoint.save` of `get_state_dict` (under
+FSDP2 each rank writes its shards of the model and of Adam's state), timed on rank 0 between two
+barriers, and prints a `# dcp` line: milliseconds per save and the MiB rank 0 wrote (its own file
+and the metadata): the peer of a `--zero 3` run's per-rank checkpoints.
 
 Without torch installed it says so and exits 0 (install it with `pip install torch`).
 """
@@ -122,6 +126,31 @@ def rank_main(rank, world, port, args, out):
             grad_bytes = sum(local_tensor(q.grad).numel() * q.grad.element_size()
                              for q in model.parameters() if q.grad is not None)
     elapsed = time.perf_counter() - start
+    dcp_secs, dcp_bytes = [], 0
+    if args.dcp and world > 1:
+        import shutil
+        import tempfile
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        root = tempfile.mkdtemp() if rank == 0 else None
+        box = [root]
+        dist.broadcast_object_list(box, src=0)
+        root = box[0]
+        for i in range(args.dcp):
+            dist.barrier()
+            t0 = time.perf_counter()
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"step-{i}"))
+            dist.barrier()
+            dcp_secs.append(time.perf_counter() - t0)
+        last = os.path.join(root, f"step-{args.dcp - 1}")
+        # This rank's own file(s) (__<rank>_*.distcp), plus the metadata for rank 0.
+        dcp_bytes = sum(os.path.getsize(os.path.join(last, n)) for n in os.listdir(last)
+                        if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata"))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
     import resource
     local = opt.optim if hasattr(opt, "optim") else opt
     state_bytes = sum(local_tensor(t).numel() * t.element_size() for st in local.state.values()
@@ -132,7 +161,8 @@ def rank_main(rank, world, port, args, out):
     param_bytes = sum((q if whole else local_tensor(q)).numel() * q.element_size()
                       for q in model.parameters())
     mine = {"rank": rank, "optimizer_bytes": state_bytes, "param_bytes": param_bytes,
-            "grad_bytes": grad_bytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "grad_bytes": grad_bytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "dcp_secs": dcp_secs, "dcp_bytes": dcp_bytes}
     if world > 1:
         import torch.distributed as dist
         everyone = [None] * world
@@ -181,6 +211,9 @@ def main():
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer around Adam (dp > 1)")
     p.add_argument("--fsdp2", choices=["zero2", "zero3"],
                    help="shard with FSDP2's fully_shard (dp > 1): zero2 keeps parameters whole after forward")
+    p.add_argument("--dcp", type=int, default=0,
+                   help="after training, save N distributed checkpoints (torch.distributed.checkpoint: "
+                        "every rank writes its shards) and time them")
     p.add_argument("--json")
     args = p.parse_args()
     if args.zero and args.fsdp2:
@@ -219,6 +252,10 @@ def main():
         print(f"  {dp:>3} {r['chars_per_s']:>10.0f} {r['chars_per_s'] / dp:>10.0f} {r['loss']:>8.4f} "
               f"{mib(x0['param_bytes']):>10.2f} {mib(x0['grad_bytes']):>9.2f} {mib(most):>16.2f} "
               f"{mib(x0['param_bytes'] + x0['grad_bytes'] + most):>9.2f}  {peaks}")
+        if x0["dcp_secs"]:
+            each = 1e3 * sum(x0["dcp_secs"]) / len(x0["dcp_secs"])
+            print(f"# dcp {len(x0['dcp_secs'])} save(s), {each:.1f} ms each on rank 0; "
+                  f"{mib(x0['dcp_bytes']):.2f} MiB by rank 0 of {dp}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

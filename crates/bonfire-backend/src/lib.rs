@@ -41,6 +41,10 @@ pub use data_parallel::{
 pub use data_parallel::{CommCross, CommLink, NodeLane};
 pub use tensor_parallel::fsdp::fully_shard;
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
+pub use tensor_parallel::{
+    ShardedCheckpointError, check_sharded_checkpoint, consolidate_sharded_checkpoint,
+    consolidate_sharded_model, load_sharded_checkpoint, save_sharded_checkpoint, shard_checkpoint,
+};
 
 /// Data x tensor parallelism: `Autodiff<Hybrid<B>>` splits each model over its rank's
 /// tensor-parallel group (as [`TensorParallel`]) and averages each shard's gradients over its

@@ -35,7 +35,7 @@ use bonfire::transport::quic::Who;
 use bonfire::transport::shm::ShmConfigError;
 use bonfire::transport::shm::ShmSetupError;
 use bonfire::transport::{QuicError, SecretError, TransportError};
-use bonfire::{PlanError, Split};
+use bonfire::{PlanError, ShardedCheckpointError as PerRankError, Split};
 
 const CHAPTER: &str = include_str!("../../../book/src/troubleshooting.md");
 
@@ -929,6 +929,52 @@ fn shards_examples() -> Vec<ShardsError> {
 }
 
 variants!(
+    per_rank_variant,
+    per_rank_all,
+    PerRankError,
+    [
+        PerRankError::Io { .. },
+        PerRankError::Format { .. },
+        PerRankError::Incomplete { .. },
+        PerRankError::Exists { .. },
+        PerRankError::Mismatch { .. },
+        PerRankError::NotFullySharded { .. },
+        PerRankError::Collective { .. },
+    ]
+);
+
+fn per_rank_examples() -> Vec<PerRankError> {
+    let dir = || PathBuf::from("runs/gpt-1/epoch-3");
+    vec![
+        PerRankError::Io {
+            path: dir().join("zero3-rank1-of-2.bin"),
+            source: io_error(),
+        },
+        PerRankError::Format {
+            path: dir().join("zero3-rank1-of-2.bin"),
+            reason: "it does not match its own checksum".into(),
+        },
+        PerRankError::Incomplete {
+            dir: dir(),
+            problem: "rank 1's file zero3-rank1-of-2.bin is missing".into(),
+        },
+        PerRankError::Exists { dir: dir() },
+        PerRankError::Mismatch {
+            dir: dir(),
+            param: "blocks.0.mlp.fc1.weight".into(),
+            problem: "shape [128, 256] in the checkpoint, [128, 128] in the model".into(),
+        },
+        PerRankError::NotFullySharded { ranks: 2 },
+        PerRankError::Collective {
+            what: "all-gather of the 2 sharded checkpoint files' sizes and sums (rank 0 wrote to \
+                   runs/gpt-1/.epoch-3.tmp)"
+                .into(),
+            source: Box::new(peer_lost()),
+        },
+    ]
+}
+
+variants!(
     pipeline_variant,
     pipeline_all,
     PipelineError,
@@ -990,6 +1036,7 @@ variants!(
         JobError::Plots { .. },
         JobError::CheckpointMismatch { .. },
         JobError::ShareCheckpoint(..),
+        JobError::ShardedCheckpoint(..),
         JobError::CurrentExe(..),
         JobError::Launch(..),
         JobError::Init(..),
@@ -1091,6 +1138,9 @@ fn job_examples() -> Vec<JobError> {
             from: 0,
             dir: dir().join("epoch-3"),
             why: "model.bin does not match its checksum".into(),
+        }),
+        JobError::ShardedCheckpoint(PerRankError::Exists {
+            dir: dir().join(".epoch-3.tmp"),
         }),
         JobError::CurrentExe(io_error()),
         JobError::Launch(LaunchError::NeedsSecret),
@@ -1634,6 +1684,12 @@ fn every_type() -> Vec<Checked> {
             shards_all(),
             shards_variant,
             shards_examples(),
+        ),
+        checked(
+            "ShardedCheckpointError",
+            per_rank_all(),
+            per_rank_variant,
+            per_rank_examples(),
         ),
         checked(
             "PipelineError",

@@ -512,6 +512,15 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
     // two ranks add alike in either order: still the plain run's bits.
     assert!(log.contains(", reduce-scattered ("), "{log}");
     assert_eq!(digests(&dir.join("zero3"), 6), plain);
+    // Its checkpoints are per rank: a manifest and each rank's slices, no whole model.
+    let epoch = dir.join("zero3/epoch-6");
+    assert!(
+        epoch.join("manifest.json").exists()
+            && epoch.join("zero3-rank0-of-2.bin").exists()
+            && epoch.join("zero3-rank1-of-2.bin").exists()
+            && !epoch.join("model.bin").exists(),
+        "{epoch:?}"
+    );
     let killed = dir.join("zero3-killed");
     let done = kill_tiny(&dir, "60", &killed, &["--zero", "3"]);
     assert_ne!(done, "epoch-6", "the job finished before it was killed");
@@ -524,16 +533,19 @@ fn zero_shards_the_optimizer_and_changes_no_bit() {
     );
     assert_eq!(digests(&killed, 6), plain, "resumed with --zero 3");
 
-    for (name, first, then) in [("to-zero", false, true), ("from-zero", true, false)] {
+    // A run resumes at another stage, or without sharding, from either kind of checkpoint
+    // (a per-rank one of `--zero 3` is put together whole on each rank).
+    let (none, one, three): (&[&str], &[&str], &[&str]) = (&[], &["--zero", "1"], &["--zero", "3"]);
+    for (name, first, then) in [
+        ("to-zero", none, one),
+        ("from-zero", one, none),
+        ("from-zero3", three, none),
+    ] {
         let killed = dir.join(name);
-        let flags: &[&str] = if first { &["--zero", "1"] } else { &[] };
-        let done = kill_tiny(&dir, "60", &killed, flags);
+        let done = kill_tiny(&dir, "60", &killed, first);
         assert_ne!(done, "epoch-6", "the job finished before it was killed");
         let mut resume = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir"]);
-        resume.arg(&killed);
-        if then {
-            resume.args(["--zero", "1"]);
-        }
+        resume.arg(&killed).args(then);
         let out = resume.output().unwrap();
         let log = text(&out);
         assert!(out.status.success(), "{log}");
@@ -618,6 +630,8 @@ fn a_model_over_a_ranks_limit_trains_fully_sharded_and_samples_on_one_device() {
     }
     let run = dir.join("zero3");
     let log = train_tiny(&dir, "20", &run, &[&limit[..], &["--zero", "3"]].concat());
+    // Each rank wrote its quarter; sampling puts the model together on one device.
+    assert!(run.join("epoch-2/zero3-rank3-of-4.bin").exists());
     assert!(
         log.contains("model state limit 0.1 MiB per rank")
             && log.contains("within the limit")

@@ -188,6 +188,12 @@ fn resume_after_a_kill_equals_the_uninterrupted_run() {
         done, "epoch-3",
         "the --zero 3 run finished before it was killed"
     );
+    // Its checkpoint is per rank (each rank wrote its slices), and it resumes from it.
+    assert!(
+        sharded.join(&done).join("zero3-rank1-of-2.bin").exists()
+            && !sharded.join(&done).join("model.bin").exists(),
+        "{done}"
+    );
     let out = bonfire(&dir, &["train", "vision", "--resume", "--zero", "3"])
         .arg("--checkpoint-dir")
         .arg(&sharded)

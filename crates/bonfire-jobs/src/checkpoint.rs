@@ -79,10 +79,14 @@ pub struct Checkpoint<C, R> {
     pub dir: PathBuf,
     /// Its state.
     pub state: State<C, R>,
-    /// The model's record, as the job wrote it.
+    /// The model's record, as the job wrote it (empty in a per-rank checkpoint).
     pub model: Vec<u8>,
-    /// The optimizer's record, as the job wrote it.
+    /// The optimizer's record, as the job wrote it (empty in a per-rank checkpoint).
     pub optimizer: Vec<u8>,
+    /// A per-rank checkpoint of a ZeRO-3 run (`manifest.json` and each rank's file, which
+    /// `bonfire::load_sharded_checkpoint` reads): its directory, this one; `None` when the
+    /// checkpoint holds the whole model and state.
+    pub shards: Option<PathBuf>,
     /// The newer checkpoints that failed their check and were passed over, newest first, each
     /// as `epoch-N: what is wrong`; empty when the newest one was used.
     pub skipped: Vec<String>,
@@ -110,16 +114,52 @@ pub fn save<C: Serialize, R: Serialize>(
     model: &[u8],
     optimizer: &[u8],
 ) -> Result<PathBuf, JobError> {
-    let name = format!("epoch-{}", state.epochs_done);
-    let tmp = root.join(format!(".{name}.tmp"));
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir_all(&tmp).map_err(JobError::io(&tmp))?;
+    let tmp = begin(root, state.epochs_done)?;
     let json = serde_json::to_vec_pretty(state).map_err(JobError::EncodeState)?;
     let files = [(MODEL, model), (OPTIMIZER, optimizer), (STATE, &json[..])];
     for (name, bytes) in files {
         write_synced(&tmp.join(name), bytes)?;
     }
-    let sums = sums_text(files);
+    finish(root, &tmp, state.epochs_done, &sums_text(files))
+}
+
+/// The temporary directory checkpoint `epoch-<epochs_done>` is written in under `root`, made
+/// empty.
+pub(crate) fn staging(root: &Path, epochs_done: usize) -> PathBuf {
+    root.join(format!(".epoch-{epochs_done}.tmp"))
+}
+
+/// Makes [`staging`]'s directory, empty, and returns it.
+pub(crate) fn begin(root: &Path, epochs_done: usize) -> Result<PathBuf, JobError> {
+    let tmp = staging(root, epochs_done);
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).map_err(JobError::io(&tmp))?;
+    Ok(tmp)
+}
+
+/// Completes a per-rank checkpoint whose ranks have written their files and its manifest
+/// (`bonfire::save_sharded_checkpoint`) in `tmp` ([`begin`]): writes the state and the sums of
+/// the state and the manifest (which holds every rank file's), then moves it into place as
+/// [`save`] does.
+pub(crate) fn save_sharded<C: Serialize, R: Serialize>(
+    root: &Path,
+    tmp: &Path,
+    state: &State<C, R>,
+) -> Result<PathBuf, JobError> {
+    let json = serde_json::to_vec_pretty(state).map_err(JobError::EncodeState)?;
+    write_synced(&tmp.join(STATE), &json)?;
+    let path = tmp.join(bonfire::backend::tensor_parallel::MANIFEST);
+    let manifest = fs::read(&path).map_err(JobError::io(&path))?;
+    let files = [
+        (bonfire::backend::tensor_parallel::MANIFEST, &manifest[..]),
+        (STATE, &json[..]),
+    ];
+    finish(root, tmp, state.epochs_done, &sums_text(files))
+}
+
+/// Writes `sums` in `tmp`, renames it to `epoch-<epochs_done>` and points `latest` at it.
+fn finish(root: &Path, tmp: &Path, epochs_done: usize, sums: &str) -> Result<PathBuf, JobError> {
+    let name = format!("epoch-{epochs_done}");
     write_synced(&tmp.join(SUMS), sums.as_bytes())?;
     let dir = root.join(&name);
     if dir.exists() {
@@ -127,7 +167,7 @@ pub fn save<C: Serialize, R: Serialize>(
         // `latest` names (that one has a lower epoch).
         fs::remove_dir_all(&dir).map_err(JobError::io(&dir))?;
     }
-    fs::rename(&tmp, &dir).map_err(JobError::io(&dir))?;
+    fs::rename(tmp, &dir).map_err(JobError::io(&dir))?;
     let latest_tmp = root.join(".latest.tmp");
     write_synced(&latest_tmp, name.as_bytes())?;
     fs::rename(&latest_tmp, root.join(LATEST)).map_err(JobError::io(root))?;
@@ -202,10 +242,24 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
     unchecked: Unchecked,
 ) -> Result<Checkpoint<C, R>, String> {
     let read = |name: &str| fs::read(dir.join(name)).map_err(|e| format!("{name}: {e}"));
-    let (model, optimizer, state) = (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?);
+    // A per-rank checkpoint (ZeRO-3) holds a manifest and each rank's file instead of the
+    // model's and the optimizer's records; the manifest holds the sum of every rank's file,
+    // which the rank that reads one checks.
+    let manifest = bonfire::backend::tensor_parallel::MANIFEST;
+    let sharded = dir.join(manifest).exists();
+    let (model, optimizer, state) = if sharded {
+        (read(manifest)?, Vec::new(), read(STATE)?)
+    } else {
+        (read(MODEL)?, read(OPTIMIZER)?, read(STATE)?)
+    };
+    let checked: Vec<(&str, &Vec<u8>)> = if sharded {
+        vec![(manifest, &model), (STATE, &state)]
+    } else {
+        vec![(MODEL, &model), (OPTIMIZER, &optimizer), (STATE, &state)]
+    };
     match fs::read_to_string(dir.join(SUMS)) {
         Ok(sums) => {
-            for (name, bytes) in [(MODEL, &model), (OPTIMIZER, &optimizer), (STATE, &state)] {
+            for (name, bytes) in checked {
                 let recorded = recorded_sum(&sums, name)
                     .ok_or_else(|| format!("{SUMS} has no line for {name}"))?;
                 let found = sha256(bytes);
@@ -231,6 +285,10 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
         }
         Err(e) => return Err(format!("{SUMS}: {e}")),
     }
+    if sharded {
+        // Every rank's file there with its size (their sums are checked as each is read).
+        bonfire::check_sharded_checkpoint(dir).map_err(|e| e.to_string())?;
+    }
     let state: State<C, R> = serde_json::from_slice(&state)
         .map_err(|e| format!("{STATE}: not a bonfire checkpoint state ({e})"))?;
     if state.history.len() != state.epochs_done {
@@ -243,8 +301,9 @@ fn read_checked<C: DeserializeOwned, R: DeserializeOwned>(
     Ok(Checkpoint {
         dir: dir.to_path_buf(),
         state,
-        model,
+        model: if sharded { Vec::new() } else { model },
         optimizer,
+        shards: sharded.then(|| dir.to_path_buf()),
         skipped: Vec::new(),
     })
 }
@@ -474,6 +533,42 @@ mod tests {
         let _ = fs::remove_dir_all(&root);
         fs::create_dir_all(&root).unwrap();
         root
+    }
+
+    /// A per-rank checkpoint (ZeRO-3's) is read as one (its directory, no records), and one
+    /// whose rank file is cut short is passed over for the previous checkpoint.
+    #[test]
+    fn a_per_rank_checkpoint_with_a_cut_rank_file_is_passed_over() {
+        use burn::backend::Autodiff;
+        use burn::backend::flex::{Flex, FlexDevice};
+        use burn::nn::LinearConfig;
+        type A = Autodiff<bonfire::DataParallel<Flex>>;
+        let root = fresh_root("per-rank");
+        save(&root, &state(1), b"model 1", b"optimizer").unwrap();
+        let model = LinearConfig::new(4, 2).init::<A>(&FlexDevice);
+        let tmp = begin(&root, 2).unwrap();
+        bonfire::shard_checkpoint::<A, _, burn::optim::Adam>(&tmp, &model, Default::default(), 2)
+            .unwrap();
+        let dir = save_sharded(&root, &tmp, &state(2)).unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
+        assert_eq!((l.state, l.shards), (state(2), Some(dir.clone())));
+        assert!(l.model.is_empty() && l.optimizer.is_empty());
+        let file = dir.join("zero3-rank1-of-2.bin");
+        let len = fs::metadata(&file).unwrap().len();
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_len(len - 1)
+            .unwrap();
+        let l = load::<String, u32>(&root, Unchecked::Refuse).unwrap();
+        assert_eq!((l.state.epochs_done, l.shards), (1, None));
+        assert!(
+            l.skipped[0].starts_with("epoch-2: ") && l.skipped[0].contains("zero3-rank1-of-2.bin"),
+            "{:?}",
+            l.skipped
+        );
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -219,6 +219,9 @@ pub enum JobError {
     /// The newest checkpoint could not be sent to the ranks whose directory lacks it.
     #[error(transparent)]
     ShareCheckpoint(bonfire::checkpoint::CheckpointError),
+    /// A per-rank checkpoint (ZeRO-3) could not be written or read.
+    #[error("per-rank checkpoint: {0}")]
+    ShardedCheckpoint(#[from] bonfire::ShardedCheckpointError),
     /// This program's own path is unknown, so it cannot start its ranks.
     #[error("cannot find this program: {0}")]
     CurrentExe(#[source] std::io::Error),

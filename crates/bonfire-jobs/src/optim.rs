@@ -2,8 +2,10 @@
 //! data-parallel replicas with [`bonfire::sharded`] (`--zero 1`, and `--zero 2` for the
 //! gradients too); and what the model's state costs each rank, for the end report.
 //!
-//! Checkpoints hold the whole optimizer state either way (a sharded run gathers it first), so a
-//! run saved with `--zero` resumes without it, at another stage, or the other way round.
+//! Checkpoints hold the whole optimizer state (a sharded run gathers it first), except under
+//! ZeRO-3, whose checkpoints are per rank (each rank writes its slices, [`ShardIo`]) and are put
+//! together whole by a run that resumes without it; so a run saved with `--zero` resumes
+//! without it, at another stage, or the other way round.
 
 use bonfire::{LocalSgd, OuterStats, ParamServer, PsReport, PsRole, Sharded, ZeroStage};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -20,6 +22,32 @@ use crate::report::ModelMemory;
 
 /// A Burn optimizer's whole record: its state per parameter.
 pub(crate) type OptimRecord<O, M, B> = <OptimizerAdaptor<O, M, B> as Optimizer<M, B>>::Record;
+
+type ShardedOptim<O, M, B> = Sharded<OptimizerAdaptor<O, M, B>>;
+
+/// How a ZeRO-3 run writes and reads per-rank checkpoints: `bonfire::save_sharded_checkpoint`
+/// and `bonfire::load_sharded_checkpoint` on its backend (which the jobs' generic code cannot
+/// name as a tensor-parallel one), as the branch that picks the backend gives them.
+#[allow(clippy::type_complexity)]
+pub(crate) struct ShardIo<O, M, B>
+where
+    O: SimpleOptimizer<B::InnerBackend>,
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    /// Writes this rank's files and the manifest in a directory.
+    pub(crate) save: fn(
+        &std::path::Path,
+        &M,
+        &ShardedOptim<O, M, B>,
+    ) -> Result<std::path::PathBuf, bonfire::ShardedCheckpointError>,
+    /// Loads a save into a laid-out model and a fresh sharded optimizer.
+    pub(crate) load: fn(
+        &std::path::Path,
+        M,
+        ShardedOptim<O, M, B>,
+    ) -> Result<(M, ShardedOptim<O, M, B>), bonfire::ShardedCheckpointError>,
+}
 
 /// A job's optimizer: whole on every rank (DDP), or each rank stepping and keeping state for its
 /// share of the parameters (ZeRO stages 1 and 2); and the gradient bytes its last step got.
@@ -197,6 +225,42 @@ where
                 }
             }
             optim => JobOptimizer { optim, ..self },
+        }
+    }
+
+    /// Writes this rank's files of a per-rank checkpoint of `module` and this state in `dir`
+    /// (a collective: every rank calls it). Only a sharded optimizer writes one.
+    pub(crate) fn save_shards(
+        &self,
+        io: &ShardIo<O, M, B>,
+        dir: &std::path::Path,
+        module: &M,
+    ) -> Result<(), JobError> {
+        match &self.optim {
+            Kind::Sharded(o) => (io.save)(dir, module, o)
+                .map(|_| ())
+                .map_err(JobError::from),
+            _ => {
+                unreachable!("only a ZeRO-3 run (a sharded optimizer) writes per-rank checkpoints")
+            }
+        }
+    }
+
+    /// `module` (laid out as it trains) and this (fresh) state loaded from the per-rank
+    /// checkpoint in `dir`.
+    pub(crate) fn load_shards(
+        self,
+        io: &ShardIo<O, M, B>,
+        dir: &std::path::Path,
+        module: M,
+    ) -> Result<(M, Self), JobError> {
+        match self.optim {
+            Kind::Sharded(o) => {
+                let (module, o) = (io.load)(dir, module, o)?;
+                let optim = Kind::Sharded(o);
+                Ok((module, JobOptimizer { optim, ..self }))
+            }
+            _ => unreachable!("only a ZeRO-3 run (a sharded optimizer) reads per-rank checkpoints"),
         }
     }
 

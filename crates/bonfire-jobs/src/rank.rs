@@ -14,6 +14,35 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::JobError;
+
+/// Makes the staging directory of checkpoint `epoch-<epochs_done>` under `root` with a token
+/// file in it; returns the token.
+fn make_staging(root: &std::path::Path, epochs_done: usize) -> Result<i64, JobError> {
+    let tmp = checkpoint::begin(root, epochs_done)?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let token = (nanos as i64 ^ i64::from(std::process::id())) & i64::MAX;
+    let path = tmp.join(TOKEN);
+    std::fs::write(&path, token.to_string()).map_err(JobError::io(&path))?;
+    Ok(token)
+}
+
+/// The file rank 0 leaves in a per-rank checkpoint's staging directory for the other ranks to
+/// find (removed before the checkpoint is complete).
+const TOKEN: &str = ".rank0-token";
+
+/// What [`RankContext::save_per_rank`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum PerRank {
+    /// Every rank wrote its files; rank 0 has the checkpoint's directory, the others `None`.
+    Saved(Option<PathBuf>),
+    /// These ranks do not see rank 0's checkpoint directory: nothing was written.
+    NotShared {
+        /// The ranks that do not see it.
+        blind: Vec<usize>,
+    },
+}
 use crate::checkpoint::{self, State};
 use crate::job::{Job, JobCheckpoint};
 use crate::progress::StepProgress;
@@ -354,6 +383,110 @@ impl<'a, J: Job> RankContext<'a, J> {
             checkpoint::prune(root, keep)?;
         }
         Ok(Some(dir))
+    }
+
+    /// A per-rank checkpoint of `state` (ZeRO-3): rank 0 makes the checkpoint's staging
+    /// directory, every rank writes its own files there with `write` (a collective:
+    /// `bonfire::save_sharded_checkpoint`), and once every rank is done rank 0 adds the state and
+    /// the sums and moves it into place (then deletes all but the newest `keep_checkpoints`).
+    /// Collective over the job's ranks.
+    ///
+    /// It needs a checkpoint directory every rank shares. When some rank does not see rank 0's
+    /// staging directory (nodes without shared storage) nothing is written and it returns
+    /// [`PerRank::NotShared`]: the caller writes a whole checkpoint instead, as rank 0 alone.
+    pub(crate) fn save_per_rank<R: Serialize>(
+        &self,
+        state: &State<J::Config, R>,
+        write: impl FnOnce(&std::path::Path) -> Result<(), JobError>,
+    ) -> Result<PerRank, JobError> {
+        let root = &self.settings.checkpoint_dir;
+        let comm = self.world.comm();
+        let during = "agreeing on a per-rank checkpoint's directory";
+        let tmp = checkpoint::staging(root, state.epochs_done);
+        // Rank 0's staging directory, with a token no earlier run left: every rank must see it.
+        // Rank 0 sends -1 when it could not make it, so that every rank fails at once.
+        let made = if self.is_main() {
+            Some(make_staging(root, state.epochs_done))
+        } else {
+            None
+        };
+        let token = match &made {
+            Some(Ok(token)) => *token,
+            Some(Err(_)) => -1,
+            None => 0,
+        };
+        let token = comm
+            .broadcast(vec![token], 0)
+            .wait()
+            .map_err(JobError::collective(during))?[0];
+        if let Some(Err(e)) = made {
+            return Err(e);
+        }
+        if token < 0 {
+            return Err(JobError::ShardedCheckpoint(
+                bonfire::ShardedCheckpointError::Incomplete {
+                    dir: tmp,
+                    problem: "rank 0 could not make it (its own error says why)".into(),
+                },
+            ));
+        }
+        let seen =
+            std::fs::read_to_string(tmp.join(TOKEN)).is_ok_and(|t| t.trim() == token.to_string());
+        let all = comm
+            .all_gather(vec![i64::from(seen)])
+            .wait()
+            .map_err(JobError::collective(during))?;
+        if all.contains(&0) {
+            if self.is_main() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Ok(PerRank::NotShared {
+                blind: (0..all.len()).filter(|&r| all[r] == 0).collect(),
+            });
+        }
+        // `write` fails on every rank together where its collective is reached; a failure after
+        // it (the manifest) is carried by the barrier, so that rank 0 never completes a
+        // checkpoint a rank did not finish.
+        let wrote = write(&tmp);
+        let done = comm
+            .all_gather(vec![i64::from(wrote.is_ok())])
+            .wait()
+            .map_err(JobError::collective(
+                "waiting for every rank's checkpoint file",
+            ))?;
+        wrote?;
+        if let Some(r) = done.iter().position(|&ok| ok == 0) {
+            return Err(JobError::ShardedCheckpoint(
+                bonfire::ShardedCheckpointError::Incomplete {
+                    dir: tmp,
+                    problem: format!("rank {r} could not write its part (its own error says why)"),
+                },
+            ));
+        }
+        if !self.is_main() {
+            return Ok(PerRank::Saved(None));
+        }
+        let path = tmp.join(TOKEN);
+        std::fs::remove_file(&path).map_err(JobError::io(&path))?;
+        let dir = checkpoint::save_sharded(root, &tmp, state)?;
+        if let Some(keep) = self.settings.keep_checkpoints {
+            checkpoint::prune(root, keep)?;
+        }
+        Ok(PerRank::Saved(Some(dir)))
+    }
+
+    /// Rank 0 says, once per process, that ranks `blind` do not see its checkpoint directory
+    /// ([`PerRank::NotShared`]), so checkpoints hold the whole model and state.
+    pub(crate) fn say_not_shared(&mut self, blind: &[usize]) {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if self.is_main() && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            let line = format!(
+                "checkpoints: rank(s) {blind:?} do not see rank 0's checkpoint directory, so \
+                 each checkpoint holds the whole model and state, written by rank 0 (per-rank \
+                 checkpoints need a directory every rank shares)"
+            );
+            self.say(Say::Report, &line);
+        }
     }
 
     /// Rank 0's `bytes` on every rank (the others pass anything, e.g. nothing); `during` says

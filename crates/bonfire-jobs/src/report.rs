@@ -282,6 +282,63 @@ pub fn fully_sharded_line(
     )
 }
 
+/// What writing a run's checkpoints cost rank 0.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Saves {
+    /// Checkpoints this run wrote.
+    pub count: usize,
+    /// Seconds rank 0 spent writing them (a per-rank checkpoint waits for every rank's file).
+    pub secs: f64,
+    /// Whether each rank wrote its own file (ZeRO-3's per-rank checkpoints).
+    pub per_rank: bool,
+    /// Bytes rank 0 wrote to the newest one: its own file, or the whole model and state.
+    pub bytes: u64,
+    /// The job's ranks.
+    pub ranks: usize,
+}
+
+impl Saves {
+    /// Rank 0's bytes in checkpoint `dir`: its per-rank file (with the manifest), or the model's
+    /// and optimizer's records.
+    pub fn bytes_in(dir: &Path) -> (bool, u64) {
+        let size = |name: &str| std::fs::metadata(dir.join(name)).map_or(0, |m| m.len());
+        let manifest = bonfire::backend::tensor_parallel::MANIFEST;
+        let per_rank = dir.join(manifest).exists();
+        let bytes = if per_rank {
+            let own = std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .find(|n| n.starts_with("zero3-rank0-of-") && n.ends_with(".bin"));
+            own.map_or(0, |n| size(&n)) + size(manifest)
+        } else {
+            size("model.bin") + size("optimizer.bin")
+        };
+        (per_rank, bytes)
+    }
+
+    /// `checkpoint cost 6 saves, 12.3 ms each on rank 0; each rank wrote its own slices
+    /// (ZeRO-3): 0.52 MiB by rank 0 of 2`, or `...; rank 0 wrote the whole model and state:
+    /// 9.30 MiB`.
+    pub fn line(&self) -> String {
+        let mib = self.bytes as f64 / (1 << 20) as f64;
+        let each = 1e3 * self.secs / self.count.max(1) as f64;
+        let what = if self.per_rank {
+            format!(
+                "each rank wrote its own slices (ZeRO-3): {mib:.2} MiB by rank 0 of {}",
+                self.ranks
+            )
+        } else {
+            format!("rank 0 wrote the whole model and state: {mib:.2} MiB")
+        };
+        format!(
+            "checkpoint cost {} save(s), {each:.1} ms each on rank 0; {what}",
+            self.count
+        )
+    }
+}
+
 /// `checkpoints     runs/vision-1 (latest: epoch-3); plots runs/vision-1/loss.png and
 /// runs/vision-1/accuracy.png`.
 pub fn checkpoints_line(dir: &Path, last_epoch: usize, plots: &[&str]) -> String {
@@ -521,6 +578,45 @@ mod tests {
         );
         // This process has touched more than a MiB by now.
         assert!(peak_resident_bytes().is_some_and(|b| b > mib));
+    }
+
+    #[test]
+    fn a_checkpoints_cost_says_who_wrote_what() {
+        let dir = std::env::temp_dir().join(format!("bonfire-saves-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("model.bin"), vec![0u8; 3 << 19]).unwrap();
+        std::fs::write(dir.join("optimizer.bin"), vec![0u8; 1 << 19]).unwrap();
+        assert_eq!(Saves::bytes_in(&dir), (false, 4 << 19));
+        let whole = Saves {
+            count: 4,
+            secs: 0.1,
+            per_rank: false,
+            bytes: 4 << 19,
+            ranks: 2,
+        };
+        assert_eq!(
+            whole.line(),
+            "checkpoint cost 4 save(s), 25.0 ms each on rank 0; rank 0 wrote the whole model and \
+             state: 2.00 MiB"
+        );
+        std::fs::remove_file(dir.join("model.bin")).unwrap();
+        std::fs::remove_file(dir.join("optimizer.bin")).unwrap();
+        std::fs::write(dir.join("manifest.json"), vec![b' '; 1 << 10]).unwrap();
+        std::fs::write(dir.join("zero3-rank0-of-2.bin"), vec![0u8; 1 << 20]).unwrap();
+        std::fs::write(dir.join("zero3-rank1-of-2.bin"), vec![0u8; 1 << 20]).unwrap();
+        assert_eq!(Saves::bytes_in(&dir), (true, (1 << 20) + (1 << 10)));
+        let mine = Saves {
+            per_rank: true,
+            bytes: 1 << 20,
+            ..whole
+        };
+        assert_eq!(
+            mine.line(),
+            "checkpoint cost 4 save(s), 25.0 ms each on rank 0; each rank wrote its own slices \
+             (ZeRO-3): 1.00 MiB by rank 0 of 2"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

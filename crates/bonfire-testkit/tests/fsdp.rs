@@ -609,3 +609,283 @@ fn amsgrad_stays_sharded_and_equals_ddp() {
         );
     }
 }
+
+/// The tensors and counters of an optimizer state in module order, without the parameters'
+/// ids (a fresh model's differ between runs).
+fn state_values<T: burn::record::Record<B>, B: burn::tensor::backend::Backend>(
+    state: InOrder<T>,
+) -> String {
+    use burn::record::Record;
+    let items: Vec<_> = (state.into_item::<FullPrecisionSettings>().into_iter())
+        .map(|(_, item)| item)
+        .collect();
+    serde_json::to_string(&items).expect("a record item encodes")
+}
+
+/// A fresh directory for one test's saves (removed first if a killed run left it).
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("bonfire-fsdp-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A per-rank checkpoint (`save_sharded_checkpoint`: each rank writes its slices, no gather)
+/// resumes at 2 ranks bit for bit where the uninterrupted run ends; loads at 4 ranks with the
+/// state cut again (its consolidated record equals the one put together on one device, bit for
+/// bit); converts to a whole model and Adam record on one device (the saved parameters, training
+/// on within 1e-5 of the sharded run); and converts back, from that record, to a save for 2
+/// ranks that resumes bit for bit too.
+#[test]
+fn a_per_rank_checkpoint_resumes_exactly_reshards_and_converts_both_ways() {
+    type S = SmallTransformer<FsdpFlex>;
+    const WORLD: usize = 2;
+    const SAVED_AT: usize = 3;
+    let batches = random_batches(9, STEPS, 4, S::FEATURES, S::CLASSES);
+    let expected = split_elements(S::new, WORLD);
+    let dir = scratch("per-rank");
+    let back = scratch("per-rank-back");
+    let stage3 = || bonfire::sharded(adam().init::<FsdpFlex, S>()).stage(ZeroStage::Three);
+    let (shared, at) = (batches.clone(), dir.clone());
+    let runs = on_ranks(WORLD, move |r| {
+        let device = Device::default();
+        let mut optim = stage3();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1 + r as u64, &device, S::new)).unwrap();
+        let uninterrupted = parameters(&steps(model, &mut optim, &shared, (r, WORLD), &device));
+        let mut optim = stage3();
+        let model = fully_shard(seeded::<FsdpFlex, _>(1 + r as u64, &device, S::new)).unwrap();
+        let model = steps(model, &mut optim, &shared[..SAVED_AT], (r, WORLD), &device);
+        let before = tensor_parallel::stats().unwrap();
+        let file = bonfire::save_sharded_checkpoint(&at, &model, &optim).unwrap();
+        let after = tensor_parallel::stats().unwrap();
+        assert_eq!(after.gathers, before.gathers, "rank {r}: saving gathered");
+        assert!(
+            file.ends_with(format!("zero3-rank{r}-of-2.bin")),
+            "{file:?}"
+        );
+        let saved = parameters(&model);
+        drop((model, optim));
+        // Resumed into a model laid out from another seed, and a fresh optimizer.
+        let fresh = fully_shard(seeded::<FsdpFlex, _>(50 + r as u64, &device, S::new)).unwrap();
+        let (model, mut optim) = bonfire::load_sharded_checkpoint(&at, fresh, stage3()).unwrap();
+        let loaded = parameters(&model);
+        let state = adam_elements(&model, optim.inner().to_record());
+        let resumed = parameters(&steps(
+            model,
+            &mut optim,
+            &shared[SAVED_AT..],
+            (r, WORLD),
+            &device,
+        ));
+        (uninterrupted, resumed, saved, loaded, state)
+    });
+    let whole_elements = 2 * split_elements(S::new, 1);
+    let (uninterrupted, _, saved, _, _) = &runs[0];
+    for (r, (u, resumed, s, loaded, state)) in runs.iter().enumerate() {
+        assert!(
+            u == uninterrupted && s == saved,
+            "rank {r} disagrees with rank 0"
+        );
+        assert!(
+            loaded == saved,
+            "rank {r}: the loaded parameters are not the saved ones"
+        );
+        assert!(
+            resumed == uninterrupted,
+            "rank {r}: the resumed run ends {:e} from the uninterrupted one",
+            max_abs_diff(resumed, uninterrupted)
+        );
+        assert_eq!(
+            *state,
+            (2 * expected, whole_elements),
+            "rank {r}: the loaded Adam state's moments (elements held, whole)"
+        );
+    }
+    let manifest =
+        std::fs::read_to_string(dir.join(bonfire::backend::tensor_parallel::MANIFEST)).unwrap();
+    assert!(manifest.contains("\"ranks\": 2") && manifest.contains("zero3-rank1-of-2.bin"));
+
+    // One device: the whole model and Adam's record, which train on with Burn's own Adam.
+    let device = Device::default();
+    let (consolidated, _) = {
+        let _alone = bind_rank(ranks(1).remove(0));
+        let model = seeded::<DpFlex, _>(99, &device, SmallTransformer::new);
+        let (model, record) =
+            bonfire::consolidate_sharded_checkpoint::<DpFlex, _, Adam>(&dir, model).unwrap();
+        assert!(
+            parameters(&model) == *saved,
+            "the consolidated model is the saved one"
+        );
+        let mut optim = adam()
+            .init::<DpFlex, SmallTransformer<DpFlex>>()
+            .load_record(record.clone());
+        let mut trained = model.clone();
+        for batch in &batches[SAVED_AT..] {
+            let l = loss(&trained, batch, 1.0, &device);
+            let grads = GradientsParams::from_grads(l.backward(), &trained);
+            trained = optim.step(1e-2, trained, grads);
+        }
+        let diff = max_abs_diff(&parameters(&trained), uninterrupted);
+        assert!(
+            diff <= 1e-5,
+            "one device ends {diff:e} from the sharded run"
+        );
+        bonfire::shard_checkpoint(&back, &model, record.clone(), WORLD).unwrap();
+        (InOrder::new(record, &model), model)
+    };
+    let whole_state = state_values(consolidated);
+
+    // Four ranks load the 2-rank save: the same parameters, Adam's state cut in four (gathered
+    // back, it is the one-device record, bit for bit); and the save converted back from the
+    // one-device record resumes at 2 ranks bit for bit.
+    let at = dir.clone();
+    let fours = on_ranks(4, move |r| {
+        let device = Device::default();
+        let fresh = fully_shard(seeded::<FsdpFlex, _>(70 + r as u64, &device, S::new)).unwrap();
+        let (model, optim) = bonfire::load_sharded_checkpoint(&at, fresh, stage3()).unwrap();
+        let state = adam_elements(&model, optim.inner().to_record());
+        let whole = InOrder::new(optim.consolidated_record(&device), &model);
+        (parameters(&model), state, state_values(whole))
+    });
+    for (r, (params, state, bytes)) in fours.iter().enumerate() {
+        assert!(
+            params == saved,
+            "rank {r} of 4: the loaded parameters are not the saved ones"
+        );
+        assert_eq!(
+            *state,
+            (2 * split_elements(S::new, 4), whole_elements),
+            "rank {r} of 4: Adam's moments (elements held, whole)"
+        );
+        assert!(
+            *bytes == whole_state,
+            "rank {r} of 4: the state gathered back differs"
+        );
+    }
+    let (shared, at) = (batches.clone(), back.clone());
+    let again = on_ranks(WORLD, move |r| {
+        let device = Device::default();
+        let fresh = fully_shard(seeded::<FsdpFlex, _>(80 + r as u64, &device, S::new)).unwrap();
+        let (model, mut optim) = bonfire::load_sharded_checkpoint(&at, fresh, stage3()).unwrap();
+        parameters(&steps(
+            model,
+            &mut optim,
+            &shared[SAVED_AT..],
+            (r, WORLD),
+            &device,
+        ))
+    });
+    for (r, resumed) in again.iter().enumerate() {
+        assert!(
+            resumed == uninterrupted,
+            "rank {r}: resumed from the converted save, the run ends {:e} from the uninterrupted one",
+            max_abs_diff(resumed, uninterrupted)
+        );
+    }
+    let _ = (
+        std::fs::remove_dir_all(&dir),
+        std::fs::remove_dir_all(&back),
+    );
+}
+
+/// A save that is not whole is refused with its reason, never loaded: one already in the
+/// directory, no manifest, a rank's file missing or changed (also where a rank reads only its
+/// own), another model, another optimizer; and a record that would lose its state is not saved.
+#[test]
+fn a_damaged_per_rank_checkpoint_is_refused_with_its_reason() {
+    use bonfire::ShardedCheckpointError as E;
+    type S = SmallTransformer<DpFlex>;
+    let device = Device::default();
+    let _alone = bind_rank(ranks(1).remove(0));
+    let model = seeded::<DpFlex, _>(3, &device, S::new);
+    let mut optim = adam().init::<DpFlex, S>();
+    let batch = &random_batches(4, 1, 4, S::FEATURES, S::CLASSES)[0];
+    let grads = GradientsParams::from_grads(loss(&model, batch, 1.0, &device).backward(), &model);
+    let model = optim.step(1e-2, model, grads);
+    let dir = scratch("damaged");
+    let record = || optim.to_record();
+    bonfire::shard_checkpoint(&dir, &model, record(), 2).unwrap();
+    let load = || {
+        bonfire::consolidate_sharded_checkpoint::<DpFlex, _, Adam>(&dir, model.clone()).map(|_| ())
+    };
+    let refused = |r: Result<(), E>| match r {
+        Ok(_) => panic!("a damaged save loaded"),
+        Err(e) => e,
+    };
+    let (whole, _) =
+        bonfire::consolidate_sharded_checkpoint::<DpFlex, _, Adam>(&dir, model.clone()).unwrap();
+    assert!(parameters(&whole) == parameters(&model));
+    let again = bonfire::shard_checkpoint(&dir, &model, record(), 2).unwrap_err();
+    assert!(matches!(again, E::Exists { .. }), "{again}");
+
+    let file = dir.join("zero3-rank1-of-2.bin");
+    let bytes = std::fs::read(&file).unwrap();
+    let mut changed = bytes.clone();
+    changed[bytes.len() / 2] ^= 1;
+    std::fs::write(&file, &changed).unwrap();
+    let e = refused(load());
+    assert!(
+        matches!(e, E::Incomplete { .. }) && e.to_string().contains("SHA-256"),
+        "{e}"
+    );
+    std::fs::remove_file(&file).unwrap();
+    let e = refused(load());
+    assert!(
+        e.to_string()
+            .contains("rank 1's file zero3-rank1-of-2.bin is missing"),
+        "{e}"
+    );
+    std::fs::write(&file, &bytes).unwrap();
+    load().expect("whole again");
+
+    // Another model.
+    let other = seeded::<DpFlex, _>(3, &device, SmallMlp::<DpFlex>::new);
+    let e = refused(
+        bonfire::consolidate_sharded_checkpoint::<DpFlex, _, Adam>(&dir, other).map(|_| ()),
+    );
+    assert!(
+        matches!(e, E::Mismatch { .. }) && e.to_string().contains("no such parameter"),
+        "{e}"
+    );
+
+    std::fs::remove_file(dir.join(bonfire::backend::tensor_parallel::MANIFEST)).unwrap();
+    let e = refused(load());
+    assert!(
+        matches!(e, E::Incomplete { .. }) && e.to_string().contains("no manifest.json"),
+        "{e}"
+    );
+    // A record keyed by another model's ids would lose the state: refused.
+    let stranger = seeded::<DpFlex, _>(4, &device, S::new);
+    let e = refused(
+        bonfire::shard_checkpoint(&scratch("stranger"), &stranger, record(), 2).map(|_| ()),
+    );
+    assert!(
+        e.to_string()
+            .contains("parameter id(s) that `model` does not have"),
+        "{e}"
+    );
+
+    // The mesh that wrote it (one rank here) reads its own file: changed, it is refused; whole,
+    // it loads; into another optimizer, it is refused.
+    let one = scratch("damaged-one");
+    bonfire::shard_checkpoint(&one, &model, record(), 1).unwrap();
+    type F = SmallTransformer<FsdpFlex>;
+    let fresh = || seeded::<FsdpFlex, _>(5, &device, F::new);
+    let stage3 = || bonfire::sharded(adam().init::<FsdpFlex, F>()).stage(ZeroStage::Three);
+    let own = one.join("zero3-rank0-of-1.bin");
+    let bytes = std::fs::read(&own).unwrap();
+    let mut changed = bytes.clone();
+    changed[bytes.len() / 3] ^= 4;
+    std::fs::write(&own, &changed).unwrap();
+    let e = refused(bonfire::load_sharded_checkpoint(&one, fresh(), stage3()).map(|_| ()));
+    assert!(e.to_string().contains("SHA-256"), "{e}");
+    std::fs::write(&own, &bytes).unwrap();
+    let (loaded, _) = bonfire::load_sharded_checkpoint(&one, fresh(), stage3()).unwrap();
+    assert!(parameters(&loaded) == parameters(&model));
+    let sgd = bonfire::sharded(burn::optim::SgdConfig::new().init::<FsdpFlex, F>());
+    let e = refused(bonfire::load_sharded_checkpoint(&one, fresh(), sgd).map(|_| ()));
+    assert!(
+        matches!(e, E::Format { .. }) && e.to_string().contains("optimizer state is"),
+        "{e}"
+    );
+    let _ = (std::fs::remove_dir_all(&dir), std::fs::remove_dir_all(&one));
+}

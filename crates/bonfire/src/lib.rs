@@ -72,7 +72,10 @@ pub use bonfire_backend::{
     no_sync, param_server, replicate, sharded, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
-    Hybrid, Placement, PlanError, Split, TensorParallel, TpPlan, fully_shard, tensor_parallel,
+    Hybrid, Placement, PlanError, ShardedCheckpointError, Split, TensorParallel, TpPlan,
+    check_sharded_checkpoint, consolidate_sharded_checkpoint, consolidate_sharded_model,
+    fully_shard, load_sharded_checkpoint, save_sharded_checkpoint, shard_checkpoint,
+    tensor_parallel,
 };
 
 /// Pipeline parallelism: a model's blocks split into stages over a group, micro-batches flowing

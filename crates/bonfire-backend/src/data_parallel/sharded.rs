@@ -168,6 +168,15 @@ impl<O> Sharded<O> {
         &self.inner
     }
 
+    /// The same sharded optimizer around `f` of the wrapped one (a state loaded into it).
+    pub(crate) fn map_inner(self, f: impl FnOnce(O) -> O) -> Self {
+        Sharded {
+            inner: f(self.inner),
+            stage: self.stage,
+            plan: self.plan,
+        }
+    }
+
     /// Shards at `stage` (the default is [`ZeroStage::One`]). Set it before the first step; a
     /// change later plans the owners again on the next step (the same plan).
     pub fn stage(mut self, stage: ZeroStage) -> Self {

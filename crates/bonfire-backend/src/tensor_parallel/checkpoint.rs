@@ -405,7 +405,7 @@ fn layout(shape: &[usize], dim: usize, elem: usize) -> (usize, usize, usize) {
 
 /// The whole value of a parameter of `shape`, split along `dim` in `blocks` blocks over
 /// `parts.len()` ranks, from each rank's part (in rank order).
-fn join(
+pub(crate) fn join(
     parts: &[&TensorData],
     shape: &[usize],
     dim: usize,
@@ -445,7 +445,7 @@ fn join(
 }
 
 /// Rank `r`'s part of `whole`, split along `dim` in `blocks` blocks over `n` ranks.
-fn cut(
+pub(crate) fn cut(
     whole: &TensorData,
     dim: usize,
     blocks: usize,

@@ -367,25 +367,37 @@ pub(crate) fn fully_sharded() -> bool {
 
 thread_local! {
     static READING_PARTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    static PLACING: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    static PLACING: std::cell::Cell<Option<(u64, Placing)>> = const { std::cell::Cell::new(None) };
 }
 
-/// Runs `f` with every whole tensor moved to a device on this thread (`to_device`) placed as
-/// parameter `param` (its id's number) is sharded in the fully sharded group: how a loaded
-/// optimizer state is sharded like its parameter (see `fsdp::place_state`).
-pub(crate) fn placing<R>(param: u64, f: impl FnOnce() -> R) -> R {
-    struct Reset(Option<u64>);
+/// What `to_device` does on a thread inside [`placing`] to a tensor held whole on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placing {
+    /// The tensor is a whole value: this rank keeps its slice of it.
+    Cut,
+    /// The tensor is already this rank's slice (read back from a per-rank checkpoint): it is
+    /// marked as that slice of the whole; a tensor of the whole shape is left whole.
+    Adopt,
+}
+
+/// Runs `f` with every tensor held whole that is moved to a device on this thread
+/// (`to_device`) placed as parameter `param` (its id's number) is sharded in the fully sharded
+/// group, as `how` says: how a loaded optimizer state is sharded like its parameter (see
+/// `fsdp::place_state`).
+pub(crate) fn placing<R>(param: u64, how: Placing, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<(u64, Placing)>);
     impl Drop for Reset {
         fn drop(&mut self) {
             PLACING.with(|c| c.set(self.0));
         }
     }
-    let _reset = Reset(PLACING.with(|c| c.replace(Some(param))));
+    let _reset = Reset(PLACING.with(|c| c.replace(Some((param, how)))));
     f()
 }
 
-/// The parameter whose placement `to_device` gives whole tensors on this thread, if any.
-pub(crate) fn placing_param() -> Option<u64> {
+/// The parameter whose placement `to_device` gives tensors held whole on this thread, and
+/// how, if any.
+pub(crate) fn placing_param() -> Option<(u64, Placing)> {
     PLACING.with(std::cell::Cell::get)
 }
 

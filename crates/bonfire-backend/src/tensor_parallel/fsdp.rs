@@ -186,6 +186,25 @@ pub(crate) fn place_as_param<B: Backend>(t: TpTensor<B>, param: u64) -> TpTensor
     TpTensor::local(local, placement, Some(shape))
 }
 
+/// `t`, this rank's slice of a value placed as parameter `param` (its id's number) is, held
+/// as a whole tensor of the slice's shape (read back from a per-rank checkpoint), marked as that
+/// slice of the whole value; unchanged where the parameter is not sharded or `t` does not have
+/// the slice's shape (a tensor of the state kept whole).
+pub(crate) fn adopt_as_param<B: Backend>(t: TpTensor<B>, param: u64) -> TpTensor<B> {
+    let Some(g) = context::current().filter(|g| g.size() > 1) else {
+        return t;
+    };
+    let Some((placement @ Placement::Shard { .. }, shape)) = g.placed_whole(param) else {
+        return t;
+    };
+    let whole = burn_backend::Shape::from(shape);
+    if t.shape != super::placement::local_shape(&whole, placement, g.size()) {
+        return t;
+    }
+    let local = super::redistribute::local_of::<B>(t);
+    TpTensor::local(local, placement, Some(whole))
+}
+
 /// Whether the calling thread's group is a fully sharded one of several ranks.
 pub(crate) fn active() -> bool {
     context::fully_sharded() && context::current().is_some_and(|g| g.size() > 1)
@@ -195,7 +214,14 @@ pub(crate) fn active() -> bool {
 /// device (`SimpleOptimizer::to_device`), so that each whole tensor of the state is placed as
 /// the parameter is sharded: a state loaded whole keeps only this rank's slices.
 pub(crate) fn place_state<R>(param: u64, f: impl FnOnce() -> R) -> R {
-    context::placing(param, f)
+    context::placing(param, context::Placing::Cut, f)
+}
+
+/// Runs `f`, which moves an optimizer's state for parameter `param` to its device, so that each
+/// tensor of the state that has the shape of this rank's slice of the parameter is taken as
+/// that slice (a state read back from this rank's own checkpoint file).
+pub(crate) fn adopt_state<R>(param: u64, f: impl FnOnce() -> R) -> R {
+    context::placing(param, context::Placing::Adopt, f)
 }
 
 #[cfg(test)]

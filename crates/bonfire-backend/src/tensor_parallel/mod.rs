@@ -8,7 +8,9 @@
 //! `redistribute` moves a tensor between placements (the only code that communicates); `rules/`
 //! hold one function per op with a rule, `fallback` what every other op does, and `ops/` (generated)
 //! wires Burn's op traits to them; `plan` splits a model's parameters; `checkpoint` saves and
-//! loads them; `hybrid` lets `DataParallel` average a split model's gradients shard by shard.
+//! loads them; `fsdp` shards parameters at rest over data-parallel ranks (ZeRO-3) and
+//! `fsdp_checkpoint` saves such a model and its optimizer's state per rank; `hybrid` lets
+//! `DataParallel` average a split model's gradients shard by shard.
 
 mod backend;
 mod checkpoint;
@@ -16,6 +18,7 @@ mod context;
 mod distribute;
 mod fallback;
 pub mod fsdp;
+mod fsdp_checkpoint;
 mod hybrid;
 mod ops;
 mod placement;
@@ -28,6 +31,11 @@ pub use backend::{TensorParallel, TensorParallelBackend};
 pub use checkpoint::{CheckpointError, gathered, load_shards, load_whole, save_shards, shard_file};
 pub use context::{TpBindGuard, TpStats, bind_thread, group, install, read_parts, stats};
 pub use distribute::{distribute, from_terms, local_part, placement};
+pub use fsdp_checkpoint::{
+    MANIFEST, ShardedCheckpointError, StateRecord, check_sharded_checkpoint,
+    consolidate_sharded_checkpoint, consolidate_sharded_model, load_sharded_checkpoint,
+    rank_file_name, save_sharded_checkpoint, shard_checkpoint,
+};
 pub use placement::Placement;
 pub use plan::{PlanError, Split, TpPlan, placements, tensor_parallel};
 pub use tensor::TpTensor;

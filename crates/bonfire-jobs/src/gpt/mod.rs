@@ -359,6 +359,8 @@ pub struct GptReport {
     pub servers: Vec<String>,
     /// Where the checkpoints and plots are.
     pub checkpoint_dir: PathBuf,
+    /// What writing the checkpoints cost rank 0 (`None` in a pipeline-parallel run).
+    pub saves: Option<crate::report::Saves>,
 }
 
 /// Runs the GPT job as `request` and `options` ask, reporting on the console: the parent

@@ -197,6 +197,13 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
             .iter()
             .map(|r| (r.eval, &r.ranks[..trainers.min(r.ranks.len())])),
     ));
+    lines.extend(
+        report
+            .saves
+            .as_ref()
+            .filter(|s| s.count > 0)
+            .map(|s| s.line()),
+    );
     lines.push(checkpoints_line(&report.checkpoint_dir, last.eval, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));
     lines

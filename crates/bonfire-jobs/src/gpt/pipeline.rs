@@ -159,6 +159,7 @@ pub(super) fn run<A: AutodiffBackend>(
         outer: None,
         servers: Vec::new(),
         checkpoint_dir: s.checkpoint_dir.clone(),
+        saves: None,
     };
     if ctx.is_main() {
         for line in output::report_lines(&state, &report) {
@@ -182,17 +183,27 @@ fn resume<A: AutodiffBackend>(
     let Some(loaded) = ctx.resume_checkpoint()? else {
         return Ok((whole.into_stage(range), optim));
     };
-    let whole = checkpoint::load_model(whole, &loaded.model, device, &loaded.dir)?;
+    // A per-rank checkpoint (a ZeRO-3 run's) is put together whole, keyed by this model's ids.
+    let (whole, record) = match &loaded.shards {
+        Some(dir) => {
+            let (whole, record) =
+                bonfire::consolidate_sharded_checkpoint::<A, Gpt<A>, Adam>(dir, whole)?;
+            (whole, record.into_iter().collect::<Vec<_>>())
+        }
+        None => {
+            let whole = checkpoint::load_model(whole, &loaded.model, device, &loaded.dir)?;
+            let record: InOrder<_> = checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
+                .map_err(|why| JobError::DamagedRecord {
+                    dir: loaded.dir.clone(),
+                    what: "optimizer state",
+                    why,
+                })?;
+            (whole, record.0)
+        }
+    };
     let stage = whole.into_stage(range);
-    let record: InOrder<_> = checkpoint::decode::<A, InOrder<_>>(&loaded.optimizer, device)
-        .map_err(|why| JobError::DamagedRecord {
-            dir: loaded.dir.clone(),
-            what: "optimizer state",
-            why,
-        })?;
     let mine = param_ids(&stage);
     let record: OptimRecord<Adam, GptStage<A>, A> = record
-        .0
         .into_iter()
         .filter(|(id, _)| mine.contains(id))
         .collect();

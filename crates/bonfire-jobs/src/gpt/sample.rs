@@ -63,7 +63,11 @@ pub fn sample(request: &SampleRequest) -> Result<(PathBuf, String), JobError> {
     };
     let device = FlexDevice;
     let model: Gpt<Flex> = c.model().init(&device);
-    let model = checkpoint::load_model(model, &loaded.model, &device, &loaded.dir)?;
+    // A per-rank checkpoint (ZeRO-3) is put together from every rank's file.
+    let model = match &loaded.shards {
+        Some(dir) => bonfire::consolidate_sharded_model(dir, model)?,
+        None => checkpoint::load_model(model, &loaded.model, &device, &loaded.dir)?,
+    };
     let sampling = Sampling {
         temperature: request.temperature.unwrap_or(c.temperature),
         top_k: Some(request.top_k.unwrap_or(c.top_k)),

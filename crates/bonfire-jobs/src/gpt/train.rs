@@ -9,6 +9,7 @@
 //! gradients shard by shard. Whatever reads a whole tensor (a loss, a sample, a digest, a
 //! checkpoint) then gathers over the group, so every rank runs it.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use bonfire::{DataParallel, Hybrid, InOrder, ZeroStage};
@@ -26,8 +27,9 @@ use super::{EvalRecord, GptJob, GptReport, GptRunConfig, GptState, VAL_FRACTION,
 use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::data::{mix64, param_digest};
-use crate::optim::{JobOptimizer, model_memory, served_record};
+use crate::optim::{JobOptimizer, ShardIo, model_memory, served_record};
 use crate::progress::StepProgress;
+use crate::rank::PerRank;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::stragglers::{EpochTimer, RankTimes, StepSplit};
@@ -66,12 +68,20 @@ pub(super) fn run<B: Backend>(
             let split = bonfire::tensor_parallel(model, &super::plan(), &group)?;
             Ok(strategy.start(split))
         };
-        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &layout)
+        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &layout, None)
     } else if ctx.settings().zero_stage() == Some(ZeroStage::Three) {
-        // Sharded over the replicas, through a communicator of its own that `fully_shard` makes.
-        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &|model| Ok(bonfire::fully_shard(model)?))
+        // Sharded over the replicas, through a communicator of its own that `fully_shard` makes;
+        // checkpoints per rank.
+        type H<X> = Autodiff<Hybrid<X>>;
+        let io = ShardIo {
+            save: bonfire::save_sharded_checkpoint::<H<B>, Gpt<H<B>>, Adam>,
+            load: bonfire::load_sharded_checkpoint::<H<B>, Gpt<H<B>>, Adam>,
+        };
+        let layout = |model| Ok(bonfire::fully_shard(model)?);
+        run_on::<H<B>>(ctx, device, &layout, Some(&io))
     } else {
-        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &|model| Ok(strategy.start(model)))
+        let layout = |model| Ok(strategy.start(model));
+        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &layout, None)
     }
 }
 
@@ -80,11 +90,13 @@ pub(super) fn run<B: Backend>(
 /// or sharded (ZeRO-3).
 type Layout<'a, A> = dyn Fn(Gpt<A>) -> Result<Gpt<A>, JobError> + 'a;
 
-/// Trains on autodiff backend `A`, with the model laid out by `layout`.
+/// Trains on autodiff backend `A`, with the model laid out by `layout`; a ZeRO-3 run writes
+/// and reads per-rank checkpoints through `shards`.
 fn run_on<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     device: A::Device,
     layout: &Layout<'_, A>,
+    shards: Option<&ShardIo<Adam, Gpt<A>, A>>,
 ) -> Result<(GptState, GptReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -113,12 +125,16 @@ fn run_on<A: AutodiffBackend>(
         s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
-    let (model, optim) = resume(ctx, model, optim, &mut state, &device)?;
+    let (model, optim, per_rank) = resume(ctx, model, optim, &mut state, &device, shards)?;
     // A local strategy's replicas and parameter servers' ranks start from rank 0's parameters,
     // with its parameter ids (the keys of the optimizer state in the checkpoint), and average
-    // nothing in backward. Under ZeRO-3 a resumed state is then sharded as the parameters are.
+    // nothing in backward. Under ZeRO-3 a resumed whole state is then sharded as the parameters
+    // are, and a per-rank checkpoint is read into the sharded model, each rank its slices.
     let mut model = layout(model)?;
     let mut optim = optim.shard_state(&model);
+    if let (Some(dir), Some(io)) = (per_rank, shards) {
+        (model, optim) = optim.load_shards(io, &dir, model)?;
+    }
     check_state_before(&s, &model, replicas)?;
     let started = Instant::now();
     let mut split = StepSplit::default();
@@ -129,6 +145,10 @@ fn run_on<A: AutodiffBackend>(
     // What the tensor-parallel decorator communicated while training (not evaluating).
     let mut train_tp = bonfire::backend::tensor_parallel::TpStats::default();
     let mut served: Option<bonfire::PsReport> = None;
+    let mut saves = crate::report::Saves {
+        ranks: ctx.world_size(),
+        ..Default::default()
+    };
     for round in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let tp_before = bonfire::backend::tensor_parallel::stats();
@@ -171,7 +191,10 @@ fn run_on<A: AutodiffBackend>(
         let record = evaluate(ctx, &mut account, &model, &val, round, trained, &device)?;
         state.history.push(record);
         state.epochs_done = round + 1;
-        record_round(ctx, &state, &model, &optim, &device)?;
+        let saving = Instant::now();
+        record_round(ctx, &state, &model, &optim, &device, shards)?;
+        saves.count += 1;
+        saves.secs += saving.elapsed().as_secs_f64();
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
@@ -188,6 +211,9 @@ fn run_on<A: AutodiffBackend>(
         served.as_ref(),
         optim.as_served().map(|o| o.stats()),
     )?;
+    if let Ok(Some(dir)) = checkpoint::latest(&s.checkpoint_dir) {
+        (saves.per_rank, saves.bytes) = crate::report::Saves::bytes_in(&dir);
+    }
     let report = GptReport {
         memory,
         split,
@@ -201,6 +227,7 @@ fn run_on<A: AutodiffBackend>(
         outer: optim.outer_stats().map(|stats| (c.strategy, stats)),
         servers,
         checkpoint_dir: s.checkpoint_dir.clone(),
+        saves: Some(saves),
     };
     if ctx.is_main() {
         for line in output::report_lines(&state, &report) {
@@ -259,18 +286,35 @@ fn say_state_after(ctx: &mut RankContext<'_, GptJob>, memory: Option<&crate::rep
     }
 }
 
+/// A resumed model, its optimizer, and the per-rank checkpoint left to read once the model is
+/// sharded (ZeRO-3).
+type Resumed<A> = (Gpt<A>, Optim<A>, Option<PathBuf>);
+
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
-/// ones unchanged.
+/// ones unchanged. A per-rank checkpoint is put together whole on each rank, or, for a ZeRO-3
+/// run (`shards`), left to be read once the model is sharded: its directory is returned.
 fn resume<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     model: Gpt<A>,
     optim: Optim<A>,
     state: &mut GptState,
     device: &A::Device,
-) -> Result<(Gpt<A>, Optim<A>), JobError> {
+    shards: Option<&ShardIo<Adam, Gpt<A>, A>>,
+) -> Result<Resumed<A>, JobError> {
     let Some(loaded) = ctx.resume_checkpoint()? else {
-        return Ok((model, optim));
+        return Ok((model, optim, None));
     };
+    if let Some(dir) = loaded.shards.clone() {
+        if shards.is_some() {
+            take_history(ctx, state, loaded);
+            return Ok((model, optim, Some(dir)));
+        }
+        let (model, record) =
+            bonfire::consolidate_sharded_checkpoint::<A, Gpt<A>, Adam>(&dir, model)?;
+        let optim = optim.load_whole_record(record, &model);
+        take_history(ctx, state, loaded);
+        return Ok((model, optim, None));
+    }
     let bad = |what: &'static str| {
         let dir = loaded.dir.clone();
         move |why| JobError::DamagedRecord { dir, what, why }
@@ -295,7 +339,7 @@ fn resume<A: AutodiffBackend>(
         )
         .load_outer_state(outer);
     take_history(ctx, state, loaded);
-    Ok((model, optim))
+    Ok((model, optim, None))
 }
 
 /// A resumed run takes the checkpoint's history; rank 0 says where it resumes.
@@ -679,7 +723,14 @@ fn record_round<A: AutodiffBackend>(
     model: &Gpt<A>,
     optim: &Optim<A>,
     device: &A::Device,
+    shards: Option<&ShardIo<Adam, Gpt<A>, A>>,
 ) -> Result<(), JobError> {
+    if let Some(io) = shards {
+        match ctx.save_per_rank(state, |dir| optim.save_shards(io, dir, model))? {
+            PerRank::Saved(dir) => return after_save(ctx, state, dir),
+            PerRank::NotShared { blind } => ctx.say_not_shared(&blind),
+        }
+    }
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
     let model_bytes = recorder
@@ -709,7 +760,17 @@ pub(super) fn write_round(
     optim_bytes: Vec<u8>,
 ) -> Result<(), JobError> {
     let saved = ctx.save_checkpoint(state, || Ok(model_bytes), || Ok(optim_bytes))?;
-    let Some(dir) = saved else {
+    after_save(ctx, state, saved)
+}
+
+/// After a checkpoint is saved (`dir` on rank 0), rank 0 writes the plot and says the round's
+/// lines.
+fn after_save(
+    ctx: &mut RankContext<'_, GptJob>,
+    state: &GptState,
+    dir: Option<PathBuf>,
+) -> Result<(), JobError> {
+    let Some(dir) = dir else {
         return Ok(());
     };
     let root = &ctx.settings().checkpoint_dir;

@@ -1,6 +1,7 @@
 //! One rank of the vision job: data loading, the training loop, evaluation, and rank 0's
 //! checkpoint, plots and lines after each epoch.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use bonfire::{DataParallel, Hybrid, ZeroStage};
@@ -18,8 +19,9 @@ use super::{EpochRecord, Vision, VisionReport, VisionState, output};
 use crate::JobError;
 use crate::checkpoint::{self, State};
 use crate::data::{param_digest, shuffled};
-use crate::optim::{JobOptimizer, model_memory, served_record};
+use crate::optim::{JobOptimizer, ShardIo, model_memory, served_record};
 use crate::progress::StepProgress;
+use crate::rank::PerRank;
 use crate::rank::RankContext;
 use crate::report::{Say, Throughput};
 use crate::settings::Settings;
@@ -47,9 +49,17 @@ pub(super) fn run<B: Backend>(
 ) -> Result<(VisionState, VisionReport), JobError> {
     let strategy = ctx.settings().config.strategy;
     if ctx.settings().zero_stage() == Some(ZeroStage::Three) {
-        run_on::<Autodiff<Hybrid<B>>>(ctx, device, &|model| Ok(bonfire::fully_shard(model)?))
+        // Checkpoints per rank.
+        type H<X> = Autodiff<Hybrid<X>>;
+        let io = ShardIo {
+            save: bonfire::save_sharded_checkpoint::<H<B>, ResNet<H<B>>, Adam>,
+            load: bonfire::load_sharded_checkpoint::<H<B>, ResNet<H<B>>, Adam>,
+        };
+        let layout = |model| Ok(bonfire::fully_shard(model)?);
+        run_on::<H<B>>(ctx, device, &layout, Some(&io))
     } else {
-        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &|model| Ok(strategy.start(model)))
+        let layout = |model| Ok(strategy.start(model));
+        run_on::<Autodiff<DataParallel<B>>>(ctx, device, &layout, None)
     }
 }
 
@@ -58,11 +68,13 @@ pub(super) fn run<B: Backend>(
 /// or sharded (ZeRO-3).
 type Layout<'a, A> = dyn Fn(ResNet<A>) -> Result<ResNet<A>, JobError> + 'a;
 
-/// Trains on autodiff backend `A`, with the model laid out by `layout`.
+/// Trains on autodiff backend `A`, with the model laid out by `layout`; a ZeRO-3 run writes
+/// and reads per-rank checkpoints through `shards`.
 fn run_on<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, Vision>,
     device: A::Device,
     layout: &Layout<'_, A>,
+    shards: Option<&ShardIo<Adam, ResNet<A>, A>>,
 ) -> Result<(VisionState, VisionReport), JobError> {
     let s = ctx.settings().clone();
     let c = &s.config;
@@ -82,10 +94,14 @@ fn run_on<A: AutodiffBackend>(
         s.zero_stage(),
     );
     let mut state = State::new(c.clone(), s.epochs);
-    let (model, optim) = resume(ctx, model, optim, &mut state, &device)?;
-    // Under ZeRO-3 a resumed whole state is then sharded as the parameters are.
+    let (model, optim, per_rank) = resume(ctx, model, optim, &mut state, &device, shards)?;
+    // Under ZeRO-3 a resumed whole state is then sharded as the parameters are, and a per-rank
+    // checkpoint is read into the sharded model, each rank its slices.
     let mut model = layout(model)?;
     let mut optim = optim.shard_state(&model);
+    if let (Some(dir), Some(io)) = (per_rank, shards) {
+        (model, optim) = optim.load_shards(io, &dir, model)?;
+    }
     // What the fully sharded group gathered while training (not evaluating).
     let mut train_gathers = bonfire::backend::tensor_parallel::TpStats::default();
     let started = Instant::now();
@@ -166,7 +182,7 @@ fn run_on<A: AutodiffBackend>(
             ranks,
         });
         state.epochs_done = epoch + 1;
-        record_epoch(ctx, &state, &model, &optim, &device)?;
+        record_epoch(ctx, &state, &model, &optim, &device, shards)?;
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
@@ -294,6 +310,10 @@ fn load_data(
     Ok((train?, test?))
 }
 
+/// A resumed model, its optimizer, and the per-rank checkpoint left to read once the model is
+/// sharded (ZeRO-3).
+type Resumed<A> = (ResNet<A>, Optim<A>, Option<PathBuf>);
+
 /// On a resumed run, the checkpoint's model, optimizer state and history; otherwise the fresh
 /// ones unchanged.
 fn resume<A: AutodiffBackend>(
@@ -302,10 +322,46 @@ fn resume<A: AutodiffBackend>(
     optim: Optim<A>,
     state: &mut VisionState,
     device: &A::Device,
-) -> Result<(ResNet<A>, Optim<A>), JobError> {
+    shards: Option<&ShardIo<Adam, ResNet<A>, A>>,
+) -> Result<Resumed<A>, JobError> {
     let Some(loaded) = ctx.resume_checkpoint()? else {
-        return Ok((model, optim));
+        return Ok((model, optim, None));
     };
+    // A per-rank checkpoint (ZeRO-3): read once the model is sharded by a ZeRO-3 run, otherwise
+    // put together whole here.
+    let (model, optim, per_rank) = match loaded.shards.clone() {
+        Some(dir) if shards.is_some() => (model, optim, Some(dir)),
+        Some(dir) => {
+            let (model, record) =
+                bonfire::consolidate_sharded_checkpoint::<A, ResNet<A>, Adam>(&dir, model)?;
+            let optim = optim.load_whole_record(record, &model);
+            (model, optim, None)
+        }
+        None => {
+            let (model, optim) = load_whole(ctx, model, optim, &loaded, device)?;
+            (model, optim, None)
+        }
+    };
+    state.history = loaded.state.history;
+    state.epochs_done = loaded.state.epochs_done;
+    let line = format!(
+        "resuming from {} (epoch {} of {})",
+        loaded.dir.display(),
+        state.epochs_done,
+        state.epochs
+    );
+    ctx.say(Say::Resume, &line);
+    Ok((model, optim, per_rank))
+}
+
+/// The model and optimizer state of a checkpoint that holds them whole.
+fn load_whole<A: AutodiffBackend>(
+    ctx: &RankContext<'_, Vision>,
+    model: ResNet<A>,
+    optim: Optim<A>,
+    loaded: &crate::job::JobCheckpoint<Vision>,
+    device: &A::Device,
+) -> Result<(ResNet<A>, Optim<A>), JobError> {
     let bad = |what: &'static str| {
         let dir = loaded.dir.clone();
         move |why| JobError::DamagedRecord { dir, what, why }
@@ -325,15 +381,6 @@ fn resume<A: AutodiffBackend>(
             &model,
         )
         .load_outer_state(outer);
-    state.history = loaded.state.history;
-    state.epochs_done = loaded.state.epochs_done;
-    let line = format!(
-        "resuming from {} (epoch {} of {})",
-        loaded.dir.display(),
-        state.epochs_done,
-        state.epochs
-    );
-    ctx.say(Say::Resume, &line);
     Ok((model, optim))
 }
 
@@ -479,7 +526,14 @@ fn record_epoch<A: AutodiffBackend>(
     model: &ResNet<A>,
     optim: &Optim<A>,
     device: &A::Device,
+    shards: Option<&ShardIo<Adam, ResNet<A>, A>>,
 ) -> Result<(), JobError> {
+    if let Some(io) = shards {
+        match ctx.save_per_rank(state, |dir| optim.save_shards(io, dir, model))? {
+            PerRank::Saved(dir) => return after_save(ctx, state, dir),
+            PerRank::NotShared { blind } => ctx.say_not_shared(&blind),
+        }
+    }
     let recorder = Rec::default();
     let encode = |what: &'static str| move |source| JobError::EncodeRecord { what, source };
     let model_bytes = || {
@@ -522,7 +576,17 @@ fn record_epoch<A: AutodiffBackend>(
             Err(file) => Ok(file),
         },
     )?;
-    let Some(dir) = saved else {
+    after_save(ctx, state, saved)
+}
+
+/// After a checkpoint is saved (`dir` on rank 0), rank 0 writes the plots and says the epoch's
+/// line.
+fn after_save(
+    ctx: &mut RankContext<'_, Vision>,
+    state: &VisionState,
+    dir: Option<PathBuf>,
+) -> Result<(), JobError> {
+    let Some(dir) = dir else {
         return Ok(());
     };
     let root = &ctx.settings().checkpoint_dir;

@@ -101,8 +101,15 @@ pub(crate) fn float_to_device<I: Backend>(
     device: &Device<TensorParallel<I>>,
 ) -> TpTensor<I> {
     let tensor = match context::placing_param() {
-        Some(param) if context::fully_sharded() && tensor.placement().is_replicate() => {
-            crate::tensor_parallel::fsdp::place_as_param::<I>(tensor, param)
+        Some((param, how)) if context::fully_sharded() && tensor.placement().is_replicate() => {
+            match how {
+                context::Placing::Cut => {
+                    crate::tensor_parallel::fsdp::place_as_param::<I>(tensor, param)
+                }
+                context::Placing::Adopt => {
+                    crate::tensor_parallel::fsdp::adopt_as_param::<I>(tensor, param)
+                }
+            }
         }
         _ => tensor,
     };

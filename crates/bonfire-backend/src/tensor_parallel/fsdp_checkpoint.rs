@@ -267,12 +267,15 @@ fn write_rank_file(dir: &Path, file: &RankFile) -> Result<ManifestFile> {
         path: path.clone(),
         reason: format!("encoding it: {e}"),
     })?;
-    let trailer = sha256(&body);
+    // The body is hashed once: its sum ends the file, and the whole file's sum (the manifest's)
+    // continues from it over that trailer.
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    hasher.update(&body);
+    let trailer: [u8; SUM_LEN] = hasher.clone().finalize().into();
     write_atomically(&path, &path.with_extension("bin.tmp"), &[&body, &trailer])?;
-    let mut whole = sha2::Sha256::default();
-    sha2::Digest::update(&mut whole, &body);
-    sha2::Digest::update(&mut whole, trailer);
-    let sum: [u8; SUM_LEN] = sha2::Digest::finalize(whole).into();
+    hasher.update(trailer);
+    let sum: [u8; SUM_LEN] = hasher.finalize().into();
     Ok(ManifestFile {
         name,
         bytes: (body.len() + SUM_LEN) as u64,
@@ -522,6 +525,10 @@ struct Save {
     dir: PathBuf,
     manifest: Manifest,
     files: Vec<Option<RankFile>>,
+    /// Each saved parameter's index, by module path.
+    index: HashMap<String, usize>,
+    /// The saved parameters the model has named so far ([`Save::locate`]).
+    seen: Vec<bool>,
 }
 
 impl Save {
@@ -562,10 +569,16 @@ impl Save {
             });
         }
         let files = (0..manifest.ranks).map(|_| None).collect();
+        let index = (manifest.params.iter().enumerate())
+            .map(|(i, p)| (p.path.clone(), i))
+            .collect();
+        let seen = vec![false; manifest.params.len()];
         Ok(Save {
             dir: dir.to_path_buf(),
             manifest,
             files,
+            index,
+            seen,
         })
     }
 
@@ -669,10 +682,21 @@ impl Save {
         Ok(())
     }
 
-    fn index(&self) -> HashMap<String, usize> {
-        (self.manifest.params.iter().enumerate())
-            .map(|(i, p)| (p.path.clone(), i))
-            .collect()
+    /// The index of the model's parameter `name`, of `shape`, in the save (marked seen), or why
+    /// the save has no such parameter.
+    fn locate(&mut self, name: &str, shape: &[usize]) -> Result<usize> {
+        let Some(&i) = self.index.get(name) else {
+            return Err(self.mismatch(name, "the checkpoint has no such parameter".into()));
+        };
+        self.seen[i] = true;
+        let saved = &self.manifest.params[i].shape;
+        if saved != shape {
+            return Err(self.mismatch(
+                name,
+                format!("shape {saved:?} in the checkpoint, {shape:?} in the model"),
+            ));
+        }
+        Ok(i)
     }
 
     fn mismatch(&self, param: &str, problem: String) -> ShardedCheckpointError {
@@ -820,15 +844,13 @@ impl Save {
         Ok(Some(tree))
     }
 
-    /// An error for each saved parameter `seen` does not name.
-    fn unvisited(&self, seen: &HashMap<String, usize>) -> Result<()> {
-        match self
-            .manifest
-            .params
-            .iter()
-            .find(|p| !seen.contains_key(&p.path))
-        {
-            Some(p) => Err(self.mismatch(&p.path, "the model has no such parameter".into())),
+    /// An error naming a saved parameter the model did not name ([`Save::locate`]), if any.
+    fn unvisited(&self) -> Result<()> {
+        match (self.seen.iter()).position(|&seen| !seen) {
+            Some(i) => Err(self.mismatch(
+                &self.manifest.params[i].path,
+                "the model has no such parameter".into(),
+            )),
             None => Ok(()),
         }
     }
@@ -970,12 +992,9 @@ where
     let (rank, ranks, _) = mesh(&device)?;
     let mut save = Save::open(dir)?;
     save.check_optimizer::<O>()?;
-    let index = save.index();
 
     struct Load<'a, O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> {
         save: &'a mut Save,
-        index: &'a HashMap<String, usize>,
-        seen: HashMap<String, usize>,
         rank: usize,
         ranks: usize,
         path: Vec<String>,
@@ -993,23 +1012,7 @@ where
             tensor: &Tensor<B, D>,
         ) -> Result<Tensor<B, D>> {
             let name = self.path.join(".");
-            let Some(&i) = self.index.get(&name) else {
-                return Err(self
-                    .save
-                    .mismatch(&name, "the checkpoint has no such parameter".into()));
-            };
-            self.seen.insert(name.clone(), i);
-            let saved = &self.save.manifest.params[i];
-            let shape = tensor.shape().to_vec();
-            if saved.shape != shape {
-                return Err(self.save.mismatch(
-                    &name,
-                    format!(
-                        "shape {:?} in the checkpoint, {shape:?} in the model",
-                        saved.shape
-                    ),
-                ));
-            }
+            let i = self.save.locate(&name, &tensor.shape().to_vec())?;
             let tp = B::tp_part(tensor.clone().into_primitive().tensor());
             let device = tp.device();
             let split = match tp.placement() {
@@ -1071,8 +1074,6 @@ where
     }
     let mut load = Load::<O, B> {
         save: &mut save,
-        index: &index,
-        seen: HashMap::new(),
         rank,
         ranks,
         path: Vec::new(),
@@ -1083,8 +1084,8 @@ where
     if let Some(e) = load.error {
         return Err(e);
     }
-    let (seen, states) = (load.seen, load.states);
-    save.unvisited(&seen)?;
+    let states = load.states;
+    save.unvisited()?;
     let optim = optim.map_inner(|o| o.load_record(states.into_iter().collect()));
     Ok((model, optim))
 }
@@ -1109,11 +1110,8 @@ where
     B: burn::tensor::backend::Backend,
     M: burn::module::Module<B>,
 {
-    let index = save.index();
     struct Whole<'a> {
         save: &'a mut Save,
-        index: &'a HashMap<String, usize>,
-        seen: HashMap<String, usize>,
         params: Vec<(ParamId, usize, String)>,
         path: Vec<String>,
         error: Option<ShardedCheckpointError>,
@@ -1124,23 +1122,7 @@ where
             tensor: &Tensor<B, D>,
         ) -> Result<Tensor<B, D>> {
             let name = self.path.join(".");
-            let Some(&i) = self.index.get(&name) else {
-                return Err(self
-                    .save
-                    .mismatch(&name, "the checkpoint has no such parameter".into()));
-            };
-            self.seen.insert(name.clone(), i);
-            let saved = &self.save.manifest.params[i];
-            let shape = tensor.shape().to_vec();
-            if saved.shape != shape {
-                return Err(self.save.mismatch(
-                    &name,
-                    format!(
-                        "shape {:?} in the checkpoint, {shape:?} in the model",
-                        saved.shape
-                    ),
-                ));
-            }
+            let i = self.save.locate(&name, &tensor.shape().to_vec())?;
             let saved_id = ParamId::from(self.save.file(0)?.params[i].id);
             let data = self.save.value(i, 0, 1, None)?;
             let t = Tensor::<B, D>::from_data(data, &tensor.device());
@@ -1181,8 +1163,6 @@ where
     }
     let mut whole = Whole {
         save,
-        index: &index,
-        seen: HashMap::new(),
         params: Vec::new(),
         path: Vec::new(),
         error: None,
@@ -1191,8 +1171,8 @@ where
     if let Some(e) = whole.error {
         return Err(e);
     }
-    let (seen, params) = (whole.seen, whole.params);
-    save.unvisited(&seen)?;
+    let params = whole.params;
+    save.unvisited()?;
     Ok((model, params))
 }
 

@@ -17,6 +17,7 @@
 #   JOB=vision EPOCHS=3 bash benches/strategies.sh   # ResNet on MNIST, target 98%
 #   STRATEGIES=diloco OUTER="--outer-momentum 0.5" bash benches/strategies.sh   # OUTER: diloco's
 #   STRATEGIES=local-sgd LOCAL="--int8-deltas" bash benches/strategies.sh   # LOCAL: local-sgd's and diloco's
+#   STRATEGIES=local-sgd LOCAL="--overlap-steps 25" RANKS=4 WAN="..." bash benches/strategies.sh
 #   JOB=vision EPOCHS=2 EXTRA="--non-iid" bash benches/strategies.sh         # EXTRA: every run's
 #   BIN=/path/to/other/bonfire bash benches/strategies.sh
 #   RANKS=4 WAN="--rtt-ms 50 --loss-percent 1 --mbit 100" bash benches/strategies.sh
@@ -104,7 +105,7 @@ for s in ${STRATEGIES:-allreduce local-sgd diloco}; do
     t1=$(date +%s.%N)
     points="$(echo "$out" | sed -n "$quality" | tr '\n' ' ')"
     first="$(echo "$points" | tr ' ' '\n' | awk -F: -v g="$goal" "$reached {print \$1; exit}")"
-    sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*|[0-9.]+ s in meetings|[0-9.]+ ms exposed' | tr '\n' ';' || true)"
+    sent="$(echo "$out" | grep -E '^(data parallel|strategy)' | grep -oE '[0-9.]+ (MiB|KiB)[^,;]*|[0-9.]+ s in meetings|[0-9.]+ s of exchanges ran behind the steps|[0-9.]+ ms exposed' | tr '\n' ';' || true)"
     # Parameter servers: worker 0's traffic and each server's line.
     sent+="$(echo "$out" | grep -E '^parameter worker 0:' | sed 's/^parameter //' || true)"
     served="$(echo "$out" | grep -E '^parameter server' | sed 's/^parameter /    /' || true)"

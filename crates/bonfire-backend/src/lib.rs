@@ -30,12 +30,12 @@ pub use data_parallel::ShardAtRest;
 pub use data_parallel::{
     BindGuard, BucketTimes, BufferSync, ConfigError, DILOCO_OUTER, DataParallel,
     DataParallelConfig, DeltaDType, Departure, DistributedSampler, FailurePolicy, GradDType,
-    InOrder, LatePeer, LocalParts, LocalSgd, LocalSgdRecord, NoSyncGuard, Outer, OuterState,
-    OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole, PsStats, Sharded, StepStats,
-    SyncError, ZeroStage, abort, accumulate, bind_thread, broadcast_parameters, communicator,
-    diloco, discard_kept_gradients, forgot_init_message, gradient_bytes, held_bytes, install,
-    keep_gradients, last_step_stats, local_sgd, no_sync, param_server, register_local_parts,
-    replicate, sharded, sync_buffers, total_stats,
+    InOrder, LatePeer, LocalParts, LocalSgd, LocalSgdRecord, MeetingInFlight, NoSyncGuard, Outer,
+    OuterState, OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole, PsStats, Sharded,
+    StepStats, SyncError, ZeroStage, abort, accumulate, bind_thread, broadcast_parameters,
+    communicator, diloco, discard_kept_gradients, forgot_init_message, gradient_bytes, held_bytes,
+    install, keep_gradients, last_step_stats, local_sgd, no_sync, param_server,
+    register_local_parts, replicate, sharded, sync_buffers, total_stats,
 };
 #[cfg(feature = "cuda")]
 pub use data_parallel::{CommCross, CommLink, NodeLane};

@@ -988,7 +988,8 @@ fn pipeline_stages_train_as_one_device() {
 
 /// `--strategy diloco` and `local-sgd`: the replicas step on their own gradients and meet every
 /// `--sync-every` steps and at each evaluation; the report counts the meetings and the bytes
-/// they sent. DiLoCo learns (with accumulation, deltas in int8); a run killed after its first
+/// they sent. DiLoCo learns (with accumulation, deltas in int8, each meeting's exchange behind
+/// the next step); a run killed after its first
 /// checkpoint and resumed ends bit for bit where the uninterrupted one does (the checkpoint holds
 /// every replica's Adam state and int8 rounding errors, and the outer momentum); bf16 deltas send
 /// half the bytes, int8 a quarter; flags that do not go together are refused with exit code 2,
@@ -1004,15 +1005,18 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         "--grad-accum",
         "2",
         "--int8-deltas",
+        "--overlap-steps",
+        "1",
     ];
     let straight = dir.join("straight");
     let log = train_tiny(&dir, "60", &straight, &diloco);
-    // 60 steps: in each round of 10, meetings after 4 and 8 steps and at the evaluation (H is
-    // counted again from each meeting).
+    // 60 steps: in each round of 10, meetings sent after 4 and 8 steps (applied a step later)
+    // and one at the evaluation (H is counted again from each meeting).
     assert!(
-        log.contains("strategy diloco, meeting every 4 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas over 2 replica(s): 60 steps, 18 meetings"),
+        log.contains("strategy diloco, meeting every 4 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas, each meeting behind the next 1 step(s) over 2 replica(s): 60 steps, 18 meetings"),
         "{log}"
     );
+    assert!(log.contains("of exchanges ran behind the steps)"), "{log}");
     let s = state(&straight, 6);
     let h = s["history"].as_array().unwrap();
     let (first, last) = (f(&h[0]["val_loss"]), f(&h[5]["val_loss"]));
@@ -1022,6 +1026,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
     );
     assert_eq!(s["config"]["strategy"]["kind"], "diloco");
     assert_eq!(s["config"]["strategy"]["int8"], true);
+    assert_eq!(s["config"]["strategy"]["overlap"], 1);
 
     let killed = dir.join("killed");
     let done = kill_tiny(&dir, "60", &killed, &diloco);
@@ -1042,7 +1047,7 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         )
         .output()
         .unwrap(),
-        "--strategy diloco, meeting every 8 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas",
+        "--strategy diloco, meeting every 8 steps (outer Nesterov lr 0.7, momentum 0.9), int8 deltas, each meeting behind the next 1 step(s)",
     );
     let out = bonfire(&dir, &["train", "gpt", "--resume", "--checkpoint-dir", k])
         .output()
@@ -1107,6 +1112,21 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         (
             &["--strategy", "diloco", "--zero", "1"][..],
             "local-sgd and diloco keep each replica's optimizer state",
+        ),
+        (
+            &[
+                "--strategy",
+                "local-sgd",
+                "--sync-every",
+                "4",
+                "--overlap-steps",
+                "4",
+            ][..],
+            "--overlap-steps 4 with meetings every 4 steps: must be below --sync-every",
+        ),
+        (
+            &["--overlap-steps", "1"][..],
+            "--overlap-steps with --strategy allreduce: only local-sgd and diloco meet",
         ),
         (
             &["--int8-deltas"][..],

@@ -40,6 +40,10 @@ pub enum Strategy {
         /// The deltas travel in int8 (`--int8-deltas`; left out of `state.json` when off).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         int8: bool,
+        /// Inner steps each meeting's exchange runs behind (`--overlap-steps`; left out of
+        /// `state.json` when 0).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        overlap: usize,
     },
     /// DiLoCo: `every` steps each, then an outer Nesterov step over the mean delta.
     Diloco {
@@ -52,6 +56,10 @@ pub enum Strategy {
         /// The deltas travel in int8 (`--int8-deltas`; left out of `state.json` when off).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         int8: bool,
+        /// Inner steps each meeting's exchange runs behind (`--overlap-steps`; left out of
+        /// `state.json` when 0).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        overlap: usize,
     },
     /// Synchronous parameter servers: the last `servers` ranks serve.
     PsSync {
@@ -119,6 +127,12 @@ pub struct StrategyRequest {
     /// A local strategy's deltas in int8, with error feedback (default: f32, or bf16 with the
     /// job's `--bf16`).
     pub int8: bool,
+    /// Inner steps a local strategy's meetings run behind (default: 0).
+    pub overlap: Option<usize>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// Ranks that serve when `--servers` is left out.
@@ -155,6 +169,16 @@ impl StrategyRequest {
                 why: "must be at least 0 and below 1",
             });
         }
+        if let Some(overlap) = self.overlap {
+            let every = self.every.unwrap_or(DEFAULT_EVERY);
+            if overlap >= every {
+                return Err(JobError::Invalid {
+                    flag: "--overlap-steps",
+                    given: format!("{overlap} with meetings every {every} steps"),
+                    why: "must be below --sync-every: a meeting lands before the next is sent",
+                });
+            }
+        }
         match self.kind {
             Some(kind) => self.fits(kind),
             None => Ok(()),
@@ -184,6 +208,14 @@ impl StrategyRequest {
                 why: "only ps-async lets workers run ahead of each other",
             });
         }
+        if self.overlap.is_some() && !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco)
+        {
+            return Err(JobError::Invalid {
+                flag: "--overlap-steps",
+                given: format!("with --strategy {}", kind_name(kind)),
+                why: "only local-sgd and diloco meet; the others exchange every step",
+            });
+        }
         if self.int8 && !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco) {
             return Err(JobError::Invalid {
                 flag: "--int8-deltas",
@@ -210,9 +242,14 @@ impl StrategyRequest {
     /// The strategy, defaults filled in.
     pub fn resolve(&self) -> Strategy {
         let (every, int8) = (self.every.unwrap_or(DEFAULT_EVERY), self.int8);
+        let overlap = self.overlap.unwrap_or(0);
         match self.kind.unwrap_or(StrategyKind::AllReduce) {
             StrategyKind::AllReduce => Strategy::AllReduce,
-            StrategyKind::LocalSgd => Strategy::LocalSgd { every, int8 },
+            StrategyKind::LocalSgd => Strategy::LocalSgd {
+                every,
+                int8,
+                overlap,
+            },
             StrategyKind::Diloco => {
                 let (lr, momentum) = match bonfire::DILOCO_OUTER {
                     Outer::Nesterov { lr, momentum } => (lr, momentum),
@@ -223,6 +260,7 @@ impl StrategyRequest {
                     outer_lr: self.outer_lr.map_or(lr, |v| v as f32),
                     outer_momentum: self.outer_momentum.map_or(momentum, |v| v as f32),
                     int8,
+                    overlap,
                 }
             }
             StrategyKind::PsSync => Strategy::PsSync {
@@ -237,7 +275,7 @@ impl StrategyRequest {
 
     /// The strategy a resumed run asks for: what is given, the rest the checkpoint's `saved`.
     pub fn resolve_over(&self, saved: &Strategy) -> Strategy {
-        let (mut servers, mut staleness, mut int8) = (None, None, false);
+        let (mut servers, mut staleness, mut int8, mut overlap) = (None, None, false, None);
         let (kind, every, lr, momentum) = match *saved {
             Strategy::AllReduce => (StrategyKind::AllReduce, None, None, None),
             Strategy::PsSync { servers: n } => {
@@ -251,8 +289,12 @@ impl StrategyRequest {
                 (servers, staleness) = (Some(n), Some(s));
                 (StrategyKind::PsAsync, None, None, None)
             }
-            Strategy::LocalSgd { every, int8: i } => {
-                int8 = i;
+            Strategy::LocalSgd {
+                every,
+                int8: i,
+                overlap: o,
+            } => {
+                (int8, overlap) = (i, Some(o));
                 (StrategyKind::LocalSgd, Some(every), None, None)
             }
             Strategy::Diloco {
@@ -260,8 +302,9 @@ impl StrategyRequest {
                 outer_lr,
                 outer_momentum,
                 int8: i,
+                overlap: o,
             } => {
-                int8 = i;
+                (int8, overlap) = (i, Some(o));
                 (
                     StrategyKind::Diloco,
                     Some(every),
@@ -280,6 +323,7 @@ impl StrategyRequest {
             servers: self.servers.or(servers),
             staleness: self.staleness.or(staleness),
             int8: self.int8 || int8,
+            overlap: self.overlap.or(overlap),
         }
         .resolve()
     }
@@ -406,7 +450,15 @@ impl Strategy {
                 momentum: outer_momentum,
             }),
         };
-        Ok(wrapped.exchange_dtype(dtype))
+        Ok(wrapped.exchange_dtype(dtype).overlap(self.overlap_steps()))
+    }
+
+    /// Inner steps a local strategy's meetings run behind (0 under the others).
+    pub fn overlap_steps(&self) -> usize {
+        match *self {
+            Strategy::LocalSgd { overlap, .. } | Strategy::Diloco { overlap, .. } => overlap,
+            _ => 0,
+        }
     }
 
     /// Whether a local strategy's deltas travel in int8.
@@ -419,11 +471,17 @@ impl Strategy {
 
     /// How the strategy is written on the command line and in the report.
     pub fn describe(&self) -> String {
-        let int8 = if self.int8_deltas() {
-            ", int8 deltas"
+        let mut int8 = if self.int8_deltas() {
+            ", int8 deltas".to_string()
         } else {
-            ""
+            String::new()
         };
+        if self.overlap_steps() > 0 {
+            int8 += &format!(
+                ", each meeting behind the next {} step(s)",
+                self.overlap_steps()
+            );
+        }
         match *self {
             Strategy::AllReduce => "allreduce".into(),
             Strategy::LocalSgd { every, .. } => {
@@ -575,9 +633,17 @@ pub fn report_line(strategy: &Strategy, st: &bonfire::OuterStats, replicas: usiz
     } else {
         "all-reduced"
     };
+    let behind = if strategy.overlap_steps() > 0 {
+        format!(
+            " ({:.2} s of exchanges ran behind the steps)",
+            st.behind.as_secs_f64()
+        )
+    } else {
+        String::new()
+    };
     format!(
         "strategy {} over {replicas} replica(s): {} steps, {} meetings, {mib:.2} MiB {how} per \
-         rank this run ({:.1} KiB per step), {:.2} s in meetings",
+         rank this run ({:.1} KiB per step), {:.2} s in meetings{behind}",
         strategy.describe(),
         st.steps,
         st.meetings,
@@ -738,6 +804,7 @@ mod tests {
                 outer_lr: 0.7,
                 outer_momentum: 0.9,
                 int8: false,
+                overlap: 0,
             }
         );
         let saved = Strategy::Diloco {
@@ -745,6 +812,7 @@ mod tests {
             outer_lr: 0.5,
             outer_momentum: 0.8,
             int8: true,
+            overlap: 0,
         };
         // Left out on resume: the checkpoint's; given: the request's.
         assert_eq!(StrategyRequest::default().resolve_over(&saved), saved);
@@ -755,6 +823,7 @@ mod tests {
                 outer_lr: 0.5,
                 outer_momentum: 0.8,
                 int8: true,
+                overlap: 0,
             }
         );
         // int8 deltas carry over to the other local strategy, and not to all-reduce.
@@ -762,7 +831,8 @@ mod tests {
             ask(Some(StrategyKind::LocalSgd), None).resolve_over(&saved),
             Strategy::LocalSgd {
                 every: 20,
-                int8: true
+                int8: true,
+                overlap: 0,
             }
         );
         assert_eq!(
@@ -826,6 +896,59 @@ mod tests {
     }
 
     #[test]
+    fn overlapped_meetings_resolve_resume_and_are_refused_where_they_do_not_fit() {
+        let overlap = |kind, every, d| StrategyRequest {
+            kind,
+            every,
+            overlap: Some(d),
+            ..StrategyRequest::default()
+        };
+        let fresh = overlap(Some(StrategyKind::Diloco), Some(10), 4);
+        assert!(fresh.check().is_ok());
+        let saved = fresh.resolve();
+        assert_eq!(saved.overlap_steps(), 4);
+        assert!(
+            saved
+                .describe()
+                .ends_with(", each meeting behind the next 4 step(s)")
+        );
+        // Left out on resume: the checkpoint's; carried to the other local strategy.
+        assert_eq!(StrategyRequest::default().resolve_over(&saved), saved);
+        assert_eq!(
+            ask(Some(StrategyKind::LocalSgd), None)
+                .resolve_over(&saved)
+                .overlap_steps(),
+            4
+        );
+        let text = serde_json::to_string(&saved).unwrap();
+        assert!(text.contains(r#""overlap":4"#), "{text}");
+        assert_eq!(serde_json::from_str::<Strategy>(&text).unwrap(), saved);
+        // Not behind a whole window, nor under the strategies that do not meet.
+        let late = overlap(Some(StrategyKind::LocalSgd), Some(10), 10).check();
+        assert!(
+            matches!(
+                late,
+                Err(JobError::Invalid {
+                    flag: "--overlap-steps",
+                    ..
+                })
+            ),
+            "{late:?}"
+        );
+        assert!(
+            overlap(Some(StrategyKind::LocalSgd), None, DEFAULT_EVERY)
+                .check()
+                .is_err()
+        );
+        assert!(
+            overlap(Some(StrategyKind::AllReduce), None, 1)
+                .check()
+                .is_err()
+        );
+        assert!(overlap(None, None, 1).fits(StrategyKind::PsSync).is_err());
+    }
+
+    #[test]
     fn flags_that_do_not_go_with_the_strategy_are_refused() {
         assert!(
             ask(None, Some(5)).check().is_ok(),
@@ -868,7 +991,8 @@ mod tests {
             old.strategy,
             Strategy::LocalSgd {
                 every: 3,
-                int8: false
+                int8: false,
+                overlap: 0,
             }
         );
         for s in [
@@ -876,16 +1000,19 @@ mod tests {
             Strategy::LocalSgd {
                 every: 3,
                 int8: false,
+                overlap: 0,
             },
             Strategy::LocalSgd {
                 every: 3,
                 int8: true,
+                overlap: 0,
             },
             Strategy::Diloco {
                 every: 4,
                 outer_lr: 0.7,
                 outer_momentum: 0.9,
                 int8: false,
+                overlap: 0,
             },
             Strategy::PsSync { servers: 2 },
             Strategy::PsAsync {

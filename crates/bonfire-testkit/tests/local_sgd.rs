@@ -8,6 +8,9 @@
 //! - DiLoCo with outer lr 1 and momentum 0 is local SGD, bit for bit; bf16 deltas halve the bytes,
 //!   int8 deltas quarter them, every replica ending with the same bits.
 //! - A record saved between meetings resumes bit for bit; replicas that start apart are named.
+//! - Meetings overlapped with the next inner steps equal a sequential oracle of the same
+//!   algorithm (the agreed change applied late, each replica's progress since sending kept), and
+//!   a record saved with a meeting in flight resumes bit for bit.
 
 use std::time::Duration;
 
@@ -286,10 +289,19 @@ fn int8_deltas_send_a_quarter_of_the_bytes_and_stay_close_to_f32() {
     assert!(residual[n..].iter().any(|&r| r != 0.0));
 }
 
-#[test]
-fn a_record_saved_between_meetings_resumes_bit_for_bit() {
+/// Trains 2 ranks on `steps` batches with `make`'s optimizer, saving its record after step
+/// `save_after` (0-based), checked there by `at_save`; then resumes from the record and the
+/// model of that step, and asserts that the resumed run ends (after meeting) bit for bit where
+/// the uninterrupted one does.
+fn assert_resumes_bit_for_bit(
+    seed: u64,
+    steps: usize,
+    save_after: usize,
+    make: fn() -> LocalSgd<AdamOf>,
+    at_save: fn(&LocalSgd<AdamOf>),
+) {
     const WORLD: usize = 2;
-    let b = batches(24, 8, 8);
+    let b = batches(seed, steps, 8);
     let device = Device::default();
     let models = RankModels::new(
         (0..WORLD)
@@ -299,49 +311,67 @@ fn a_record_saved_between_meetings_resumes_bit_for_bit() {
     let comms = in_process_ranks(WORLD, Duration::from_secs(20));
     run_ranks(comms, Duration::from_secs(300), move |comm| {
         let r = comm.rank();
-        let start = models.take(r);
         let _bind = bind_rank(comm);
-        let make = || bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3);
-        let mut optim: LocalSgd<AdamOf> = make();
-        let mut model = start;
-        let (mut saved, mut at_save) = (None, None);
+        let mut optim = make();
+        let mut model = models.take(r);
+        let (mut saved, mut model_at_save) = (None, None);
         for (i, batch) in b.iter().enumerate() {
             model = step(model, &mut optim, batch, r, WORLD);
-            if i == 4 {
-                // Mid-window: two steps since the meeting after step 3.
+            if i == save_after {
+                at_save(&optim);
                 let rec = BinBytesRecorder::<FullPrecisionSettings>::default();
                 saved = Some(
                     rec.record(Optimizer::<Net2, DpFlex>::to_record(&optim), ())
                         .unwrap(),
                 );
-                at_save = Some(model.clone());
+                model_at_save = Some(model.clone());
             }
         }
-        let uninterrupted = parameters(&model);
-        let bytes = saved.expect("saved at step 5");
+        let uninterrupted = parameters(&optim.meet(model));
         let record = BinBytesRecorder::<FullPrecisionSettings>::default()
-            .load::<<LocalSgd<AdamOf> as Optimizer<Net2, DpFlex>>::Record>(bytes, &device)
+            .load::<<LocalSgd<AdamOf> as Optimizer<Net2, DpFlex>>::Record>(
+                saved.expect("saved"),
+                &device,
+            )
             .unwrap();
         let mut resumed: LocalSgd<AdamOf> = Optimizer::<Net2, DpFlex>::load_record(make(), record);
-        assert_eq!(
-            resumed.outer_state().since,
-            2,
-            "steps since the last meeting"
-        );
-        let mut model = at_save.expect("saved");
-        for batch in &b[5..] {
+        at_save(&resumed);
+        let mut model = model_at_save.expect("saved");
+        for batch in &b[save_after + 1..] {
             model = step(model, &mut resumed, batch, r, WORLD);
         }
         assert!(
-            parameters(&model) == uninterrupted,
-            "rank {r}: resumed between meetings, training differs"
+            parameters(&resumed.meet(model)) == uninterrupted,
+            "rank {r}: resumed after step {}, training differs",
+            save_after + 1
         );
     });
+}
+
+#[test]
+fn a_record_saved_between_meetings_resumes_bit_for_bit() {
+    assert_resumes_bit_for_bit(
+        24,
+        8,
+        4,
+        || bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3),
+        // Mid-window: two steps since the meeting after step 3.
+        |optim| assert_eq!(optim.outer_state().since, 2, "steps since the last meeting"),
+    );
 }
 
 /// Two ranks, rank `r` starting from the model seeded with `seed(r)`, each taking one step of
 /// the optimizer `make(r)` gives: every rank must fail with a message containing `needle`.
 fn both_fail<O, F>(seed: fn(u64) -> u64, make: F, needle: &'static str)
+where
+    O: Optimizer<Net2, DpFlex>,
+    F: Fn(usize) -> O + Send + Sync + 'static,
+{
+    both_fail_within(1, seed, make, needle);
+}
+
+/// [`both_fail`] over `steps` steps.
+fn both_fail_within<O, F>(steps: usize, seed: fn(u64) -> u64, make: F, needle: &'static str)
 where
     O: Optimizer<Net2, DpFlex>,
     F: Fn(usize) -> O + Send + Sync + 'static,
@@ -352,15 +382,17 @@ where
             .map(|r| seeded::<DpFlex, _>(seed(r), &device, SmallCnn::new))
             .collect(),
     );
-    let b = batches(25, 1, 8);
+    let b = batches(25, steps, 8);
     let comms = in_process_ranks(2, Duration::from_secs(20));
     let errors = run_ranks(comms, Duration::from_secs(120), move |comm| {
         let r = comm.rank();
-        let model = models.take(r);
+        let mut model = models.take(r);
         let _bind = bind_rank(comm);
         let mut optim = make(r);
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            step(model, &mut optim, &b[0], r, 2);
+            for batch in &b {
+                model = step(model.clone(), &mut optim, batch, r, 2);
+            }
         }))
         .err()
         .and_then(|p| p.downcast_ref::<String>().cloned())
@@ -505,5 +537,210 @@ fn deltas_in_another_dtype_are_named_on_every_rank() {
         },
         "ranks [1] send their deltas in another dtype than rank 0 at meeting 1 (by rank: \
          [\"int8\", \"bf16\"])",
+    );
+}
+
+/// The outer step from the last meeting's parameters by the mean delta.
+type OuterStep<'a> = dyn FnMut(&[f32], &[f32]) -> Vec<f32> + 'a;
+
+/// Overlapped DiLoCo by hand, as [`diloco_oracle`]: every `h` steps each replica's delta is
+/// taken and it trains on; `d` steps later the outer step lands on the last meeting's
+/// parameters and each replica keeps what it learnt since. At the end the replicas meet (the
+/// meeting in flight lands, then the steps since it are exchanged at once).
+fn overlapped_oracle(h: usize, d: usize, batches: &[Batch], lr: f32, momentum: f32) -> Vec<f32> {
+    const WORLD: usize = 2;
+    let device = Device::default();
+    let comms = in_process_ranks(1, Duration::from_secs(20));
+    let batches = batches.to_vec();
+    let out = run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let _bind = bind_rank(comm);
+        let start = seeded::<DpFlex, _>(7, &device, SmallCnn::new);
+        let mut anchor = flat(&parameters(&start));
+        let mut m = vec![0.0f32; anchor.len()];
+        let mut outer = |anchor: &[f32], mean: &[f32]| -> Vec<f32> {
+            anchor
+                .iter()
+                .zip(mean)
+                .zip(m.iter_mut())
+                .map(|((a, d), m)| {
+                    *m = momentum * *m + d;
+                    a - lr * (d + momentum * *m)
+                })
+                .collect()
+        };
+        let mean_of = |anchor: &[f32], sent: &[Vec<f32>]| -> Vec<f32> {
+            let mut mean = vec![0.0f32; anchor.len()];
+            for s in sent {
+                for (x, (a, p)) in mean.iter_mut().zip(anchor.iter().zip(s)) {
+                    *x += (a - p) * (1.0 / WORLD as f32);
+                }
+            }
+            mean
+        };
+        let mut replicas: Vec<(Net2, _)> = (0..WORLD)
+            .map(|_| (start.clone(), AdamConfig::new().init::<DpFlex, Net2>()))
+            .collect();
+        // (parameters when sent, by replica; steps since)
+        let mut flight: Option<(Vec<Vec<f32>>, usize)> = None;
+        let mut since = 0;
+        let land = |anchor: &mut Vec<f32>,
+                    replicas: &mut Vec<(Net2, _)>,
+                    sent: Vec<Vec<f32>>,
+                    outer: &mut OuterStep| {
+            let agreed = outer(anchor, &mean_of(anchor, &sent));
+            for ((model, _), s) in replicas.iter_mut().zip(&sent) {
+                let now = flat(&parameters(model));
+                let fresh: Vec<f32> = agreed
+                    .iter()
+                    .zip(now.iter().zip(s))
+                    .map(|(a, (p, s))| a + (p - s))
+                    .collect();
+                *model = model.clone().map(&mut Put(&fresh, 0));
+            }
+            *anchor = agreed;
+        };
+        for b in &batches {
+            for (r, (model, adam)) in replicas.iter_mut().enumerate() {
+                *model = step(model.clone(), adam, b, r, WORLD);
+            }
+            since += 1;
+            if let Some((sent, after)) = &mut flight {
+                *after += 1;
+                if *after == d {
+                    let sent = std::mem::take(sent);
+                    flight = None;
+                    land(&mut anchor, &mut replicas, sent, &mut outer);
+                }
+            }
+            if since == h {
+                let sent = replicas.iter().map(|(m, _)| flat(&parameters(m))).collect();
+                flight = Some((sent, 0));
+                since = 0;
+            }
+        }
+        if let Some((sent, _)) = flight.take() {
+            land(&mut anchor, &mut replicas, sent, &mut outer);
+        }
+        if since > 0 {
+            let sent: Vec<Vec<f32>> = replicas.iter().map(|(m, _)| flat(&parameters(m))).collect();
+            anchor = outer(&anchor, &mean_of(&anchor, &sent));
+        }
+        anchor
+    });
+    out.into_iter().next().expect("one rank")
+}
+
+/// Every rank's parameters and optimizer after training on `batches` with `make`'s optimizer
+/// and meeting at the end.
+fn run_and_meet<F>(batches: &[Batch], make: F) -> Vec<(Params, LocalSgd<AdamOf>)>
+where
+    F: Fn() -> LocalSgd<AdamOf> + Send + Sync + 'static,
+{
+    const WORLD: usize = 2;
+    let device = Device::default();
+    let models = RankModels::new(
+        (0..WORLD)
+            .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
+            .collect(),
+    );
+    let batches = batches.to_vec();
+    let comms = in_process_ranks(WORLD, Duration::from_secs(20));
+    run_ranks(comms, Duration::from_secs(300), move |comm| {
+        let r = comm.rank();
+        let mut model = models.take(r);
+        let _bind = bind_rank(comm);
+        let mut optim = make();
+        for b in &batches {
+            model = step(model, &mut optim, b, r, WORLD);
+        }
+        model = optim.meet(model);
+        (parameters(&model), optim)
+    })
+}
+
+#[test]
+fn overlapped_diloco_equals_the_sequential_oracle_of_late_meetings() {
+    // Meetings sent after steps 3, 6 and 9 land 2 steps later (the third at the final meeting,
+    // which then exchanges step 10's change at once).
+    let b = batches(27, 10, 8);
+    let overlapped = run_and_meet(&b, || {
+        bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3).overlap(2)
+    });
+    assert_replicas_equal(&overlapped, "overlapped DiLoCo after meeting");
+    let oracle = overlapped_oracle(3, 2, &b, 0.7, 0.9);
+    let got = flat(&overlapped[0].0);
+    let diff = got
+        .iter()
+        .zip(&oracle)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        diff <= 1e-6,
+        "overlapped DiLoCo is {diff:e} from the oracle of late meetings"
+    );
+    let stats = overlapped[0].1.stats();
+    assert_eq!(
+        stats.meetings, 4,
+        "three overlapped meetings and the final one"
+    );
+    assert!(
+        stats.behind > Duration::ZERO,
+        "exchanges ran behind the steps"
+    );
+    // Late meetings are another algorithm than meetings on time: the oracle of meetings on
+    // time differs by more than rounding, so the comparison above can fail.
+    let on_time = diloco_oracle(2, 3, &b[..9], 0.7, 0.9);
+    let apart = got
+        .iter()
+        .zip(&on_time)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        apart > 1e-4,
+        "late meetings differ from meetings on time ({apart:e})"
+    );
+}
+
+#[test]
+fn overlap_of_int8_local_sgd_keeps_every_replica_equal_after_meeting() {
+    let b = batches(28, 7, 8);
+    let out = run_and_meet(&b, || {
+        bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 3)
+            .exchange_dtype(DeltaDType::Int8)
+            .overlap(1)
+    });
+    assert_replicas_equal(&out, "overlapped int8 local SGD after meeting");
+    let stats = out[0].1.stats();
+    assert_eq!(stats.meetings, 3);
+    assert!(
+        out[0].1.in_flight().is_none(),
+        "meet lands the meeting in flight"
+    );
+}
+
+#[test]
+fn a_record_saved_with_a_meeting_in_flight_resumes_bit_for_bit() {
+    assert_resumes_bit_for_bit(
+        29,
+        9,
+        3,
+        || {
+            bonfire::diloco(AdamConfig::new().init::<DpFlex, Net2>(), 3)
+                .exchange_dtype(DeltaDType::Bf16)
+                .overlap(2)
+        },
+        // Sent after step 3, one step behind.
+        |optim| assert_eq!(optim.in_flight().map(|f| f.after), Some(1)),
+    );
+}
+
+#[test]
+fn meetings_overlapped_by_other_steps_are_named_on_every_rank() {
+    both_fail_within(
+        2,
+        |_| 7,
+        |r| bonfire::local_sgd(AdamConfig::new().init::<DpFlex, Net2>(), 2).overlap(r),
+        "ranks [1] overlap their meetings with another number of steps than rank 0 at meeting 1 \
+         (by rank: [0, 1])",
     );
 }

@@ -66,10 +66,10 @@ pub use bonfire_launch::{LogFilterError, init_logging};
 pub use bonfire_backend::{
     BucketTimes, BufferSync, DILOCO_OUTER, DataParallel, DataParallelConfig, DeltaDType, Departure,
     DistributedSampler, FailurePolicy, GradDType, InOrder, LatePeer, LocalSgd, LocalSgdRecord,
-    NoSyncGuard, Outer, OuterState, OuterStats, Overlap, ParamServer, PsMode, PsReport, PsRole,
-    PsStats, Sharded, StepStats, ZeroStage, accumulate, broadcast_parameters, diloco,
-    discard_kept_gradients, gradient_bytes, held_bytes, keep_gradients, last_step_stats, local_sgd,
-    no_sync, param_server, replicate, sharded, sync_buffers, total_stats,
+    MeetingInFlight, NoSyncGuard, Outer, OuterState, OuterStats, Overlap, ParamServer, PsMode,
+    PsReport, PsRole, PsStats, Sharded, StepStats, ZeroStage, accumulate, broadcast_parameters,
+    diloco, discard_kept_gradients, gradient_bytes, held_bytes, keep_gradients, last_step_stats,
+    local_sgd, no_sync, param_server, replicate, sharded, sync_buffers, total_stats,
 };
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, ShardedCheckpointError, Split, TensorParallel, TpPlan,

@@ -46,8 +46,8 @@ pub use error::SyncError;
 pub use lane::{CommCross, CommLink, NodeLane};
 pub use local::{LocalParts, ShardAtRest, register as register_local_parts};
 pub use outer::{
-    DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, Outer, OuterState, OuterStats, diloco,
-    local_sgd,
+    DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, MeetingInFlight, Outer, OuterState,
+    OuterStats, diloco, local_sgd,
 };
 pub use param_server::{Departure, ParamServer, PsMode, PsReport, PsRole, PsStats, param_server};
 pub use replicate::{

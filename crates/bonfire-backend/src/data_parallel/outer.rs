@@ -11,8 +11,10 @@
 //! SGD with Nesterov momentum. One exchange every `H` steps sends `1/H` of the bytes that
 //! all-reducing every step's gradients does.
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use bonfire_collectives::{CollectiveError, Communicator};
 use bonfire_kernels::reference::pack_with_feedback_reference;
 use bonfire_topology::ReduceOp;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
@@ -122,8 +124,18 @@ pub struct LocalSgd<O> {
     every: usize,
     outer: Outer,
     dtype: DeltaDType,
+    /// Inner steps a meeting's exchange runs behind ([`LocalSgd::overlap`]); 0: none.
+    overlap: usize,
     state: OuterState,
+    /// The meeting sent and not yet applied ([`LocalSgd::overlap`]).
+    in_flight: Option<MeetingInFlight>,
     stats: OuterStats,
+    /// The exchange of the meeting in flight, where this process sent it.
+    pending: Option<Pending>,
+    /// The communicator overlapped meetings run on (split from the replica's, so that their
+    /// messages never interleave with the collectives the program calls meanwhile), and the
+    /// replica it was split from.
+    meetings_comm: Option<(Arc<Replica>, Communicator)>,
 }
 
 /// The part of [`LocalSgd`]'s state that is not the wrapped optimizer's.
@@ -144,6 +156,17 @@ pub struct OuterState {
     pub meetings: u64,
 }
 
+/// A meeting sent and not yet applied ([`LocalSgd::overlap`]). A record saved meanwhile holds
+/// it, and the run it resumes sends the same deltas again.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeetingInFlight {
+    /// This rank's parameters when it sent (its delta: [`OuterState::anchor`] minus these), in
+    /// module order.
+    pub sent_from: Vec<f32>,
+    /// Inner steps taken since.
+    pub after: usize,
+}
+
 /// What [`LocalSgd`] communicated on this rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OuterStats {
@@ -156,8 +179,12 @@ pub struct OuterStats {
     /// Bytes exchanged (the buffer of the exchanged dtype: 4 bytes an element in f32, 2 in bf16,
     /// 1 and a scale per 256 in int8), over all meetings.
     pub bytes: u64,
-    /// Time spent meeting: reading the parameters, the exchange, writing them back.
+    /// Time spent meeting on the training thread: reading the parameters, the exchange (for
+    /// an overlapped meeting, waiting for what is left of it), writing them back.
     pub time: Duration,
+    /// Time overlapped meetings' exchanges ran behind the inner steps ([`LocalSgd::overlap`]),
+    /// from sending to arriving, whether or not the training thread then waited.
+    pub behind: Duration,
 }
 
 /// Local SGD over the data-parallel replicas: `every` steps of `optimizer` each, then the mean
@@ -168,8 +195,12 @@ pub fn local_sgd<O>(optimizer: O, every: usize) -> LocalSgd<O> {
         every: every.max(1),
         outer: Outer::Average,
         dtype: DeltaDType::F32,
+        overlap: 0,
         state: OuterState::default(),
+        in_flight: None,
         stats: OuterStats::default(),
+        pending: None,
+        meetings_comm: None,
     }
 }
 
@@ -192,6 +223,41 @@ impl<O> LocalSgd<O> {
             dtype: dtype.into(),
             ..self
         }
+    }
+
+    /// Lets each meeting's exchange run behind the next `steps` inner steps (0, the default:
+    /// none). At the `H`-th step every replica sends its delta and goes on training from its
+    /// own parameters; `steps` steps later it applies the agreed change (the mean delta, or
+    /// DiLoCo's outer step) to the parameters of the last meeting and adds what it learnt since
+    /// it sent: `new = agreed + (now - at sending)`. Every step's change counts in exactly one
+    /// meeting. The result does not depend on when the exchange arrives (a replica that
+    /// reaches step `steps` first waits), so runs stay bit for bit reproducible.
+    ///
+    /// [`LocalSgd::meet`] waits for a meeting in flight and then meets as usual, so the model
+    /// evaluated and saved is one every replica agrees on. The exchange runs on a communicator
+    /// split from the replicas' at the first overlapped meeting (a collective), on a thread of
+    /// its own.
+    ///
+    /// # Panics
+    /// If `steps` is not below the steps between meetings: a meeting lands before the next is
+    /// sent.
+    pub fn overlap(self, steps: usize) -> Self {
+        assert!(
+            steps < self.every,
+            "LocalSgd::overlap({steps}) with meetings every {} steps: a meeting must land before \
+             the next one is sent (at most {} steps)",
+            self.every,
+            self.every - 1
+        );
+        LocalSgd {
+            overlap: steps,
+            ..self
+        }
+    }
+
+    /// Inner steps a meeting's exchange runs behind ([`LocalSgd::overlap`]).
+    pub fn overlap_steps(&self) -> usize {
+        self.overlap
     }
 
     /// Steps between meetings.
@@ -221,47 +287,76 @@ impl<O> LocalSgd<O> {
 
     /// Replaces the outer state (from [`LocalSgd::outer_state`] of a saved run).
     pub fn with_outer_state(self, state: OuterState) -> Self {
-        LocalSgd { state, ..self }
+        LocalSgd {
+            state,
+            in_flight: None,
+            pending: None,
+            ..self
+        }
+    }
+
+    /// The meeting sent and not yet applied ([`LocalSgd::overlap`]), if any.
+    pub fn in_flight(&self) -> Option<&MeetingInFlight> {
+        self.in_flight.as_ref()
     }
 
     /// Makes the replicas meet now if they stepped since the last meeting (a collective: every
-    /// rank calls it at the same point), before evaluating or saving the model. Returns the
-    /// module with the agreed parameters. Under bf16 or int8 deltas each rank still holds its own
-    /// rounding error afterwards ([`OuterState::residual`]): save it per rank.
+    /// rank calls it at the same point), before evaluating or saving the model; a meeting in
+    /// flight ([`LocalSgd::overlap`]) is waited for and applied first. Returns the module with
+    /// the agreed parameters. Under bf16 or int8 deltas each rank still holds its own rounding
+    /// error afterwards ([`OuterState::residual`]): save it per rank.
     pub fn meet<M, B>(&mut self, module: M) -> M
     where
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
+        let module = if self.in_flight.is_some() {
+            self.land(module)
+        } else {
+            module
+        };
         if self.state.since == 0 {
             return module;
         }
         self.exchange(module)
     }
 
-    /// Counts a step and meets when it is the `every`-th.
+    /// Counts a step; lands the meeting in flight when it has run behind `overlap` steps, and
+    /// meets (or sends the meeting) when the step is the `every`-th.
     fn after_step<M, B>(&mut self, module: M) -> M
     where
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        let module = module.map(&mut Unmark);
+        let mut module = module.map(&mut Unmark);
         self.stats.steps += 1;
         self.state.since += 1;
-        if self.state.since >= self.every {
+        if let Some(flight) = &mut self.in_flight {
+            flight.after += 1;
+            if flight.after >= self.overlap {
+                module = self.land(module);
+            }
+        }
+        if self.state.since < self.every {
+            module
+        } else if self.overlap == 0 {
             self.exchange(module)
         } else {
-            module
+            self.send(module)
         }
     }
 
     /// Takes the anchor from the module before the first step after a meeting; on the first
-    /// step of all, checks that every replica starts from the same parameters.
+    /// step of all, checks that every replica starts from the same parameters. A meeting in
+    /// flight that this process did not send (a loaded record's) is sent again.
     fn before_step<M, B>(&mut self, module: &M)
     where
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
+        if self.in_flight.is_some() && self.pending.is_none() {
+            self.resend(module);
+        }
         if self.state.anchor.is_some() {
             return;
         }
@@ -275,29 +370,17 @@ impl<O> LocalSgd<O> {
         self.state.anchor = Some(values);
     }
 
-    /// One meeting: the mean delta all-reduced, the outer step, the parameters written back.
-    fn exchange<M, B>(&mut self, module: M) -> M
-    where
-        M: AutodiffModule<B>,
-        B: AutodiffBackend,
-    {
-        let t0 = Instant::now();
-        let (rep, mut params) = read(&module);
-        let Some(rep) = rep else {
-            return module;
-        };
+    /// Checks what this rank holds against the model's `n` elements, and on every rank together
+    /// at this process's first meeting, that every rank holds the same and meets alike.
+    fn check_held(&mut self, rep: &Replica, n: usize) {
         let ranks = rep.comm.size();
+        let dtype = self.dtype;
         let anchor = self
             .state
             .anchor
-            .take()
+            .as_ref()
             .expect("an anchor is taken before each step");
-        let n = params.len();
-        let dtype = self.dtype;
-        let residual_len = match dtype {
-            DeltaDType::Int8 => n + int8::chunk(n, ranks, rep.comm.rank()).len(),
-            _ => n,
-        };
+        let residual_len = residual_len(dtype, n, ranks, rep.comm.rank());
         // What this rank holds must all have the model's size: checked on every rank together
         // at this process's first meeting (a fresh start or a resume), so that a rank that
         // holds something else fails every rank instead of leaving them in the all-reduce.
@@ -314,6 +397,11 @@ impl<O> LocalSgd<O> {
                 self.state.residual.as_ref().map(Vec::len),
                 residual_len,
             ),
+            (
+                "parameters when the meeting in flight was sent",
+                self.in_flight.as_ref().map(|f| f.sent_from.len()),
+                n,
+            ),
         ];
         let wrong: Vec<String> = held
             .iter()
@@ -322,8 +410,8 @@ impl<O> LocalSgd<O> {
                     .map(|l| format!("{what}: {l} (not {want})"))
             })
             .collect();
-        if self.stats.meetings == 0 && ranks > 1 {
-            agree_on_sizes(&rep, n, &wrong, dtype, self.state.meetings + 1);
+        if self.stats.meetings == 0 && self.pending.is_none() && ranks > 1 {
+            agree_on_sizes(rep, n, &wrong, dtype, self.overlap, self.state.meetings + 1);
         }
         if !wrong.is_empty() {
             rep.fail(SyncError::Outer {
@@ -335,6 +423,41 @@ impl<O> LocalSgd<O> {
                 source: None,
             });
         }
+    }
+
+    /// What a meeting's exchange is, for its errors.
+    fn describe(&self, n: usize, steps: usize) -> String {
+        let how = match self.dtype {
+            DeltaDType::Int8 => "exchange (two stages of messages)",
+            _ => "all-reduce",
+        };
+        format!(
+            "{how} of the parameter deltas at meeting {} ({n} elements in {}, after {steps} local \
+             steps)",
+            self.state.meetings + 1,
+            self.dtype.name(),
+        )
+    }
+
+    /// One meeting: the mean delta all-reduced, the outer step, the parameters written back.
+    fn exchange<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let t0 = Instant::now();
+        let (rep, params) = read(&module);
+        let Some(rep) = rep else {
+            return module;
+        };
+        let ranks = rep.comm.size();
+        let n = params.len();
+        self.check_held(&rep, n);
+        let anchor = self
+            .state
+            .anchor
+            .take()
+            .expect("an anchor is taken before each step");
         if ranks == 1 && self.outer == Outer::Average {
             // The mean of one replica is itself.
             self.stats.meetings += 1;
@@ -343,74 +466,210 @@ impl<O> LocalSgd<O> {
             self.stats.time += t0.elapsed();
             return module;
         }
-        let scale = 1.0 / ranks as f32;
         let delta: Vec<f32> = anchor.iter().zip(&params).map(|(a, p)| a - p).collect();
-        let how = match dtype {
-            DeltaDType::Int8 => "exchange (two stages of messages)",
-            _ => "all-reduce",
+        let residual = self.state.residual.take();
+        let what = self.describe(n, self.state.since);
+        let exchanged = match reduce(&rep.comm, self.dtype, delta, residual) {
+            Ok(exchanged) => exchanged,
+            Err(source) => rep.fail(SyncError::Outer {
+                what,
+                source: Some(source),
+            }),
         };
-        let what = || {
-            format!(
-                "{how} of the parameter deltas at meeting {} ({n} elements in {}, after {} local \
-                 steps)",
-                self.state.meetings + 1,
-                dtype.name(),
-                self.state.since
-            )
-        };
-        let mut sent = n * 4;
-        let mean: Vec<f32> = match (dtype, ranks) {
-            (_, 1) => delta,
-            (DeltaDType::F32, _) => {
-                let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
-                summed(&rep, scaled, what)
-            }
-            (DeltaDType::Int8, _) => {
-                let residual = self
-                    .state
-                    .residual
-                    .get_or_insert_with(|| vec![0.0; residual_len]);
-                let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
-                match int8::mean(&rep.comm, &scaled, residual) {
-                    Ok((mean, bytes)) => {
-                        sent = bytes;
-                        mean
-                    }
-                    Err(source) => rep.fail(SyncError::Outer {
-                        what: what(),
-                        source: Some(source),
-                    }),
-                }
-            }
-            (DeltaDType::Bf16, _) => {
-                sent = n * 2;
-                let residual = self.state.residual.get_or_insert_with(|| vec![0.0; n]);
-                let packed: Vec<bf16> =
-                    pack_with_feedback_reference::<f32, bf16>(&[&delta], residual, scale);
-                summed(&rep, packed, what)
-                    .into_iter()
-                    .map(f32::from)
-                    .collect()
-            }
-        };
-        match self.outer {
-            Outer::Average => {
-                for ((p, a), d) in params.iter_mut().zip(&anchor).zip(&mean) {
-                    *p = a - d;
-                }
-            }
-            Outer::Nesterov { lr, momentum } => {
-                let m = self.state.momentum.get_or_insert_with(|| vec![0.0; n]);
-                for (((p, a), d), m) in params.iter_mut().zip(&anchor).zip(&mean).zip(m) {
-                    *m = momentum * *m + d;
-                    *p = a - lr * (d + momentum * *m);
-                }
-            }
-        }
+        let params = self.outer_step(&anchor, &exchanged.mean);
         let module = module.map(&mut Write {
             values: &params,
             at: 0,
         });
+        self.state.residual = exchanged.residual;
+        self.count(ranks, n, exchanged.sent);
+        self.stats.time += t0.elapsed();
+        module
+    }
+
+    /// Sends an overlapped meeting: this rank's delta goes to the exchange thread, and the
+    /// replica trains on from its own parameters until [`Self::land`].
+    fn send<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let t0 = Instant::now();
+        let (rep, params) = read(&module);
+        let Some(rep) = rep else {
+            return module;
+        };
+        if rep.comm.size() == 1 && self.outer == Outer::Average {
+            // The mean of one replica is itself: nothing to wait for.
+            return self.exchange(module);
+        }
+        self.in_flight = Some(MeetingInFlight {
+            sent_from: params,
+            after: 0,
+        });
+        self.state.since = 0;
+        self.resend(&module);
+        self.stats.time += t0.elapsed();
+        module
+    }
+
+    /// Starts the exchange of the meeting in flight ([`OuterState::in_flight`]) on its thread.
+    fn resend<M, B>(&mut self, module: &M)
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        let rep = module_replica(module);
+        let Some(rep) = rep else {
+            return;
+        };
+        let flight = self.in_flight.as_ref().expect("a meeting in flight");
+        let n = flight.sent_from.len();
+        self.check_held(&rep, n);
+        let comm = match &self.meetings_comm {
+            Some((of, comm)) if Arc::ptr_eq(of, &rep) => comm.clone(),
+            _ => {
+                let comm = match rep.comm.split(Some(0), rep.comm.rank() as u32) {
+                    Ok(comm) => comm.expect("every rank joins"),
+                    Err(source) => rep.fail(SyncError::Outer {
+                        what: format!(
+                            "setting up the communicator for overlapped meetings (at meeting {})",
+                            self.state.meetings + 1
+                        ),
+                        source: Some(source),
+                    }),
+                };
+                self.meetings_comm = Some((rep.clone(), comm.clone()));
+                comm
+            }
+        };
+        let anchor = self
+            .state
+            .anchor
+            .as_ref()
+            .expect("an anchor while in flight");
+        let flight = self.in_flight.as_ref().expect("a meeting in flight");
+        let delta: Vec<f32> = anchor
+            .iter()
+            .zip(&flight.sent_from)
+            .map(|(a, p)| a - p)
+            .collect();
+        let residual = self.state.residual.clone();
+        let (dtype, ranks) = (self.dtype, comm.size());
+        let pending = Pending::default();
+        let slot = pending.clone();
+        let solo = ranks == 1 && self.outer == Outer::Average;
+        let spawned = std::thread::Builder::new()
+            .name(format!("bonfire-meeting-{}", self.state.meetings + 1))
+            .spawn(move || {
+                let t0 = Instant::now();
+                let result = if solo {
+                    Ok(Exchanged {
+                        mean: delta,
+                        sent: 0,
+                        residual,
+                        took: Duration::ZERO,
+                    })
+                } else {
+                    reduce(&comm, dtype, delta, residual)
+                };
+                slot.put(result.map(|e| Exchanged {
+                    took: t0.elapsed(),
+                    ..e
+                }));
+            });
+        if let Err(e) = spawned {
+            rep.fail(SyncError::Outer {
+                what: format!(
+                    "starting the thread of meeting {} ({e})",
+                    self.state.meetings + 1
+                ),
+                source: None,
+            });
+        }
+        self.pending = Some(pending);
+    }
+
+    /// Applies the meeting in flight: waits for its exchange, takes the outer step from the
+    /// last meeting's parameters, and adds what this replica learnt since it sent.
+    fn land<M, B>(&mut self, module: M) -> M
+    where
+        M: AutodiffModule<B>,
+        B: AutodiffBackend,
+    {
+        if self.pending.is_none() {
+            self.resend(&module);
+        }
+        let t0 = Instant::now();
+        let (rep, now) = read(&module);
+        let Some(rep) = rep else {
+            return module;
+        };
+        let flight = self.in_flight.take().expect("a meeting in flight");
+        let n = flight.sent_from.len();
+        let what = self.describe(n, self.every);
+        let pending = self.pending.take().expect("sent");
+        // Each stage of the exchange waits at most the communicator's timeout; this bounds the
+        // thread that runs them.
+        let limit = rep.comm.config().timeout * 3 + Duration::from_secs(30);
+        let exchanged = match pending.take(limit) {
+            Some(Ok(exchanged)) => exchanged,
+            Some(Err(source)) => rep.fail(SyncError::Outer {
+                what,
+                source: Some(source),
+            }),
+            None => rep.fail(SyncError::Outer {
+                what: format!(
+                    "{what}: its exchange did not finish within {:.0} s",
+                    limit.as_secs_f64()
+                ),
+                source: None,
+            }),
+        };
+        let anchor = self.state.anchor.take().expect("an anchor while in flight");
+        let agreed = self.outer_step(&anchor, &exchanged.mean);
+        let params: Vec<f32> = agreed
+            .iter()
+            .zip(now.iter().zip(&flight.sent_from))
+            .map(|(a, (p, s))| a + (p - s))
+            .collect();
+        let module = module.map(&mut Write {
+            values: &params,
+            at: 0,
+        });
+        self.state.anchor = Some(agreed);
+        self.state.residual = exchanged.residual;
+        let (ranks, since) = (rep.comm.size(), self.state.since);
+        self.count(ranks, n, exchanged.sent);
+        // `count` starts the next window; the steps taken since sending belong to it.
+        self.state.since = since;
+        self.stats.behind += exchanged.took;
+        self.stats.time += t0.elapsed();
+        module
+    }
+
+    /// The parameters after the outer step from `anchor` by the mean delta `mean`.
+    fn outer_step(&mut self, anchor: &[f32], mean: &[f32]) -> Vec<f32> {
+        let n = anchor.len();
+        match self.outer {
+            Outer::Average => anchor.iter().zip(mean).map(|(a, d)| a - d).collect(),
+            Outer::Nesterov { lr, momentum } => {
+                let m = self.state.momentum.get_or_insert_with(|| vec![0.0; n]);
+                anchor
+                    .iter()
+                    .zip(mean)
+                    .zip(m)
+                    .map(|((a, d), m)| {
+                        *m = momentum * *m + d;
+                        a - lr * (d + momentum * *m)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Counts a finished meeting of `n` elements that sent `sent` bytes.
+    fn count(&mut self, ranks: usize, n: usize, sent: usize) {
         if ranks > 1 {
             self.stats.elements += n as u64;
             self.stats.bytes += sent as u64;
@@ -418,9 +677,122 @@ impl<O> LocalSgd<O> {
         self.stats.meetings += 1;
         self.state.meetings += 1;
         self.state.since = 0;
-        self.stats.time += t0.elapsed();
-        module
     }
+}
+
+/// Elements of a rank's rounding error under `dtype` for a model of `n` elements.
+fn residual_len(dtype: DeltaDType, n: usize, ranks: usize, rank: usize) -> usize {
+    match dtype {
+        DeltaDType::Int8 => n + int8::chunk(n, ranks, rank).len(),
+        _ => n,
+    }
+}
+
+/// What a meeting's exchange gives back.
+#[derive(Clone)]
+struct Exchanged {
+    /// The replicas' mean delta.
+    mean: Vec<f32>,
+    /// The bytes of this rank's buffer (as [`OuterStats::bytes`] counts them).
+    sent: usize,
+    /// This rank's rounding error after it.
+    residual: Option<Vec<f32>>,
+    /// From sending to arriving.
+    took: Duration,
+}
+
+/// The mean of every rank's `delta` over `comm` in `dtype` (from `residual`, this rank's kept
+/// rounding error, where the dtype keeps one): a pure function of the ranks' inputs, run on the
+/// training thread or on an overlapped meeting's.
+fn reduce(
+    comm: &Communicator,
+    dtype: DeltaDType,
+    delta: Vec<f32>,
+    residual: Option<Vec<f32>>,
+) -> Result<Exchanged, CollectiveError> {
+    let (n, ranks) = (delta.len(), comm.size());
+    let scale = 1.0 / ranks as f32;
+    let done = |mean, sent, residual| {
+        Ok(Exchanged {
+            mean,
+            sent,
+            residual,
+            took: Duration::ZERO,
+        })
+    };
+    if ranks == 1 {
+        return done(delta, n * 4, residual);
+    }
+    match dtype {
+        DeltaDType::F32 => {
+            let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
+            let mean = comm.all_reduce(scaled, ReduceOp::Sum).wait()?;
+            done(mean, n * 4, residual)
+        }
+        DeltaDType::Int8 => {
+            let mut residual =
+                residual.unwrap_or_else(|| vec![0.0; residual_len(dtype, n, ranks, comm.rank())]);
+            let scaled: Vec<f32> = delta.iter().map(|d| d * scale).collect();
+            let (mean, bytes) = int8::mean(comm, &scaled, &mut residual)?;
+            done(mean, bytes, Some(residual))
+        }
+        DeltaDType::Bf16 => {
+            let mut residual = residual.unwrap_or_else(|| vec![0.0; n]);
+            let packed: Vec<bf16> =
+                pack_with_feedback_reference::<f32, bf16>(&[&delta], &mut residual, scale);
+            let sum = comm.all_reduce(packed, ReduceOp::Sum).wait()?;
+            done(
+                sum.into_iter().map(f32::from).collect(),
+                n * 2,
+                Some(residual),
+            )
+        }
+    }
+}
+
+/// Where an overlapped meeting's exchange leaves its result.
+#[derive(Clone, Default)]
+struct Pending(Arc<(Mutex<Option<Arrived>>, Condvar)>);
+
+/// An exchange's result, as its thread leaves it.
+type Arrived = Result<Exchanged, CollectiveError>;
+
+impl Pending {
+    fn put(&self, result: Arrived) {
+        let (slot, arrived) = &*self.0;
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        arrived.notify_all();
+    }
+
+    /// The result, waiting at most `limit` for it; `None` past it.
+    fn take(&self, limit: Duration) -> Option<Arrived> {
+        let (slot, arrived) = &*self.0;
+        let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = arrived
+            .wait_timeout_while(guard, limit, |r| r.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        guard.clone()
+    }
+}
+
+/// The replica of the module's first trained parameter (`None` for a module without any).
+fn module_replica<M, B>(module: &M) -> Option<Arc<Replica>>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend,
+{
+    struct Find(Option<Arc<Replica>>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Find {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let t = param.val();
+            if self.0.is_none() && t.is_require_grad() {
+                self.0 = Some(context::for_device(&t.device()));
+            }
+        }
+    }
+    let mut find = Find(None);
+    module.visit(&mut find);
+    find.0
 }
 
 impl<O, M, B> Optimizer<M, B> for LocalSgd<O>
@@ -447,6 +819,7 @@ where
         LocalSgdRecord {
             inner: self.inner.to_record(),
             outer: self.state.clone(),
+            in_flight: self.in_flight.clone(),
         }
     }
 
@@ -454,6 +827,8 @@ where
         LocalSgd {
             inner: self.inner.load_record(record.inner),
             state: record.outer,
+            in_flight: record.in_flight,
+            pending: None,
             ..self
         }
     }
@@ -466,19 +841,22 @@ pub struct LocalSgdRecord<R> {
     pub inner: R,
     /// Steps since the last meeting, anchor, momentum and residual.
     pub outer: OuterState,
+    /// The meeting sent and not yet applied ([`LocalSgd::overlap`]).
+    pub in_flight: Option<MeetingInFlight>,
 }
 
 impl<B: burn::tensor::backend::Backend, R: Record<B>> Record<B> for LocalSgdRecord<R> {
-    type Item<S: PrecisionSettings> = (R::Item<S>, OuterState);
+    type Item<S: PrecisionSettings> = (R::Item<S>, OuterState, Option<MeetingInFlight>);
 
     fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
-        (self.inner.into_item(), self.outer)
+        (self.inner.into_item(), self.outer, self.in_flight)
     }
 
     fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &B::Device) -> Self {
         LocalSgdRecord {
             inner: R::from_item(item.0, device),
             outer: item.1,
+            in_flight: item.2,
         }
     }
 }
@@ -561,36 +939,27 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
     }
 }
 
-/// The sum of every rank's `values` (a failed all-reduce fails the rank, saying `what` it was).
-fn summed<T: bonfire_collectives::Element>(
-    rep: &Replica,
-    values: Vec<T>,
-    what: impl FnOnce() -> String,
-) -> Vec<T> {
-    rep.comm
-        .all_reduce(values, ReduceOp::Sum)
-        .wait()
-        .unwrap_or_else(|source| {
-            rep.fail(SyncError::Outer {
-                what: what(),
-                source: Some(source),
-            })
-        })
-}
-
-/// Fails on every rank, naming the ranks, when some rank's model is not rank 0's size or holds
-/// outer state of another size (`wrong`, this rank's) at meeting `meeting`.
+/// Fails on every rank, naming the ranks, when some rank's model is not rank 0's size, holds
+/// outer state of another size (`wrong`, this rank's), sends deltas in another dtype or overlaps
+/// its meetings by another number of steps, at meeting `meeting`.
 fn agree_on_sizes(
     rep: &Replica,
     elements: usize,
     wrong: &[String],
     dtype: DeltaDType,
+    overlap: usize,
     meeting: u64,
 ) {
+    const FIELDS: usize = 4;
     let code = |d: DeltaDType| d as i64;
     let all = rep
         .comm
-        .all_gather(vec![elements as i64, wrong.len() as i64, code(dtype)])
+        .all_gather(vec![
+            elements as i64,
+            wrong.len() as i64,
+            code(dtype),
+            overlap as i64,
+        ])
         .wait()
         .unwrap_or_else(|source| {
             rep.fail(SyncError::Outer {
@@ -601,12 +970,11 @@ fn agree_on_sizes(
                 source: Some(source),
             })
         });
-    let sizes: Vec<i64> = all.iter().step_by(3).copied().collect();
-    let dtypes: Vec<&str> = all
-        .iter()
-        .skip(2)
-        .step_by(3)
-        .map(|&c| {
+    let field = |f: usize| -> Vec<i64> { all.iter().skip(f).step_by(FIELDS).copied().collect() };
+    let sizes = field(0);
+    let dtypes: Vec<&str> = field(2)
+        .into_iter()
+        .map(|c| {
             [DeltaDType::F32, DeltaDType::Bf16, DeltaDType::Int8]
                 .into_iter()
                 .find(|&d| code(d) == c)
@@ -626,8 +994,23 @@ fn agree_on_sizes(
             source: None,
         });
     }
+    let overlaps = field(3);
+    let other: Vec<usize> = (0..overlaps.len())
+        .filter(|&r| overlaps[r] != overlaps[0])
+        .collect();
+    if !other.is_empty() {
+        rep.fail(SyncError::Outer {
+            what: format!(
+                "ranks {other:?} overlap their meetings with another number of steps than rank 0 \
+                 at meeting {meeting} (by rank: {overlaps:?}): every rank must call overlap with \
+                 the same steps"
+            ),
+            source: None,
+        });
+    }
+    let wrongs = field(1);
     let ranks: Vec<usize> = (0..sizes.len())
-        .filter(|&r| sizes[r] != sizes[0] || all[3 * r + 1] != 0)
+        .filter(|&r| sizes[r] != sizes[0] || wrongs[r] != 0)
         .collect();
     if !ranks.is_empty() {
         rep.fail(SyncError::Outer {

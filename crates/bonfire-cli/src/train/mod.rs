@@ -168,6 +168,12 @@ pub(crate) struct StrategyArgs {
     /// of f32's bytes), with error feedback; not with the job's bf16 flag
     #[arg(long)]
     int8_deltas: bool,
+    /// Let each local-sgd or diloco meeting's exchange run behind the next D steps (below
+    /// --sync-every): the replicas train on while their deltas travel, and D steps later each
+    /// applies the agreed change to the last meeting's parameters and keeps what it learnt
+    /// since; meetings at an evaluation still wait [default: 0]
+    #[arg(long, value_name = "D")]
+    overlap_steps: Option<u32>,
 }
 
 impl StrategyArgs {
@@ -181,6 +187,7 @@ impl StrategyArgs {
             servers: self.servers.map(|n| n as usize),
             staleness: self.staleness,
             int8: self.int8_deltas,
+            overlap: self.overlap_steps.map(|d| d as usize),
         })
     }
 }
@@ -220,6 +227,10 @@ pub(crate) fn strategy_flags(v: &mut Vec<OsString>, strategy: &Strategy) {
     }
     if strategy.int8_deltas() {
         v.push("--int8-deltas".into());
+    }
+    if strategy.overlap_steps() > 0 {
+        v.push("--overlap-steps".into());
+        v.push(strategy.overlap_steps().to_string().into());
     }
 }
 
@@ -377,6 +388,7 @@ mod tests {
             strategy: Strategy::LocalSgd {
                 every: 5,
                 int8: true,
+                overlap: 3,
             },
             train_limit: Some(512),
             test_limit: None,

@@ -339,9 +339,41 @@ fn sync_examples() -> Vec<SyncError> {
         },
         SyncError::Outer {
             what: "the model has 8 elements where this rank holds outer momentum: 6 (a record of \
-                   another model, or a model that changed)"
+                   another model, of deltas in another dtype, or a model that changed)"
                 .into(),
             source: None,
+        },
+        SyncError::Outer {
+            what: "ranks [1] overlap their meetings with another number of steps than rank 0 at \
+                   meeting 1 (by rank: [2, 0]): every rank must call overlap with the same steps"
+                .into(),
+            source: None,
+        },
+        SyncError::Outer {
+            what: "ranks [1] hold another meeting in flight than rank 0 at meeting 3 (by rank: \
+                   [\"sent 1 step(s) ago\", \"none\"]): every rank must load its record of the \
+                   same step"
+                .into(),
+            source: None,
+        },
+        SyncError::Outer {
+            what:
+                "all-reduce of the parameter deltas at meeting 2 (1024 elements in f32, after 50 \
+                   local steps): the model has 1030 elements where this rank sent 1024 (a model \
+                   that changed while the meeting was in flight)"
+                    .into(),
+            source: None,
+        },
+        SyncError::Outer {
+            what: "exchange (two stages of messages) of the parameter deltas at meeting 2 (1024 \
+                   elements in int8, after 50 local steps): its exchange's thread panicked: an \
+                   int8 residual holds both stages' errors"
+                .into(),
+            source: None,
+        },
+        SyncError::Outer {
+            what: "setting up the communicator for overlapped meetings (at meeting 1)".into(),
+            source: Some(peer_lost()),
         },
         SyncError::ParamServer {
             what: "worker 1 pulling from server 0 (rank 2) at push 7 (1066 gradient elements of \

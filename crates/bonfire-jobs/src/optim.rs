@@ -289,13 +289,15 @@ where
             source,
         })?;
         // A local strategy's outer state: the anchor between meetings, the outer momentum and
-        // the rounding error of bf16 or int8 deltas, f32 each.
+        // the rounding error of bf16 or int8 deltas, and the parameters a meeting in flight was
+        // sent from, f32 each.
         let outer = self.as_local().map_or(0, |o| {
             let s = o.outer_state();
-            [&s.anchor, &s.momentum, &s.residual]
+            let sent = o.in_flight().map_or(0, |f| 4 * f.sent_from.len());
+            sent + [&s.anchor, &s.momentum, &s.residual]
                 .iter()
                 .map(|v| v.as_ref().map_or(0, |v| 4 * v.len()))
-                .sum()
+                .sum::<usize>()
         });
         Ok(bytes.len() + outer)
     }

@@ -169,16 +169,6 @@ impl StrategyRequest {
                 why: "must be at least 0 and below 1",
             });
         }
-        if let Some(overlap) = self.overlap {
-            let every = self.every.unwrap_or(DEFAULT_EVERY);
-            if overlap >= every {
-                return Err(JobError::Invalid {
-                    flag: "--overlap-steps",
-                    given: format!("{overlap} with meetings every {every} steps"),
-                    why: "must be below --sync-every: a meeting lands before the next is sent",
-                });
-            }
-        }
         match self.kind {
             Some(kind) => self.fits(kind),
             None => Ok(()),
@@ -208,7 +198,8 @@ impl StrategyRequest {
                 why: "only ps-async lets workers run ahead of each other",
             });
         }
-        if self.overlap.is_some() && !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco)
+        if self.overlap.is_some_and(|d| d > 0)
+            && !matches!(kind, StrategyKind::LocalSgd | StrategyKind::Diloco)
         {
             return Err(JobError::Invalid {
                 flag: "--overlap-steps",
@@ -451,6 +442,23 @@ impl Strategy {
             }),
         };
         Ok(wrapped.exchange_dtype(dtype).overlap(self.overlap_steps()))
+    }
+
+    /// Checks that a local strategy's meetings land before the next is sent (`--overlap-steps`
+    /// below `--sync-every`, as given or saved).
+    pub fn check_overlap(&self) -> Result<(), JobError> {
+        match *self {
+            Strategy::LocalSgd { every, overlap, .. } | Strategy::Diloco { every, overlap, .. }
+                if overlap >= every =>
+            {
+                Err(JobError::Invalid {
+                    flag: "--overlap-steps",
+                    given: format!("{overlap} with meetings every {every} steps"),
+                    why: "must be below --sync-every: a meeting lands before the next is sent",
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Inner steps a local strategy's meetings run behind (0 under the others).
@@ -906,6 +914,7 @@ mod tests {
         let fresh = overlap(Some(StrategyKind::Diloco), Some(10), 4);
         assert!(fresh.check().is_ok());
         let saved = fresh.resolve();
+        assert!(saved.check_overlap().is_ok());
         assert_eq!(saved.overlap_steps(), 4);
         assert!(
             saved
@@ -923,8 +932,11 @@ mod tests {
         let text = serde_json::to_string(&saved).unwrap();
         assert!(text.contains(r#""overlap":4"#), "{text}");
         assert_eq!(serde_json::from_str::<Strategy>(&text).unwrap(), saved);
-        // Not behind a whole window, nor under the strategies that do not meet.
-        let late = overlap(Some(StrategyKind::LocalSgd), Some(10), 10).check();
+        // Not behind a whole window (as given, or as a resume resolves it over the saved H),
+        // nor under the strategies that do not meet.
+        let late = overlap(Some(StrategyKind::LocalSgd), Some(10), 10)
+            .resolve()
+            .check_overlap();
         assert!(
             matches!(
                 late,
@@ -937,8 +949,22 @@ mod tests {
         );
         assert!(
             overlap(Some(StrategyKind::LocalSgd), None, DEFAULT_EVERY)
-                .check()
+                .resolve()
+                .check_overlap()
                 .is_err()
+        );
+        let long = overlap(Some(StrategyKind::LocalSgd), Some(100), 60).resolve();
+        assert!(
+            overlap(None, None, 60)
+                .resolve_over(&long)
+                .check_overlap()
+                .is_ok(),
+            "a resume that repeats the saved overlap is checked against the saved H"
+        );
+        assert!(
+            overlap(Some(StrategyKind::AllReduce), None, 0)
+                .check()
+                .is_ok()
         );
         assert!(
             overlap(Some(StrategyKind::AllReduce), None, 1)

@@ -141,10 +141,12 @@ pub struct LocalSgd<O> {
 /// The part of [`LocalSgd`]'s state that is not the wrapped optimizer's.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct OuterState {
-    /// Steps since the replicas last met.
+    /// Steps since the replicas last met (under [`LocalSgd::overlap`], since the last meeting
+    /// was sent).
     pub since: usize,
     /// The parameters at the last meeting, in module order (kept only between meetings: right
-    /// after one they are the module's parameters).
+    /// after a meeting on time they are the module's parameters; after an overlapped one lands,
+    /// the module holds them plus what the replica learnt since sending).
     pub anchor: Option<Vec<f32>>,
     /// The outer optimizer's momentum ([`Outer::Nesterov`]), equal on every rank.
     pub momentum: Option<Vec<f32>>,
@@ -286,11 +288,34 @@ impl<O> LocalSgd<O> {
     }
 
     /// Replaces the outer state (from [`LocalSgd::outer_state`] of a saved run).
+    ///
+    /// A meeting in flight is dropped (its exchange, if this process sent it, is left to finish
+    /// on its own communicator, which is not used again); give the saved one with
+    /// [`LocalSgd::with_in_flight`].
     pub fn with_outer_state(self, state: OuterState) -> Self {
         LocalSgd {
             state,
+            ..self.without_pending()
+        }
+    }
+
+    /// Replaces the meeting in flight (from [`LocalSgd::in_flight`] of a saved run, after
+    /// [`LocalSgd::with_outer_state`]): the next step sends its deltas again.
+    pub fn with_in_flight(self, in_flight: Option<MeetingInFlight>) -> Self {
+        LocalSgd {
+            in_flight,
+            ..self.without_pending()
+        }
+    }
+
+    /// Forgets the meeting in flight and this process's exchange of it. A next exchange runs
+    /// on a communicator split anew, so that the old one's messages cannot meet it.
+    fn without_pending(self) -> Self {
+        let fresh = self.pending.is_some();
+        LocalSgd {
             in_flight: None,
             pending: None,
+            meetings_comm: if fresh { None } else { self.meetings_comm },
             ..self
         }
     }
@@ -355,7 +380,8 @@ impl<O> LocalSgd<O> {
         B: AutodiffBackend,
     {
         if self.in_flight.is_some() && self.pending.is_none() {
-            self.resend(module);
+            let (_, values) = read(module);
+            self.resend(module, values.len());
         }
         if self.state.anchor.is_some() {
             return;
@@ -411,7 +437,15 @@ impl<O> LocalSgd<O> {
             })
             .collect();
         if self.stats.meetings == 0 && self.pending.is_none() && ranks > 1 {
-            agree_on_sizes(rep, n, &wrong, dtype, self.overlap, self.state.meetings + 1);
+            let flight = self.in_flight.as_ref().map_or(-1, |f| f.after as i64);
+            agree_on_sizes(
+                rep,
+                n,
+                &wrong,
+                dtype,
+                [self.overlap as i64, flight],
+                self.state.meetings + 1,
+            );
         }
         if !wrong.is_empty() {
             rep.fail(SyncError::Outer {
@@ -503,18 +537,20 @@ impl<O> LocalSgd<O> {
             // The mean of one replica is itself: nothing to wait for.
             return self.exchange(module);
         }
+        let n = params.len();
         self.in_flight = Some(MeetingInFlight {
             sent_from: params,
             after: 0,
         });
         self.state.since = 0;
-        self.resend(&module);
+        self.resend(&module, n);
         self.stats.time += t0.elapsed();
         module
     }
 
-    /// Starts the exchange of the meeting in flight ([`OuterState::in_flight`]) on its thread.
-    fn resend<M, B>(&mut self, module: &M)
+    /// Starts the exchange of the meeting in flight ([`LocalSgd::in_flight`]) on its thread,
+    /// for a model of `n` elements.
+    fn resend<M, B>(&mut self, module: &M, n: usize)
     where
         M: AutodiffModule<B>,
         B: AutodiffBackend,
@@ -523,8 +559,6 @@ impl<O> LocalSgd<O> {
         let Some(rep) = rep else {
             return;
         };
-        let flight = self.in_flight.as_ref().expect("a meeting in flight");
-        let n = flight.sent_from.len();
         self.check_held(&rep, n);
         let comm = match &self.meetings_comm {
             Some((of, comm)) if Arc::ptr_eq(of, &rep) => comm.clone(),
@@ -563,16 +597,26 @@ impl<O> LocalSgd<O> {
             .name(format!("bonfire-meeting-{}", self.state.meetings + 1))
             .spawn(move || {
                 let t0 = Instant::now();
-                let result = if solo {
-                    Ok(Exchanged {
-                        mean: delta,
-                        sent: 0,
-                        residual,
-                        took: Duration::ZERO,
-                    })
-                } else {
-                    reduce(&comm, dtype, delta, residual)
-                };
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    if solo {
+                        Ok(Exchanged {
+                            mean: delta,
+                            sent: 0,
+                            residual,
+                            took: Duration::ZERO,
+                        })
+                    } else {
+                        reduce(&comm, dtype, delta, residual).map_err(Failed::Collective)
+                    }
+                }))
+                .unwrap_or_else(|panic| {
+                    let why = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "a panic".into());
+                    Err(Failed::Panicked(why))
+                });
                 slot.put(result.map(|e| Exchanged {
                     took: t0.elapsed(),
                     ..e
@@ -597,35 +641,41 @@ impl<O> LocalSgd<O> {
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        if self.pending.is_none() {
-            self.resend(&module);
-        }
         let t0 = Instant::now();
         let (rep, now) = read(&module);
         let Some(rep) = rep else {
             return module;
         };
+        if self.pending.is_none() {
+            self.resend(&module, now.len());
+        }
         let flight = self.in_flight.take().expect("a meeting in flight");
         let n = flight.sent_from.len();
         let what = self.describe(n, self.every);
         let pending = self.pending.take().expect("sent");
-        // Each stage of the exchange waits at most the communicator's timeout; this bounds the
-        // thread that runs them.
-        let limit = rep.comm.config().timeout * 3 + Duration::from_secs(30);
-        let exchanged = match pending.take(limit) {
-            Some(Ok(exchanged)) => exchanged,
-            Some(Err(source)) => rep.fail(SyncError::Outer {
+        // Every wait of the exchange's collectives has the communicator's timeout, and the
+        // thread leaves a result however it ends: this wait ends when the thread does.
+        let exchanged = match pending.take() {
+            Ok(exchanged) => exchanged,
+            Err(Failed::Collective(source)) => rep.fail(SyncError::Outer {
                 what,
                 source: Some(source),
             }),
-            None => rep.fail(SyncError::Outer {
-                what: format!(
-                    "{what}: its exchange did not finish within {:.0} s",
-                    limit.as_secs_f64()
-                ),
+            Err(Failed::Panicked(why)) => rep.fail(SyncError::Outer {
+                what: format!("{what}: its exchange's thread panicked: {why}"),
                 source: None,
             }),
         };
+        if now.len() != n {
+            rep.fail(SyncError::Outer {
+                what: format!(
+                    "{what}: the model has {} elements where this rank sent {n} (a model that \
+                     changed while the meeting was in flight)",
+                    now.len()
+                ),
+                source: None,
+            });
+        }
         let anchor = self.state.anchor.take().expect("an anchor while in flight");
         let agreed = self.outer_step(&anchor, &exchanged.mean);
         let params: Vec<f32> = agreed
@@ -755,7 +805,16 @@ fn reduce(
 struct Pending(Arc<(Mutex<Option<Arrived>>, Condvar)>);
 
 /// An exchange's result, as its thread leaves it.
-type Arrived = Result<Exchanged, CollectiveError>;
+type Arrived = Result<Exchanged, Failed>;
+
+/// How an overlapped meeting's exchange failed.
+#[derive(Clone)]
+enum Failed {
+    /// One of its collectives failed (naming the peer).
+    Collective(CollectiveError),
+    /// Its thread panicked, saying this.
+    Panicked(String),
+}
 
 impl Pending {
     fn put(&self, result: Arrived) {
@@ -764,14 +823,14 @@ impl Pending {
         arrived.notify_all();
     }
 
-    /// The result, waiting at most `limit` for it; `None` past it.
-    fn take(&self, limit: Duration) -> Option<Arrived> {
+    /// The result, once its thread has left it (cloned: a clone of the optimizer shares it).
+    fn take(&self) -> Arrived {
         let (slot, arrived) = &*self.0;
         let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
-        let (guard, _) = arrived
-            .wait_timeout_while(guard, limit, |r| r.is_none())
+        let guard = arrived
+            .wait_while(guard, |r| r.is_none())
             .unwrap_or_else(|e| e.into_inner());
-        guard.clone()
+        guard.clone().expect("waited until it arrived")
     }
 }
 
@@ -824,12 +883,12 @@ where
     }
 
     fn load_record(self, record: Self::Record) -> Self {
+        let this = self.without_pending();
         LocalSgd {
-            inner: self.inner.load_record(record.inner),
+            inner: this.inner.load_record(record.inner),
             state: record.outer,
             in_flight: record.in_flight,
-            pending: None,
-            ..self
+            ..this
         }
     }
 }
@@ -940,17 +999,19 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Unmark {
 }
 
 /// Fails on every rank, naming the ranks, when some rank's model is not rank 0's size, holds
-/// outer state of another size (`wrong`, this rank's), sends deltas in another dtype or overlaps
-/// its meetings by another number of steps, at meeting `meeting`.
+/// outer state of another size (`wrong`, this rank's), sends deltas in another dtype, or
+/// overlaps its meetings by another number of steps or holds another meeting in flight
+/// (`overlap`: the steps, and the steps since the meeting in flight was sent or -1), at meeting
+/// `meeting`.
 fn agree_on_sizes(
     rep: &Replica,
     elements: usize,
     wrong: &[String],
     dtype: DeltaDType,
-    overlap: usize,
+    overlap: [i64; 2],
     meeting: u64,
 ) {
-    const FIELDS: usize = 4;
+    const FIELDS: usize = 5;
     let code = |d: DeltaDType| d as i64;
     let all = rep
         .comm
@@ -958,7 +1019,8 @@ fn agree_on_sizes(
             elements as i64,
             wrong.len() as i64,
             code(dtype),
-            overlap as i64,
+            overlap[0],
+            overlap[1],
         ])
         .wait()
         .unwrap_or_else(|source| {
@@ -1004,6 +1066,26 @@ fn agree_on_sizes(
                 "ranks {other:?} overlap their meetings with another number of steps than rank 0 \
                  at meeting {meeting} (by rank: {overlaps:?}): every rank must call overlap with \
                  the same steps"
+            ),
+            source: None,
+        });
+    }
+    let flights = field(4);
+    let other: Vec<usize> = (0..flights.len())
+        .filter(|&r| flights[r] != flights[0])
+        .collect();
+    if !other.is_empty() {
+        let by_rank: Vec<String> = flights
+            .iter()
+            .map(|&f| match f {
+                -1 => "none".to_string(),
+                f => format!("sent {f} step(s) ago"),
+            })
+            .collect();
+        rep.fail(SyncError::Outer {
+            what: format!(
+                "ranks {other:?} hold another meeting in flight than rank 0 at meeting {meeting} \
+                 (by rank: {by_rank:?}): every rank must load its record of the same step"
             ),
             source: None,
         });

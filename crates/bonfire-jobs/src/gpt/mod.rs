@@ -565,6 +565,7 @@ impl Job for GptJob {
         }
         r.strategy
             .fits(r.strategy.resolve_over(&saved.strategy).kind())?;
+        r.strategy.resolve_over(&saved.strategy).check_overlap()?;
         if pp > 1 && !saved.strategy.is_all_reduce() {
             return Err(JobError::Invalid {
                 flag: "--pp",
@@ -644,6 +645,7 @@ impl Job for GptJob {
         }
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
+        r.strategy.resolve().check_overlap()?;
         crate::strategy::check_served(&r.strategy.resolve(), ranks, r.bf16, "--bf16-comm")?;
         let context = r.context.unwrap_or(64);
         let vocab = vocabulary(&text, context)?;

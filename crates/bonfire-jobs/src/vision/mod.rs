@@ -341,6 +341,7 @@ impl Job for Vision {
     ) -> Result<VisionConfig, JobError> {
         r.strategy
             .fits(r.strategy.resolve_over(&saved.strategy).kind())?;
+        r.strategy.resolve_over(&saved.strategy).check_overlap()?;
         Ok(saved)
     }
 
@@ -360,6 +361,7 @@ impl Job for Vision {
     ) -> Result<VisionConfig, JobError> {
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
+        r.strategy.resolve().check_overlap()?;
         crate::strategy::check_deltas(&r.strategy.resolve(), r.bf16, "--bf16")?;
         crate::strategy::check_served(&r.strategy.resolve(), ranks, r.bf16, "--bf16")?;
         if r.pool_bn_stats && r.strategy.resolve().servers().is_some() {

@@ -147,6 +147,14 @@ fn flat(p: &Params) -> Vec<f32> {
     p.concat()
 }
 
+/// The largest difference between two flat parameter lists.
+fn flat_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+}
+
 /// DiLoCo by hand: `world` replicas, each with its own Adam, trained one after the other on this
 /// thread (a group of one: `DataParallel` passes through), meeting every `h` steps with the
 /// mean delta and an outer Nesterov step done here.
@@ -196,11 +204,7 @@ fn diloco_over_adam_equals_the_sequential_oracle() {
     assert_replicas_equal(&diloco, "DiLoCo");
     let oracle = diloco_oracle(2, 3, &b, 0.7, 0.9);
     let got = flat(&diloco[0].0);
-    let diff = got
-        .iter()
-        .zip(&oracle)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let diff = flat_difference(&got, &oracle);
     assert!(
         diff <= 1e-6,
         "DiLoCo is {diff:e} from the oracle after 3 meetings"
@@ -669,11 +673,7 @@ fn overlapped_diloco_equals_the_sequential_oracle_of_late_meetings() {
     assert_replicas_equal(&overlapped, "overlapped DiLoCo after meeting");
     let oracle = overlapped_oracle(3, 2, &b, 0.7, 0.9);
     let got = flat(&overlapped[0].0);
-    let diff = got
-        .iter()
-        .zip(&oracle)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let diff = flat_difference(&got, &oracle);
     assert!(
         diff <= 1e-6,
         "overlapped DiLoCo is {diff:e} from the oracle of late meetings"
@@ -690,11 +690,7 @@ fn overlapped_diloco_equals_the_sequential_oracle_of_late_meetings() {
     // Late meetings are another algorithm than meetings on time: the oracle of meetings on
     // time differs by more than rounding, so the comparison above can fail.
     let on_time = diloco_oracle(2, 3, &b, 0.7, 0.9);
-    let apart = got
-        .iter()
-        .zip(&on_time)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let apart = flat_difference(&got, &on_time);
     assert!(
         apart > 1e-4,
         "late meetings differ from meetings on time ({apart:e})"

@@ -379,9 +379,11 @@ impl<O> LocalSgd<O> {
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        if self.in_flight.is_some() && self.pending.is_none() {
-            let (_, values) = read(module);
-            self.resend(module, values.len());
+        if self.in_flight.is_some()
+            && self.pending.is_none()
+            && let (Some(rep), values) = read(module)
+        {
+            self.resend(&rep, values.len());
         }
         if self.state.anchor.is_some() {
             return;
@@ -492,17 +494,16 @@ impl<O> LocalSgd<O> {
             .anchor
             .take()
             .expect("an anchor is taken before each step");
+        let steps = std::mem::take(&mut self.state.since);
         if ranks == 1 && self.outer == Outer::Average {
             // The mean of one replica is itself.
-            self.stats.meetings += 1;
-            self.state.meetings += 1;
-            self.state.since = 0;
+            self.count(ranks, n, 0);
             self.stats.time += t0.elapsed();
             return module;
         }
         let delta: Vec<f32> = anchor.iter().zip(&params).map(|(a, p)| a - p).collect();
         let residual = self.state.residual.take();
-        let what = self.describe(n, self.state.since);
+        let what = self.describe(n, steps);
         let exchanged = match reduce(&rep.comm, self.dtype, delta, residual) {
             Ok(exchanged) => exchanged,
             Err(source) => rep.fail(SyncError::Outer {
@@ -543,25 +544,17 @@ impl<O> LocalSgd<O> {
             after: 0,
         });
         self.state.since = 0;
-        self.resend(&module, n);
+        self.resend(&rep, n);
         self.stats.time += t0.elapsed();
         module
     }
 
     /// Starts the exchange of the meeting in flight ([`LocalSgd::in_flight`]) on its thread,
     /// for a model of `n` elements.
-    fn resend<M, B>(&mut self, module: &M, n: usize)
-    where
-        M: AutodiffModule<B>,
-        B: AutodiffBackend,
-    {
-        let rep = module_replica(module);
-        let Some(rep) = rep else {
-            return;
-        };
-        self.check_held(&rep, n);
+    fn resend(&mut self, rep: &Arc<Replica>, n: usize) {
+        self.check_held(rep, n);
         let comm = match &self.meetings_comm {
-            Some((of, comm)) if Arc::ptr_eq(of, &rep) => comm.clone(),
+            Some((of, comm)) if Arc::ptr_eq(of, rep) => comm.clone(),
             _ => {
                 let comm = match rep.comm.split(Some(0), rep.comm.rank() as u32) {
                     Ok(comm) => comm.expect("every rank joins"),
@@ -589,25 +582,15 @@ impl<O> LocalSgd<O> {
             .map(|(a, p)| a - p)
             .collect();
         let residual = self.state.residual.clone();
-        let (dtype, ranks) = (self.dtype, comm.size());
+        let dtype = self.dtype;
         let pending = Pending::default();
         let slot = pending.clone();
-        let solo = ranks == 1 && self.outer == Outer::Average;
         let spawned = std::thread::Builder::new()
             .name(format!("bonfire-meeting-{}", self.state.meetings + 1))
             .spawn(move || {
                 let t0 = Instant::now();
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    if solo {
-                        Ok(Exchanged {
-                            mean: delta,
-                            sent: 0,
-                            residual,
-                            took: Duration::ZERO,
-                        })
-                    } else {
-                        reduce(&comm, dtype, delta, residual).map_err(Failed::Collective)
-                    }
+                    reduce(&comm, dtype, delta, residual).map_err(Failed::Collective)
                 }))
                 .unwrap_or_else(|panic| {
                     let why = panic
@@ -647,7 +630,7 @@ impl<O> LocalSgd<O> {
             return module;
         };
         if self.pending.is_none() {
-            self.resend(&module, now.len());
+            self.resend(&rep, now.len());
         }
         let flight = self.in_flight.take().expect("a meeting in flight");
         let n = flight.sent_from.len();
@@ -689,10 +672,8 @@ impl<O> LocalSgd<O> {
         });
         self.state.anchor = Some(agreed);
         self.state.residual = exchanged.residual;
-        let (ranks, since) = (rep.comm.size(), self.state.since);
-        self.count(ranks, n, exchanged.sent);
-        // `count` starts the next window; the steps taken since sending belong to it.
-        self.state.since = since;
+        // The steps taken since sending (`since`) belong to the next meeting.
+        self.count(rep.comm.size(), n, exchanged.sent);
         self.stats.behind += exchanged.took;
         self.stats.time += t0.elapsed();
         module
@@ -726,7 +707,6 @@ impl<O> LocalSgd<O> {
         }
         self.stats.meetings += 1;
         self.state.meetings += 1;
-        self.state.since = 0;
     }
 }
 
@@ -832,26 +812,6 @@ impl Pending {
             .unwrap_or_else(|e| e.into_inner());
         guard.clone().expect("waited until it arrived")
     }
-}
-
-/// The replica of the module's first trained parameter (`None` for a module without any).
-fn module_replica<M, B>(module: &M) -> Option<Arc<Replica>>
-where
-    M: AutodiffModule<B>,
-    B: AutodiffBackend,
-{
-    struct Find(Option<Arc<Replica>>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Find {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let t = param.val();
-            if self.0.is_none() && t.is_require_grad() {
-                self.0 = Some(context::for_device(&t.device()));
-            }
-        }
-    }
-    let mut find = Find(None);
-    module.visit(&mut find);
-    find.0
 }
 
 impl<O, M, B> Optimizer<M, B> for LocalSgd<O>

@@ -435,3 +435,18 @@ where
         zero: optim.zero_stage(),
     })
 }
+
+/// `model` sharded at rest over the data-parallel ranks (ZeRO-3, [`bonfire::fully_shard`]), its
+/// gathers started `prefetch` parameters at a time ahead of need where the run says how many
+/// ([`bonfire::prefetch_gathers`]; the library's default otherwise).
+pub(crate) fn fully_shard<B, M>(model: M, prefetch: Option<usize>) -> Result<M, JobError>
+where
+    B: AutodiffBackend + bonfire::backend::tensor_parallel::TensorParallelBackend,
+    M: burn::module::Module<B>,
+{
+    let model = bonfire::fully_shard(model)?;
+    if let Some(n) = prefetch {
+        bonfire::prefetch_gathers(n);
+    }
+    Ok(model)
+}

@@ -262,8 +262,9 @@ fn late_line(st: &StepStats) -> Option<String> {
     Some(format!("waited for      {}", parts.join(", ")))
 }
 
-/// Under ZeRO-3, rank 0's parameter gathers while training (none of them overlapped with
-/// compute) and how many more `elsewhere` ran (`all` counts the whole run): the report's
+/// Under ZeRO-3, rank 0's reads of sharded parameters while training (how many found their
+/// gather started ahead), the all-gathers they took and how long those held the rank's thread,
+/// and how many more all-gathers `elsewhere` ran (`all` counts the whole run): the report's
 /// `fully sharded` line.
 pub fn fully_sharded_line(
     all: &bonfire::backend::tensor_parallel::TpStats,
@@ -271,9 +272,12 @@ pub fn fully_sharded_line(
     train_seconds: f64,
     elsewhere: &str,
 ) -> String {
+    let reads = train.gathers - train.gathers_started_ahead + train.served_ahead;
     format!(
-        "fully sharded   on rank 0, training: {} parameter gathers ({:.1} MiB of slices sent), \
-         waited {:.2} s ({:.0}% of the training time); {elsewhere}: {} more gathers",
+        "fully sharded   on rank 0, training: {reads} reads of sharded parameters, {} served by \
+         gathers started ahead; {} all-gathers ({:.1} MiB of slices sent), waited {:.2} s ({:.0}% \
+         of the training time); {elsewhere}: {} more all-gathers",
+        train.served_ahead,
         train.gathers,
         train.gather_bytes as f64 / (1 << 20) as f64,
         train.gather_time.as_secs_f64(),

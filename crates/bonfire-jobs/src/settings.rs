@@ -50,6 +50,9 @@ pub struct RunOptions {
     /// (parameters, gradients and Adam's state), and say what it held after training (the GPT
     /// job; default: no limit).
     pub model_state_limit_mib: Option<f64>,
+    /// Under ZeRO-3, how many parameters each rank gathers ahead of need at a time
+    /// ([`bonfire::prefetch_gathers`]; default: 8). It changes no result.
+    pub prefetch: Option<usize>,
     /// Load checkpoints that have no `SHA256SUMS` (written before bonfire checksummed them),
     /// unchecked; without it they are passed over as damaged ones are.
     pub allow_unchecked: bool,
@@ -82,6 +85,9 @@ pub struct Settings<C> {
     /// The most model state a rank may hold, in MiB (`None`: no limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_state_limit_mib: Option<f64>,
+    /// Under ZeRO-3, the parameters gathered ahead of need at a time (`None`: the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<usize>,
     /// Whether checkpoints without `SHA256SUMS` load (unchecked).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_unchecked: bool,
@@ -206,6 +212,15 @@ fn zero_with_stages<C: JobConfig>(options: &RunOptions, config: &C) -> Result<()
             });
         }
     }
+    if let Some(depth) = options.prefetch
+        && options.zero != Some(3)
+    {
+        return Err(JobError::Invalid {
+            flag: "--prefetch",
+            given: depth.to_string(),
+            why: "it starts ZeRO-3's parameter gathers ahead of need; give it with --zero 3",
+        });
+    }
     if options.zero == Some(3) {
         if !config.fully_shards() {
             return Err(JobError::Invalid {
@@ -329,6 +344,7 @@ fn settle_resumed<J: Job>(
         log_loss: options.log_loss,
         zero: options.zero,
         model_state_limit_mib: options.model_state_limit_mib,
+        prefetch: options.prefetch,
         allow_unchecked: options.allow_unchecked,
     })
 }
@@ -375,6 +391,7 @@ fn settle_fresh<J: Job>(
         log_loss: options.log_loss,
         zero: options.zero,
         model_state_limit_mib: options.model_state_limit_mib,
+        prefetch: options.prefetch,
         allow_unchecked: options.allow_unchecked,
     })
 }

@@ -453,38 +453,44 @@ fn a_fully_sharded_checkpoint_resumes_exactly_and_loads_on_one_device() {
     );
 }
 
+/// A GPT of `layers` layers over a vocabulary of 16, width 16, context 8.
+fn tiny_gpt(layers: usize) -> bonfire::models::GptConfig {
+    bonfire::models::GptConfig::new(16)
+        .with_context(8)
+        .with_layers(layers)
+        .with_heads(2)
+        .with_embd(16)
+}
+
+/// Rank `r`'s windows of step `step` for [`tiny_gpt`]: inputs and targets `[2, 8]`.
+fn windows<B: burn::tensor::backend::Backend>(
+    step: usize,
+    r: usize,
+    device: &B::Device,
+) -> (
+    Tensor<B, 2, burn::tensor::Int>,
+    Tensor<B, 2, burn::tensor::Int>,
+) {
+    use burn::tensor::{Int, TensorData};
+    let tokens: Vec<i64> = (0..2 * 9)
+        .map(|i| ((i * 7 + step * 5 + r * 3) % 16) as i64)
+        .collect();
+    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [2, 9]), device);
+    (t.clone().slice([0..2, 0..8]), t.slice([0..2, 1..9]))
+}
+
 /// The bundled GPT (token and position embeddings read by index, the head tied to the token
 /// table, a causal mask, layer norms): 3 Adam steps at 2 ranks equal DDP's within 1e-6, every
 /// parameter the ranks divide held as a slice.
 #[test]
 fn the_bundled_gpt_fully_sharded_equals_ddp() {
-    use bonfire::models::{Gpt, GptConfig};
-    use burn::tensor::{Int, TensorData};
+    use bonfire::models::Gpt;
     const WORLD: usize = 2;
-    fn config() -> GptConfig {
-        GptConfig::new(16)
-            .with_context(8)
-            .with_layers(1)
-            .with_heads(2)
-            .with_embd(16)
-    }
-    /// Rank `r`'s windows of step `step`: inputs and targets `[2, 8]`.
-    fn windows<B: burn::tensor::backend::Backend>(
-        step: usize,
-        r: usize,
-        device: &B::Device,
-    ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
-        let tokens: Vec<i64> = (0..2 * 9)
-            .map(|i| ((i * 7 + step * 5 + r * 3) % 16) as i64)
-            .collect();
-        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [2, 9]), device);
-        (t.clone().slice([0..2, 0..8]), t.slice([0..2, 1..9]))
-    }
     let reference = run_ranks(ranks(WORLD), Duration::from_secs(300), |comm| {
         let (r, device) = (comm.rank(), Device::default());
         let _dp = bind_rank(comm);
         let mut model: Gpt<DpFlex> =
-            bonfire::replicate(seeded(1 + r as u64, &device, |d| config().init(d)));
+            bonfire::replicate(seeded(1 + r as u64, &device, |d| tiny_gpt(1).init(d)));
         let mut optim = adam().init::<DpFlex, Gpt<DpFlex>>();
         for step in 0..3 {
             let (x, y) = windows::<DpFlex>(step, r, &device);
@@ -497,7 +503,7 @@ fn the_bundled_gpt_fully_sharded_equals_ddp() {
     let sharded = run_ranks(ranks(WORLD), Duration::from_secs(300), |comm| {
         let (r, device) = (comm.rank(), Device::default());
         let _dp = bind_rank(comm);
-        let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| config().init(d));
+        let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| tiny_gpt(1).init(d));
         let mut model = fully_shard(model).unwrap();
         let mut optim = adam().init::<FsdpFlex, Gpt<FsdpFlex>>();
         for step in 0..3 {
@@ -507,8 +513,8 @@ fn the_bundled_gpt_fully_sharded_equals_ddp() {
         }
         (parameters(&model), elements(&model))
     });
-    let whole = split_elements(|d| config().init::<FsdpFlex>(d), 1);
-    let expected = split_elements(|d| config().init::<FsdpFlex>(d), WORLD);
+    let whole = split_elements(|d| tiny_gpt(1).init::<FsdpFlex>(d), 1);
+    let expected = split_elements(|d| tiny_gpt(1).init::<FsdpFlex>(d), WORLD);
     assert!(
         expected < whole * 6 / 10,
         "{expected} of {whole} elements split"
@@ -520,6 +526,113 @@ fn the_bundled_gpt_fully_sharded_equals_ddp() {
             "rank {r}: {diff:e} from DDP's parameters"
         );
         assert_eq!((*elements, *held), (whole, expected), "rank {r}'s elements");
+    }
+}
+
+/// ZeRO stage 3's gathers started ahead of need (`bonfire::prefetch_gathers`), on the bundled
+/// GPT at 2 ranks with the stage 3 wrapper: 5 Adam steps, and between the second and third an
+/// evaluation's forward (a pass with no backward). One and four parameters at a time, the
+/// parameters are the same bits as with none; from the second step on every read of a
+/// parameter is served by a gather started ahead (four to an all-gather), but the first after
+/// the evaluation.
+#[test]
+fn gathers_started_ahead_change_no_bit_and_serve_every_step_after_the_first() {
+    use bonfire::models::Gpt;
+    const WORLD: usize = 2;
+    const STEPS: usize = 5;
+    /// Each rank's parameters, and what each step (its forward, backward and optimizer step)
+    /// and the evaluation communicated.
+    fn run(n: usize) -> Vec<(Params, Vec<TpStats>, TpStats)> {
+        on_ranks(WORLD, move |r| {
+            let device = Device::default();
+            let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| tiny_gpt(2).init(d));
+            let mut model = fully_shard(model).unwrap();
+            bonfire::prefetch_gathers(n);
+            let mut optim =
+                bonfire::sharded(adam().init::<FsdpFlex, Gpt<FsdpFlex>>()).stage(ZeroStage::Three);
+            let (mut steps, mut eval) = (Vec::new(), TpStats::default());
+            for step in 0..STEPS {
+                if step == 2 {
+                    let before = tensor_parallel::stats().unwrap();
+                    let (x, y) = windows::<FsdpFlex>(99, r, &device);
+                    let _ = model.loss(x, y).into_scalar();
+                    eval = tensor_parallel::stats().unwrap().since(&before);
+                }
+                let before = tensor_parallel::stats().unwrap();
+                let (x, y) = windows::<FsdpFlex>(step, r, &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.step(1e-2, model, grads);
+                steps.push(tensor_parallel::stats().unwrap().since(&before));
+            }
+            (parameters(&model), steps, eval)
+        })
+    }
+    let none = run(0);
+    for n in [1, 4] {
+        let ahead = run(n);
+        for (r, ((params, steps, eval), (p0, s0, e0))) in ahead.iter().zip(&none).enumerate() {
+            let needed: Vec<u64> = s0.iter().map(|s| s.gathers).collect();
+            let served: Vec<u64> = steps.iter().map(|s| s.served_ahead).collect();
+            let direct: Vec<u64> = steps
+                .iter()
+                .map(|s| s.gathers - s.gathers_started_ahead)
+                .collect();
+            let started: Vec<u64> = steps.iter().map(|s| s.gathers_started_ahead).collect();
+            let dropped: u64 =
+                steps.iter().map(|s| s.dropped_ahead).sum::<u64>() + eval.dropped_ahead;
+            eprintln!(
+                "{n} at a time, rank {r}: reads per step {needed:?}, served ahead {served:?}, \
+                 gathered at need {direct:?}, all-gathers started ahead {started:?}, dropped \
+                 {dropped}; evaluation: {} reads, {} served ahead",
+                e0.gathers, eval.served_ahead
+            );
+            assert!(
+                params == p0,
+                "{n} at a time, rank {r}: the parameters differ from those without prefetch by {:e}",
+                max_abs_diff(params, p0)
+            );
+            assert_eq!(s0.iter().map(|s| s.served_ahead).sum::<u64>(), 0);
+            assert!(needed[0] > 20, "{needed:?}");
+            assert_eq!(
+                (served[0], direct[0]),
+                (0, needed[0]),
+                "{n}, rank {r}: the first step records"
+            );
+            for k in [1, 3, 4] {
+                assert_eq!(
+                    (served[k], direct[k]),
+                    (needed[k], 0),
+                    "{n} at a time, rank {r}: step {k}'s reads served ahead, and gathered at need"
+                );
+                // Bundled: one all-gather for every `n` parameters (the next step's first bundles
+                // are started at the end of each step).
+                let bundles = needed[k].div_ceil(n as u64);
+                assert!(
+                    started[k] >= bundles - 1 && started[k] <= bundles + 2,
+                    "{n} at a time, rank {r}: step {k} started {} all-gathers for {} reads",
+                    started[k],
+                    needed[k]
+                );
+            }
+            // The evaluation's forward is served as a step's forward is; step 2's forward, which
+            // follows it, begins a new pass: its first read waits for a gather of its own, what
+            // was started ahead is dropped, and the order is recorded again from there (step 3
+            // is served whole).
+            assert_eq!(
+                (eval.served_ahead, eval.gathers - eval.gathers_started_ahead),
+                (e0.gathers, 0),
+                "{n} at a time, rank {r}: the evaluation"
+            );
+            assert_eq!(
+                (served[2], direct[2]),
+                (needed[2] - 1, 1),
+                "{n} at a time, rank {r}: step 2"
+            );
+            assert!(
+                dropped >= 1 && dropped <= 2 * n as u64,
+                "{n} at a time, rank {r}: {dropped} parameters gathered ahead were dropped"
+            );
+        }
     }
 }
 

@@ -44,6 +44,19 @@ pub trait LocalParts: Send + Sync {
         let _ = (tensor, param);
         None
     }
+    /// `tensor`, parameter `param`'s value as an optimizer step left it (placed at rest, after
+    /// [`LocalParts::reshard`]), marked for the next step: under ZeRO stage 3 it is registered
+    /// so that its gathers can start ahead of need. `None` where nothing changes (by default).
+    fn at_rest(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
+        let _ = (tensor, param);
+        None
+    }
+    /// An optimizer step begins: values marked at rest by the last one are let go. By default,
+    /// nothing.
+    fn step_begins(&self) {}
+    /// An optimizer step ended, its parameters' values marked ([`LocalParts::at_rest`]). By
+    /// default, nothing.
+    fn step_ended(&self) {}
     /// How parameter `param` (its id's number) is sharded at rest over the data-parallel ranks
     /// themselves (ZeRO stage 3), so that its gradient is reduce-scattered and each rank
     /// receives only its slice; `None` for a parameter kept whole (all-reduced). By default,
@@ -154,7 +167,10 @@ pub(crate) fn resharded<B: burn::tensor::backend::AutodiffBackend, const D: usiz
         return t;
     };
     let inner = t.clone().inner().into_primitive().tensor();
-    let Some(placed) = parts.reshard(&inner, id.val()) else {
+    let placed = parts.reshard(&inner, id.val());
+    let current: &dyn Any = placed.as_deref().unwrap_or(&inner);
+    let marked = parts.at_rest(current, id.val());
+    let Some(placed) = marked.or(placed) else {
         return t;
     };
     let placed = *placed
@@ -172,6 +188,21 @@ pub(crate) fn resharded<B: burn::tensor::backend::AutodiffBackend, const D: usiz
         ));
     }
     fresh
+}
+
+/// Tells the backend of `B` that an optimizer step begins (see [`LocalParts::step_begins`]).
+pub(crate) fn step_begins<B: burn::tensor::backend::AutodiffBackend>() {
+    if let Some(parts) = parts_of::<FloatTensor<B::InnerBackend>>() {
+        parts.step_begins();
+    }
+}
+
+/// Tells the backend of `B` that an optimizer step ended, its parameters' values placed at rest
+/// by [`resharded`] (see [`LocalParts::step_ended`]).
+pub(crate) fn step_ended<B: burn::tensor::backend::AutodiffBackend>() {
+    if let Some(parts) = parts_of::<FloatTensor<B::InnerBackend>>() {
+        parts.step_ended();
+    }
 }
 
 /// This rank's part of parameter `id`'s value `t` as f32, in host memory; a failed read fails

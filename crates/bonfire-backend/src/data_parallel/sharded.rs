@@ -210,8 +210,10 @@ where
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
         if self.stage == ZeroStage::Three {
             check_fully_sharded::<M, B>(&module);
-            let module = self.inner.step(lr, module, grads);
-            return module.map(&mut Reshard);
+            local::step_begins::<B>();
+            let module = self.inner.step(lr, module, grads).map(&mut Reshard);
+            local::step_ended::<B>();
+            return module;
         }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step(lr, module, grads);
@@ -228,8 +230,10 @@ where
     fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
         if self.stage == ZeroStage::Three {
             check_fully_sharded::<M, B>(&module);
-            let module = self.inner.step_multi(lr, module, grads);
-            return module.map(&mut Reshard);
+            local::step_begins::<B>();
+            let module = self.inner.step_multi(lr, module, grads).map(&mut Reshard);
+            local::step_ended::<B>();
+            return module;
         }
         let Some((rep, plan)) = self.plan_for::<M, B>(&module) else {
             return self.inner.step_multi(lr, module, grads);
@@ -257,7 +261,8 @@ where
 }
 
 /// Places again, as the backend keeps them at rest, the parameters a step left whole (ZeRO stage
-/// 3: an op without a rule, such as AMSGrad's maximum, makes its result whole).
+/// 3: an op without a rule, such as AMSGrad's maximum, makes its result whole), and marks each
+/// new value so that the next step's gathers of it can start ahead of need.
 struct Reshard;
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Reshard {

@@ -44,13 +44,23 @@ pub struct TpStats {
     pub all_reduce_time: Duration,
     /// Part of `all_reduce_time` spent before every peer had called the all-reduce.
     pub all_reduce_peer_wait: Duration,
-    /// Gathers run.
+    /// Gathers run (all-gathers, those started ahead included).
     pub gathers: u64,
+    /// Of `gathers`, those started ahead of need (ZeRO stage 3's prefetch, see
+    /// `bonfire::prefetch_gathers`), each of one or more parameters.
+    pub gathers_started_ahead: u64,
+    /// Reads of a sharded parameter that a gather started ahead served (the others waited
+    /// for a gather of their own: `gathers - gathers_started_ahead`).
+    pub served_ahead: u64,
+    /// Parameters gathered ahead that nothing read (the program left the recorded order, as an
+    /// evaluation's forward does), dropped.
+    pub dropped_ahead: u64,
     /// Bytes this rank contributed to them.
     pub gather_bytes: u64,
-    /// Time the gathers held up this rank's thread, from reading its part to the whole tensor
-    /// received (none overlaps compute: under ZeRO stage 3 this is the time its parameter
-    /// gathers cost the step).
+    /// Time the gathers held up this rank's thread: from reading its part to the whole tensor
+    /// received for one gathered at need; for one started ahead, reading its part when it was
+    /// started and waiting for it when it was needed (under ZeRO stage 3 this is the time its
+    /// parameter gathers cost the step).
     pub gather_time: Duration,
     /// Broadcasts run (a plan's parameters from rank 0).
     pub broadcasts: u64,
@@ -71,6 +81,9 @@ impl TpStats {
         self.all_reduce_time += other.all_reduce_time;
         self.all_reduce_peer_wait += other.all_reduce_peer_wait;
         self.gathers += other.gathers;
+        self.gathers_started_ahead += other.gathers_started_ahead;
+        self.served_ahead += other.served_ahead;
+        self.dropped_ahead += other.dropped_ahead;
         self.gather_bytes += other.gather_bytes;
         self.gather_time += other.gather_time;
         self.broadcasts += other.broadcasts;
@@ -89,6 +102,9 @@ impl TpStats {
                 .all_reduce_peer_wait
                 .saturating_sub(earlier.all_reduce_peer_wait),
             gathers: self.gathers - earlier.gathers,
+            gathers_started_ahead: self.gathers_started_ahead - earlier.gathers_started_ahead,
+            served_ahead: self.served_ahead - earlier.served_ahead,
+            dropped_ahead: self.dropped_ahead - earlier.dropped_ahead,
             gather_bytes: self.gather_bytes - earlier.gather_bytes,
             gather_time: self.gather_time.saturating_sub(earlier.gather_time),
             broadcasts: self.broadcasts - earlier.broadcasts,
@@ -104,6 +120,12 @@ impl TpStats {
     }
 }
 
+/// How many parameters a fully sharded group gathers ahead of need at a time unless told
+/// otherwise: across a link of a 2 ms round trip the bundled GPT's gathers held a rank 38-40% of
+/// its training time with none, 23% one at a time, 14-16% eight at a time (BENCHMARKS.md);
+/// about a transformer block's parameters, the unit PyTorch FSDP gathers together.
+pub(crate) const DEFAULT_PREFETCH: usize = 8;
+
 /// One rank's tensor-parallel state.
 pub(crate) struct TpRank {
     pub(crate) comm: Communicator,
@@ -118,6 +140,10 @@ pub(crate) struct TpRank {
     /// In a fully sharded group: each sharded parameter's placement and whole shape, by the
     /// number of its id (this rank's: ranks that are threads of one process share ids).
     placed: Mutex<std::collections::HashMap<u64, (crate::Placement, Vec<usize>)>>,
+    /// How many parameters ZeRO stage 3 gathers ahead of need at a time (see `prefetch`).
+    prefetch_depth: std::sync::atomic::AtomicUsize,
+    /// The prefetch state (`prefetch::Prefetch` of the inner backend).
+    prefetch: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// Log the first fallback of each op at info level (`BONFIRE_TP_LOG=1`; at debug level
     /// otherwise).
     log: bool,
@@ -138,6 +164,8 @@ impl TpRank {
             stats: Mutex::new(TpStats::default()),
             fully_sharded,
             placed: Mutex::new(std::collections::HashMap::new()),
+            prefetch_depth: std::sync::atomic::AtomicUsize::new(DEFAULT_PREFETCH),
+            prefetch: Mutex::new(None),
             log,
         })
     }
@@ -162,6 +190,21 @@ impl TpRank {
 
     pub(crate) fn stats(&self) -> MutexGuard<'_, TpStats> {
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many parameters are gathered ahead of need at a time (0: none).
+    pub(crate) fn prefetch_depth(&self) -> usize {
+        self.prefetch_depth
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_prefetch_depth(&self, depth: usize) {
+        self.prefetch_depth
+            .store(depth, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn prefetch_slot(&self) -> MutexGuard<'_, Option<Box<dyn std::any::Any + Send>>> {
+        self.prefetch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Where parameter `param` (its id's number) is sharded, if it is.

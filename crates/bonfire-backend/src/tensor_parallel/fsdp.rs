@@ -126,6 +126,25 @@ fn join<D: burn_backend::DeviceOps>(
     }
 }
 
+/// Sets how many parameters the calling thread's fully sharded group (the one [`fully_shard`]
+/// sharded the model over: call it after) gathers ahead of need at a time, in one all-gather,
+/// as PyTorch FSDP's forward and backward prefetch gathers a wrapped module's parameters
+/// together: 8 unless set, 0 for none. Without such a group, does nothing.
+///
+/// Each rank records, during an optimizer step, which parameter each of its gathers was for;
+/// during the next, the parameters are gathered `n` at a time, the next `n` started when the
+/// first of the current `n` is read, so the gathers run on the communication runtime behind the
+/// compute before them (at most `2n` whole parameters held ahead). Needs the optimizer wrapped
+/// as `bonfire::sharded(optim).stage(ZeroStage::Three)`, which registers each step's new values
+/// (with Burn's optimizer unwrapped, every gather after the first step waits as before). The
+/// results are the same bits at any `n`. Set it alike on every rank (the gathers started ahead
+/// are collectives).
+pub fn prefetch_gathers(n: usize) {
+    if let Some(g) = context::current().filter(|g| g.fully_sharded) {
+        g.set_prefetch_depth(n);
+    }
+}
+
 /// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest
 /// that `ranks` divides (the first of equal ones), or none.
 pub fn shard_dim(shape: &[usize], ranks: usize) -> Option<usize> {
@@ -161,6 +180,7 @@ impl<B: AutodiffBackend + TensorParallelBackend> ModuleMapper<B> for Sharder {
         let full = whole::<B::Inner>(tp, Why::Read);
         let local = shard_of::<B::Inner>(full, dim, 1, ranks, self.group.rank());
         let split = TpTensor::local(local, placement, Some(shape));
+        let split = super::prefetch::register::<B::Inner>(&self.group, id.val(), split);
         // A leaf again, its gradients averaged by `DataParallel`.
         let t: Tensor<B, D> = Tensor::from_primitive(TensorPrimitive::Float(B::from_tp(split)))
             .require_grad()

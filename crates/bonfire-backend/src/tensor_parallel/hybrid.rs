@@ -85,6 +85,34 @@ impl<B: Backend> LocalParts for Parts<B> {
             .then(|| Box::new(placed) as Box<dyn Any>)
     }
 
+    fn at_rest(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
+        if !context::fully_sharded() {
+            return None;
+        }
+        let g = context::current().filter(|g| g.size() > 1)?;
+        let t = tp::<B>(tensor);
+        matches!(t.placement(), Placement::Shard { .. })
+            .then(|| Box::new(super::prefetch::register::<B>(&g, param, t.clone())) as Box<dyn Any>)
+    }
+
+    fn step_begins(&self) {
+        if !context::fully_sharded() {
+            return;
+        }
+        if let Some(g) = context::current().filter(|g| g.size() > 1) {
+            super::prefetch::step_begins::<B>(&g);
+        }
+    }
+
+    fn step_ended(&self) {
+        if !context::fully_sharded() {
+            return;
+        }
+        if let Some(g) = context::current().filter(|g| g.size() > 1) {
+            super::prefetch::step_ended::<B>(&g);
+        }
+    }
+
     fn shard_at_rest(&self, param: u64) -> Option<ShardAtRest> {
         if !context::fully_sharded() {
             return None;

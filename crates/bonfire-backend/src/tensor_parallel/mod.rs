@@ -8,8 +8,9 @@
 //! `redistribute` moves a tensor between placements (the only code that communicates); `rules/`
 //! hold one function per op with a rule, `fallback` what every other op does, and `ops/` (generated)
 //! wires Burn's op traits to them; `plan` splits a model's parameters; `checkpoint` saves and
-//! loads them; `fsdp` shards parameters at rest over data-parallel ranks (ZeRO-3) and
-//! `fsdp_checkpoint` saves such a model and its optimizer's state per rank; `hybrid` lets
+//! loads them; `fsdp` shards parameters at rest over data-parallel ranks (ZeRO-3), `prefetch`
+//! starts their gathers ahead of need and `fsdp_checkpoint` saves such a model and its
+//! optimizer's state per rank; `hybrid` lets
 //! `DataParallel` average a split model's gradients shard by shard.
 
 mod backend;
@@ -23,6 +24,7 @@ mod hybrid;
 mod ops;
 mod placement;
 mod plan;
+mod prefetch;
 mod redistribute;
 mod rules;
 mod tensor;

@@ -26,7 +26,7 @@ pub(crate) enum Why {
 }
 
 impl Why {
-    fn op(self) -> &'static str {
+    pub(crate) fn op(self) -> &'static str {
         match self {
             Why::Rule(op) | Why::Fallback(op) => op,
             Why::Read => "a read of the tensor",
@@ -44,7 +44,7 @@ pub(crate) fn ranks() -> usize {
     group().map_or(1, |g| g.size())
 }
 
-fn to_host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
+pub(crate) fn to_host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
     let data = futures::executor::block_on(B::float_into_data(t))
         .expect("a tensor of the inner backend can be read to the host");
     if data.dtype == DType::F32 {
@@ -56,7 +56,7 @@ fn to_host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
     }
 }
 
-fn from_host<B: Backend>(
+pub(crate) fn from_host<B: Backend>(
     values: Vec<f32>,
     shape: Shape,
     dtype: DType,
@@ -93,7 +93,7 @@ pub(crate) fn all_reduce<B: Backend>(
 }
 
 /// The whole tensor from every rank's part under `Shard { dim, blocks }`.
-fn all_gather<B: Backend>(
+pub(crate) fn all_gather<B: Backend>(
     g: &TpRank,
     local: FloatTensor<B>,
     dim: usize,
@@ -101,7 +101,6 @@ fn all_gather<B: Backend>(
     why: Why,
 ) -> FloatTensor<B> {
     let began = Instant::now();
-    let n = g.size();
     let (lshape, dtype, device) = (local.shape(), local.dtype(), B::float_device(&local));
     let values = to_host::<B>(local);
     let per = values.len();
@@ -116,16 +115,51 @@ fn all_gather<B: Backend>(
         .wait()
         .unwrap_or_else(|e| g.fail(why.op(), e));
     g.stats().gather_time += began.elapsed();
-    let parts: Vec<FloatTensor<B>> = (0..n)
+    assemble::<B>(all, &lshape, dim, blocks, dtype, &device)
+}
+
+/// The whole tensor from `all`, every rank's part (of shape `lshape`, under
+/// `Shard { dim, blocks }`) in rank order, as an all-gather returns them.
+pub(crate) fn assemble<B: Backend>(
+    all: Vec<f32>,
+    lshape: &Shape,
+    dim: usize,
+    blocks: usize,
+    dtype: DType,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    assemble_parts::<B>(split_parts::<B>(all, lshape, dtype, device), dim, blocks)
+}
+
+/// Every rank's part (of shape `lshape`) from `all`, their values in rank order.
+fn split_parts<B: Backend>(
+    all: Vec<f32>,
+    lshape: &Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> Vec<FloatTensor<B>> {
+    let per = lshape.num_elements();
+    let n = all.len() / per.max(1);
+    (0..n)
         .map(|i| {
             from_host::<B>(
                 all[i * per..(i + 1) * per].to_vec(),
                 lshape.clone(),
                 dtype,
-                &device,
+                device,
             )
         })
-        .collect();
+        .collect()
+}
+
+/// The whole tensor from every rank's part under `Shard { dim, blocks }`, in rank order.
+pub(crate) fn assemble_parts<B: Backend>(
+    parts: Vec<FloatTensor<B>>,
+    dim: usize,
+    blocks: usize,
+) -> FloatTensor<B> {
+    let n = parts.len();
+    let lshape = parts[0].shape();
     if blocks == 1 {
         return B::float_cat(parts, dim);
     }
@@ -238,7 +272,7 @@ pub(crate) fn whole<B: Backend>(t: TpTensor<B>, why: Why) -> FloatTensor<B> {
                         format!("a Shard({dim}) input of shape {:?}", t.shape.to_vec())
                     });
                 }
-                all_gather::<B>(&g, tensor, dim, blocks, why)
+                super::prefetch::gather::<B>(&g, tensor, t.tag, dim, blocks, why)
             }
         },
         Repr::Fill { value, device } => {

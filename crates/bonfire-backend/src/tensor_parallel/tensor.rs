@@ -19,6 +19,43 @@ pub struct TpTensor<B: Backend> {
     pub(crate) repr: Repr<B>,
     pub(crate) shape: Shape,
     pub(crate) dtype: DType,
+    /// Under ZeRO stage 3: this tensor is a parameter's shard at rest, or a view of one by
+    /// layout ops, so that its gather can be served by one started ahead (see `prefetch`).
+    pub(crate) tag: Option<Arc<ParamTag<B>>>,
+}
+
+/// A layout op on a rank's part of a tensor (a swap of dimensions, a reshape to the part's
+/// shape): it makes each rank's part of the view from its part of what it views, whichever the
+/// rank.
+pub(crate) type View<B> = Arc<dyn Fn(FloatTensor<B>) -> FloatTensor<B> + Send + Sync>;
+
+/// Which parameter's shard at rest a tensor shows, and how (see [`TpTensor::tag`]).
+pub(crate) struct ParamTag<B: Backend> {
+    /// The parameter's id's number.
+    pub(crate) param: u64,
+    /// Which of the parameter's values: each value registered at rest gets a new one.
+    pub(crate) serial: u64,
+    /// The layout ops, in order, that make each rank's part of this tensor from its part of the
+    /// parameter's shard.
+    pub(crate) views: Vec<View<B>>,
+}
+
+impl<B: Backend> ParamTag<B> {
+    /// The tag of a tensor made from one tagged `from` by the layout op `view` (on parts).
+    pub(crate) fn viewed(
+        from: &Option<Arc<Self>>,
+        view: impl Fn(FloatTensor<B>) -> FloatTensor<B> + Send + Sync + 'static,
+    ) -> Option<Arc<Self>> {
+        from.as_ref().map(|t| {
+            let mut views = t.views.clone();
+            views.push(Arc::new(view));
+            Arc::new(ParamTag {
+                param: t.param,
+                serial: t.serial,
+                views,
+            })
+        })
+    }
 }
 
 pub(crate) enum Repr<B: Backend> {
@@ -161,6 +198,7 @@ impl<B: Backend> TpTensor<B> {
             repr: Repr::Local { tensor, placement },
             shape,
             dtype,
+            tag: None,
         }
     }
 
@@ -177,6 +215,7 @@ impl<B: Backend> TpTensor<B> {
             repr: Repr::Partial(cell),
             shape,
             dtype,
+            tag: None,
         }
     }
 
@@ -186,7 +225,14 @@ impl<B: Backend> TpTensor<B> {
             repr: Repr::Fill { value, device },
             shape,
             dtype,
+            tag: None,
         }
+    }
+
+    /// The same tensor, tagged `tag` (see [`TpTensor::tag`]).
+    pub(crate) fn tagged(mut self, tag: Option<Arc<ParamTag<B>>>) -> Self {
+        self.tag = tag;
+        self
     }
 
     /// Where the tensor lives (a constant counts as replicated).
@@ -224,6 +270,7 @@ impl<B: Backend> Clone for TpTensor<B> {
             },
             shape: self.shape.clone(),
             dtype: self.dtype,
+            tag: self.tag.clone(),
         }
     }
 }

@@ -198,7 +198,16 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    if let Some(holder) = address_holder(&format!("10.{FIRST_NET}.0.1")) {
+    // The kernel tears down the namespaces an earlier run deleted in the background: their
+    // address can outlive that run by a moment, so a run started right after one waits for it.
+    let first = format!("10.{FIRST_NET}.0.1");
+    let mut holder = address_holder(&first);
+    let settled = Instant::now() + Duration::from_secs(5);
+    while holder.is_some() && Instant::now() < settled {
+        std::thread::sleep(Duration::from_millis(100));
+        holder = address_holder(&first);
+    }
+    if let Some(holder) = holder {
         return Err(CliError::NoNamespaces(format!(
             "10.{FIRST_NET}.0.1 is already on interface {holder}: another `bonfire bench wan` \
              is running, or one was killed and left its namespaces (`ip netns list`, then \

@@ -122,6 +122,12 @@ pub(crate) struct GptArgs {
     /// reads it; not with --tp)
     #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
+    /// With --zero 3: how many parameters each rank gathers ahead of need at a time, in one
+    /// all-gather, behind the compute of the layers before (in the order the last step read
+    /// them; at most twice as many held whole ahead; 0 for none; the same weights at any)
+    /// [default: 8]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=64))]
+    prefetch: Option<u8>,
     /// Refuse to train when a rank would hold more than MIB mebibytes of model state
     /// (parameters, gradients and Adam's state, from the sizes it holds once sharded), and,
     /// without --tp, say what it held after training (not with --pp, a local strategy or
@@ -185,6 +191,7 @@ impl GptArgs {
             log_loss: self.log_loss,
             zero: self.zero,
             model_state_limit_mib: self.model_state_limit,
+            prefetch: self.prefetch.map(usize::from),
             allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,

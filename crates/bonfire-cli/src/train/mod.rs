@@ -101,6 +101,12 @@ pub(crate) struct VisionArgs {
     /// reads it)
     #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
+    /// With --zero 3: how many parameters each rank gathers ahead of need at a time, in one
+    /// all-gather, behind the compute of the layers before (in the order the last step read
+    /// them; at most twice as many held whole ahead; 0 for none; the same weights at any)
+    /// [default: 8]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=64))]
+    prefetch: Option<u8>,
     /// Times to restart the run after a rank fails: every rank is started again and resumes
     /// from the newest checkpoint any rank can read (sent to ranks that lack it) [default: 0]
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
@@ -271,6 +277,7 @@ impl VisionArgs {
             log_loss: self.log_loss,
             zero: self.zero,
             model_state_limit_mib: None,
+            prefetch: self.prefetch.map(usize::from),
             allow_unchecked: self.allow_unchecked,
             resume: self.resume,
             backend: self.backend.as_deref().map(str::parse).transpose()?,
@@ -308,6 +315,10 @@ pub(crate) fn run_flags<C>(v: &mut Vec<OsString>, s: &Settings<C>) {
     if let Some(mib) = s.model_state_limit_mib {
         v.push("--model-state-limit".into());
         v.push(mib.to_string().into());
+    }
+    if let Some(depth) = s.prefetch {
+        v.push("--prefetch".into());
+        v.push(depth.to_string().into());
     }
 }
 
@@ -406,6 +417,7 @@ mod tests {
             log_loss: false,
             zero: None,
             model_state_limit_mib: None,
+            prefetch: None,
             allow_unchecked: false,
         };
         let args = rank_args(&s);

@@ -55,7 +55,8 @@ pub(super) fn run<B: Backend>(
             save: bonfire::save_sharded_checkpoint::<H<B>, ResNet<H<B>>, Adam>,
             load: bonfire::load_sharded_checkpoint::<H<B>, ResNet<H<B>>, Adam>,
         };
-        let layout = |model| Ok(bonfire::fully_shard(model)?);
+        let prefetch = ctx.settings().prefetch;
+        let layout = |model| crate::optim::fully_shard(model, prefetch);
         run_on::<H<B>>(ctx, device, &layout, Some(&io))
     } else {
         let layout = |model| Ok(strategy.start(model));

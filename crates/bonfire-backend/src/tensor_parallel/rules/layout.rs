@@ -10,7 +10,7 @@ use crate::tensor_parallel::placement::{Placement, local_shape, reshape_shard};
 use crate::tensor_parallel::redistribute::{
     Why, cat_partials, derive_partial, local_of, part, ranks, whole,
 };
-use crate::tensor_parallel::tensor::{Repr, TpTensor};
+use crate::tensor_parallel::tensor::{ParamTag, Repr, TpTensor};
 
 /// Slices that keep every dimension of `shape` whole except `dim`, cut to `range`.
 pub(super) fn full_slices(shape: &Shape, dim: usize, range: Range<usize>) -> Vec<Slice> {
@@ -55,7 +55,10 @@ fn layout<I: Backend>(
             Placement::Shard { dim, blocks } => match moved(dim, blocks) {
                 Some((d, b)) => {
                     let p = Placement::Shard { dim: d, blocks: b };
-                    TpTensor::local(f(local_of::<I>(t)), p, Some(out_shape))
+                    let tag = t.tag.clone();
+                    let out = TpTensor::local(f(local_of::<I>(t)), p, Some(out_shape));
+                    // `f` runs alike on every rank's part (it ignores the shape it is given).
+                    out.tagged(ParamTag::viewed(&tag, f))
                 }
                 None => gathered::<I>(t, op, f),
             },
@@ -74,8 +77,11 @@ pub(crate) fn float_reshape<I: Backend>(tensor: TpTensor<I>, shape: Shape) -> Tp
             Some((d, b)) => {
                 let p = Placement::Shard { dim: d, blocks: b };
                 let local = local_shape(&to, p, n);
-                let out = I::float_reshape(local_of::<I>(tensor), local);
-                TpTensor::local(out, p, Some(to))
+                let tag = tensor.tag.clone();
+                let out = I::float_reshape(local_of::<I>(tensor), local.clone());
+                TpTensor::local(out, p, Some(to)).tagged(ParamTag::viewed(&tag, move |t| {
+                    I::float_reshape(t, local.clone())
+                }))
             }
             None => gathered::<I>(tensor, "float_reshape", |t| I::float_reshape(t, to)),
         },
@@ -144,8 +150,11 @@ pub(crate) fn float_expand<I: Backend>(tensor: TpTensor<I>, shape: Shape) -> TpT
                 blocks,
             };
             let local = local_shape(&shape, p, n);
-            let out = I::float_expand(local_of::<I>(tensor), local);
-            TpTensor::local(out, p, Some(shape))
+            let tag = tensor.tag.clone();
+            let out = I::float_expand(local_of::<I>(tensor), local.clone());
+            TpTensor::local(out, p, Some(shape)).tagged(ParamTag::viewed(&tag, move |t| {
+                I::float_expand(t, local.clone())
+            }))
         }
         _ => layout::<I>(
             tensor,
@@ -196,11 +205,15 @@ pub(crate) fn float_slice<I: Backend>(tensor: TpTensor<I>, slices: &[Slice]) -> 
                 dim,
                 blocks: last - first,
             };
-            TpTensor::local(
+            let tag = tensor.tag.clone();
+            let out = TpTensor::local(
                 I::float_slice(local_of::<I>(tensor), &local_slices),
                 p,
                 Some(out),
-            )
+            );
+            out.tagged(ParamTag::viewed(&tag, move |t| {
+                I::float_slice(t, &local_slices)
+            }))
         }
         _ => layout::<I>(
             tensor,

@@ -86,29 +86,20 @@ impl<B: Backend> LocalParts for Parts<B> {
     }
 
     fn at_rest(&self, tensor: &dyn Any, param: u64) -> Option<Box<dyn Any>> {
-        if !context::fully_sharded() {
-            return None;
-        }
-        let g = context::current().filter(|g| g.size() > 1)?;
+        let g = sharding_group()?;
         let t = tp::<B>(tensor);
         matches!(t.placement(), Placement::Shard { .. })
             .then(|| Box::new(super::prefetch::register::<B>(&g, param, t.clone())) as Box<dyn Any>)
     }
 
     fn step_begins(&self) {
-        if !context::fully_sharded() {
-            return;
-        }
-        if let Some(g) = context::current().filter(|g| g.size() > 1) {
+        if let Some(g) = sharding_group() {
             super::prefetch::step_begins::<B>(&g);
         }
     }
 
     fn step_ended(&self) {
-        if !context::fully_sharded() {
-            return;
-        }
-        if let Some(g) = context::current().filter(|g| g.size() > 1) {
+        if let Some(g) = sharding_group() {
             super::prefetch::step_ended::<B>(&g);
         }
     }
@@ -154,4 +145,10 @@ impl<B: Backend> LocalParts for Parts<B> {
             .expect("write returns TpTensor<B>");
         Box::new(fsdp::place_as_param::<B>(placed, param))
     }
+}
+
+/// The calling thread's group where it shards parameters at rest (ZeRO stage 3) over several
+/// ranks.
+fn sharding_group() -> Option<std::sync::Arc<context::TpRank>> {
+    context::current().filter(|g| g.fully_sharded && g.size() > 1)
 }

@@ -198,20 +198,15 @@ pub(crate) fn gather<B: Backend>(
             if s.order.first() == Some(&need) {
                 // A new pass began before the recorded one ended (as after an evaluation's
                 // forward, which has no backward): the order is recorded again from here.
-                s.recording.clear();
-                s.recording.push(need);
+                s.recording = vec![need];
                 s.at = 1;
-                s.next = 1;
-                s.start(g, depth);
-            } else {
-                // Where it is in the order, the next reads are those after it; a read the
-                // order does not have leaves the rank where it was.
-                if let Some(j) = s.find(need) {
-                    s.at = j + 1;
-                }
-                s.next = s.at;
-                s.start(g, depth);
+            } else if let Some(j) = s.find(need) {
+                // The next reads are those after it (a read the order does not have leaves
+                // the rank where it was).
+                s.at = j + 1;
             }
+            s.next = s.at;
+            s.start(g, depth);
             return None;
         }
         let index = s.at;
@@ -273,8 +268,8 @@ pub(crate) fn step_begins<B: Backend>(g: &TpRank) {
 /// by, and the first of them start now, behind what the program does until its next forward.
 pub(crate) fn step_ended<B: Backend>(g: &TpRank) {
     let depth = g.prefetch_depth();
+    // Nothing was started ahead since the step began (`step_begins` dropped it all).
     with_state::<B, _>(g, |s| {
-        s.drop_ahead(g, usize::MAX);
         if !s.recording.is_empty() {
             s.order = std::mem::take(&mut s.recording);
         }

@@ -1074,6 +1074,7 @@ variants!(
         JobError::Init(..),
         JobError::Collective { .. },
         JobError::FromRank0 { .. },
+        JobError::DroppedAlive { .. },
         JobError::Handoff(..),
         JobError::WrongJob { .. },
         JobError::Bf16NotSet { .. },
@@ -1187,6 +1188,7 @@ fn job_examples() -> Vec<JobError> {
         JobError::FromRank0 {
             message: "--batch 0: must be at least 1".into(),
         },
+        JobError::DroppedAlive { rank: 1 },
         JobError::Handoff(json_error()),
         JobError::WrongJob {
             expected: "vision",

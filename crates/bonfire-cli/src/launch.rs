@@ -174,6 +174,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
             .collect(),
         prefix_output: true,
         expendable,
+        expendable_deaths_only: false,
         cpu_bind,
     };
     let launched = launch(&config)?;

@@ -8,7 +8,10 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{bonfire, f, kill_after_first_checkpoint, scratch, state, text};
+use common::{
+    bonfire, f, kill_a_rank_after_first_checkpoint, kill_after_first_checkpoint, scratch, state,
+    text,
+};
 
 /// A tiny GPT: one block of width 32 over 16 characters, 8 windows per rank per step.
 const TINY: [&str; 22] = [
@@ -1152,6 +1155,57 @@ fn local_strategies_meet_learn_and_resume_exactly() {
         let out = bonfire(&dir, &[&TINY[..], args].concat()).output().unwrap();
         assert_clean_failure(&out, needle);
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--strategy ps-async` trains on without a worker that dies: 4 ranks (workers 0 to 2, rank 3
+/// serving), worker 1's process killed with SIGKILL once the first checkpoint is written. The
+/// run succeeds with no restart: the server drops the worker, the ranks left say they go on
+/// without it and evaluate, save and report among themselves, every round is recorded, and the
+/// model still learns.
+#[test]
+fn asynchronous_parameter_servers_train_on_without_a_dead_worker() {
+    let dir = scratch("gpt-ps-dead");
+    let run = dir.join("run");
+    let mut cmd = bonfire(&dir, &TINY);
+    cmd.args(["--steps", "60", "--dp", "4", "--strategy", "ps-async"])
+        .arg("--checkpoint-dir")
+        .arg(&run);
+    let out = kill_a_rank_after_first_checkpoint(&mut cmd, &run, 1);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains("dropped worker 1 after"), "{log}");
+    assert!(
+        log.contains("going on without rank(s) 1 (the parameter servers dropped them): 3 of 4"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the run finished without expendable rank that failed (rank 1"),
+        "{log}"
+    );
+    assert!(!log.contains("restart"), "{log}");
+    // Workers 0 and 2 pushed every step of theirs; worker 1 at least its first round's.
+    let pushes: u64 = log
+        .split("steps from ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no server line in: {log}"));
+    assert!(
+        (2 * 60 + 10..3 * 60).contains(&pushes),
+        "{pushes} pushes: {log}"
+    );
+    let s = state(&run, 6);
+    let h = s["history"].as_array().unwrap();
+    assert_eq!(h.len(), 6);
+    assert_eq!(h[5]["step"], 60);
+    // Asynchronous steps depend on timing: the bound is loose (a uniform guess is 4.2).
+    let (first, last) = (f(&h[0]["val_loss"]), f(&h[5]["val_loss"]));
+    assert!(
+        last.is_finite() && last < 3.6 && last < first - 0.05,
+        "validation loss {first} -> {last}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -444,8 +444,9 @@ fn diloco_meets_learns_and_resumes_exactly() {
 /// servers ends on the weights of allreduce at 2 ranks (a server's mean of two gradients is the
 /// all-reduce's, bit for bit); killed after its first checkpoint and resumed (the checkpoint
 /// holds both servers' Adam states, each server takes back its share) it ends there too;
-/// `ps-async` trains and reports its staleness; flags that need another strategy, a job without
-/// a worker, bf16 gradients and the GPT job's tensor parallelism refuse them.
+/// `ps-async` trains, reports its staleness and goes on without a worker killed mid-run; flags
+/// that need another strategy, a job without a worker, bf16 gradients and the GPT job's tensor
+/// parallelism refuse them.
 #[test]
 fn parameter_servers_equal_allreduce_and_resume_exactly() {
     let dir = scratch("train-ps");
@@ -516,16 +517,28 @@ fn parameter_servers_equal_allreduce_and_resume_exactly() {
         );
     }
 
-    let log = run(
-        &["--ranks", "3", "--strategy", "ps-async", "--staleness", "1"],
-        &dir.join("async"),
-    );
+    // ps-async at 4 ranks, 2 of them servers, worker 1 killed once the first epoch is saved:
+    // both servers drop it, the job goes on without a restart, and the ranks left evaluate
+    // the whole test set among themselves every epoch.
+    let dead = dir.join("async");
+    let mut cmd = bonfire(&dir, &common);
+    cmd.args(["--ranks", "4", "--strategy", "ps-async", "--staleness", "1"])
+        .args(["--servers", "2", "--checkpoint-dir"])
+        .arg(&dead);
+    let out = kill_a_rank_after_first_checkpoint(&mut cmd, &dead, 1);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
     assert!(
-        log.contains("ps-async, 1 server(s), staleness bound 1")
-            && log.contains("36 steps from 36 pushes")
-            && log.contains("histogram ["),
+        log.contains("ps-async, 2 server(s), staleness bound 1")
+            && log.contains("histogram [")
+            && log.matches("dropped worker 1 after").count() == 2
+            && log.contains("going on without rank(s) 1 (the parameter servers dropped them)"),
         "{log}"
     );
+    let a = state(&dead, 3);
+    for e in 0..3 {
+        assert_eq!(a["history"][e]["test_images"], 200, "epoch {}", e + 1);
+    }
 
     for (args, needle) in [
         (

@@ -17,6 +17,7 @@ use crate::{Algorithm, Collective, CollectiveError, CommConfig, Element, Work};
 /// Words mixed into derived group ids, so that different derivations cannot collide.
 const SPLIT: u64 = 0x0053_504c_4954; // "SPLIT"
 const P2P: u64 = 0x0050_3250; // "P2P"
+const SUBGROUP: u64 = 0x5355_4247_5250; // "SUBGRP"
 
 /// A group of ranks that run collectives together, like an MPI communicator or a PyTorch
 /// process group.
@@ -405,6 +406,43 @@ impl Communicator {
             timeout: self.timeout,
             caller_driven: false,
         }))
+    }
+
+    /// The group of `members` (indices here, in the order given), formed without a collective:
+    /// every member must pass the same list, and the others get `None`. It is how ranks that
+    /// already agree on who is left go on without a dead member, which a [`split`] cannot do
+    /// (every member must call it). The new group's id is derived from this group's and the
+    /// list, so each list must be asked for at most once.
+    ///
+    /// [`split`]: Communicator::split
+    pub fn subgroup(&self, members: &[usize]) -> Option<Communicator> {
+        let me = members.iter().position(|&i| i == self.rank())?;
+        let g = &self.group;
+        assert!(
+            members.iter().all(|&i| i < self.size()),
+            "subgroup {members:?} of a group of {}",
+            self.size()
+        );
+        let mut key = vec![SUBGROUP];
+        key.extend(members.iter().map(|&i| i as u64));
+        Some(Communicator {
+            group: Arc::new(Group {
+                id: g.id.derive(&key),
+                nodes: members.iter().map(|&i| g.nodes[i]).collect(),
+                members: members.iter().map(|&i| g.members[i]).collect(),
+                me: me as u32,
+                transport: g.transport.clone(),
+                config: g.config.clone(),
+                reducer: g.reducer.clone(),
+                runtime: g.runtime.clone(),
+                seq: AtomicU64::new(0),
+                sends: Mutex::new(HashMap::new()),
+                recvs: Mutex::new(HashMap::new()),
+            }),
+            algorithm: self.algorithm,
+            timeout: self.timeout,
+            caller_driven: false,
+        })
     }
 
     /// This rank's data-parallel, tensor-parallel and pipeline groups in `mesh`, by [`split`]s

@@ -179,6 +179,61 @@ fn a_rank_that_dies_mid_collective_is_named_quickly() {
     }
 }
 
+/// After a member dies the others, agreeing on who is left, go on in a subgroup formed without
+/// a collective: its all-reduce and all-gather equal a sequential oracle over the survivors, in
+/// the order the list gives, and the parent group still names the dead member.
+#[test]
+fn the_survivors_of_a_dead_rank_go_on_in_a_subgroup() {
+    let results = run_ranks(Communicator::in_process(4, patient()), DEADLINE, |comm| {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(comm);
+            return None;
+        }
+        let err = comm
+            .all_reduce(vec![1.0f32; 64], ReduceOp::Sum)
+            .wait()
+            .unwrap_err()
+            .to_string();
+        let survivors = [3, 0, 1];
+        assert_eq!(
+            comm.subgroup(&[1, 3]).is_some(),
+            comm.rank() != 0,
+            "members get the group, the others none"
+        );
+        let sub = comm.subgroup(&survivors).expect("a survivor is a member");
+        let x: Vec<f64> = (0..1000)
+            .map(|i| ((i * 7 + comm.rank() * 13) % 17) as f64 * 0.25)
+            .collect();
+        let sum = sub.all_reduce(x, ReduceOp::Sum).wait().unwrap();
+        let gathered = sub.all_gather(vec![comm.rank() as i64]).wait().unwrap();
+        Some((err, sub.rank(), sub.size(), sum, gathered))
+    });
+    let oracle: Vec<f64> = (0..1000)
+        .map(|i| {
+            [3usize, 0, 1]
+                .iter()
+                .map(|r| ((i * 7 + r * 13) % 17) as f64 * 0.25)
+                .sum()
+        })
+        .collect();
+    for (rank, r) in results.into_iter().enumerate() {
+        let Some((err, at, size, sum, gathered)) = r else {
+            assert_eq!(rank, 2);
+            continue;
+        };
+        assert!(err.contains("rank 2"), "rank {rank}: {err}");
+        assert_eq!(
+            at,
+            [1, 2, 99, 0][rank],
+            "rank {rank}'s place in the subgroup"
+        );
+        assert_eq!(size, 3);
+        assert_eq!(sum, oracle, "rank {rank}");
+        assert_eq!(gathered, vec![3, 0, 1], "rank {rank}");
+    }
+}
+
 #[test]
 fn invalid_arguments_fail_the_caller_and_abort_the_others() {
     let errs = errors(3, patient(), |comm| {

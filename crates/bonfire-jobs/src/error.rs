@@ -239,6 +239,16 @@ pub enum JobError {
         /// The cause.
         source: Box<CollectiveError>,
     },
+    /// Asynchronous parameter servers dropped this rank, which is alive (it was silent past the
+    /// timeout): the ranks left go on without it.
+    #[error(
+        "rank {rank}: the parameter servers dropped this worker (it was silent past the timeout); \
+         the ranks left go on without it"
+    )]
+    DroppedAlive {
+        /// This rank.
+        rank: usize,
+    },
     /// Rank 0 could not settle the run; this rank took its decision.
     #[error("rank 0: {message}")]
     FromRank0 {

@@ -35,6 +35,12 @@ pub trait JobConfig: Clone + Debug + PartialEq + Serialize + DeserializeOwned {
     fn local_strategy(&self) -> bool {
         false
     }
+    /// The ranks whose death the job survives (the launcher lets it go on without them): the
+    /// workers of asynchronous parameter servers (`--strategy ps-async`), which the servers
+    /// drop; none otherwise.
+    fn expendable_ranks(&self) -> Vec<usize> {
+        Vec::new()
+    }
     /// Whether the job can shard its parameters at rest over the replicas (`--zero 3`).
     fn fully_shards(&self) -> bool {
         false

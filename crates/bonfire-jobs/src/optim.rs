@@ -122,6 +122,13 @@ where
         }
     }
 
+    /// The workers asynchronous parameter servers had dropped by the last round's end, the
+    /// same on every rank left (`bonfire::ParamServer::departed`); empty under the other
+    /// strategies.
+    pub(crate) fn departed(&self) -> &[usize] {
+        self.as_served().map_or(&[], |o| o.departed())
+    }
+
     /// Parameter servers, when that is the strategy.
     pub(crate) fn as_served(&self) -> Option<&ParamServer<OptimizerAdaptor<O, M, B>>> {
         match &self.optim {

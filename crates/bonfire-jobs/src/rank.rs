@@ -154,6 +154,17 @@ pub struct RankContext<'a, J: Job> {
     reporter: &'a mut dyn Reporter,
     straggler: Option<String>,
     to_say: Vec<String>,
+    /// The job's ranks that are left, once asynchronous parameter servers dropped workers
+    /// ([`RankContext::go_on_without`]): the job's collectives run over them.
+    left: Option<Left>,
+}
+
+/// The ranks left in a job after some died, and the group they form.
+struct Left {
+    /// The job's ranks that are gone, ascending.
+    gone: Vec<usize>,
+    /// The job's other ranks, in rank order.
+    comm: Communicator,
 }
 
 impl<'a, J: Job> RankContext<'a, J> {
@@ -170,7 +181,59 @@ impl<'a, J: Job> RankContext<'a, J> {
             reporter,
             straggler: None,
             to_say: Vec::new(),
+            left: None,
         }
+    }
+
+    /// The group the job's own collectives run over (sums, gathers, checkpoints): every rank of
+    /// the job, or the ranks left once some were dropped ([`RankContext::go_on_without`]).
+    pub fn comm(&self) -> &Communicator {
+        self.left.as_ref().map_or(self.world.comm(), |l| &l.comm)
+    }
+
+    /// The data-parallel group, or the ranks left (parameter servers, the only runs that go on
+    /// without ranks, have no tensor or pipeline groups: their data-parallel group is the job).
+    pub fn dp_group(&self) -> &Communicator {
+        self.left
+            .as_ref()
+            .map_or(self.world.dp_group(), |l| &l.comm)
+    }
+
+    /// The job's ranks that are gone (ascending; empty while every rank trains).
+    pub fn gone(&self) -> &[usize] {
+        self.left.as_ref().map_or(&[], |l| &l.gone)
+    }
+
+    /// Goes on without the job's ranks `gone` (ascending, a list that only grows: the workers
+    /// asynchronous parameter servers dropped, `bonfire::ParamServer::departed`, which every
+    /// rank left holds alike): from now on the job's collectives run over the other ranks, and
+    /// the first of them reports and writes the checkpoints. Says so once per change; returns
+    /// whether the ranks changed. A rank that finds itself in `gone` fails.
+    pub fn go_on_without(&mut self, gone: &[usize]) -> Result<bool, JobError> {
+        if gone == self.gone() {
+            return Ok(false);
+        }
+        let ranks: Vec<usize> = (0..self.world_size())
+            .filter(|r| !gone.contains(r))
+            .collect();
+        let Some(comm) = self.world.comm().subgroup(&ranks) else {
+            return Err(JobError::DroppedAlive { rank: self.rank() });
+        };
+        self.left = Some(Left {
+            gone: gone.to_vec(),
+            comm,
+        });
+        let names: Vec<String> = gone.iter().map(|r| r.to_string()).collect();
+        let text = format!(
+            "going on without rank(s) {} (the parameter servers dropped them): {} of {} ranks \
+             left, rank {} reports and writes the checkpoints",
+            names.join(", "),
+            ranks.len(),
+            self.world_size(),
+            ranks[0]
+        );
+        self.say(Say::Notice, &text);
+        Ok(true)
     }
 
     /// The job this rank belongs to.
@@ -193,9 +256,13 @@ impl<'a, J: Job> RankContext<'a, J> {
         self.world.world_size()
     }
 
-    /// True on rank 0, which reports and writes the checkpoints.
+    /// True on rank 0, which reports and writes the checkpoints (once ranks are gone, on the
+    /// first rank left).
     pub fn is_main(&self) -> bool {
-        self.world.is_main()
+        match &self.left {
+            Some(l) => l.comm.rank() == 0,
+            None => self.world.is_main(),
+        }
     }
 
     /// Rank 0 says `text` (the other ranks say nothing).
@@ -211,20 +278,25 @@ impl<'a, J: Job> RankContext<'a, J> {
     /// the slowest.
     ///
     /// Only the first `trainers` ranks are compared for stragglers (parameter servers, the
-    /// last ranks, train nothing).
+    /// last ranks, train nothing). Once ranks are gone, only those left are gathered.
     pub fn epoch_times(
         &mut self,
         mine: RankTimes,
         trainers: usize,
     ) -> Result<Vec<RankTimes>, JobError> {
         let all = self
-            .world
             .comm()
             .all_gather(mine.values())
             .wait()
             .map_err(JobError::collective("gathering every rank's epoch times"))?;
         let times = RankTimes::from_gathered(&all);
-        let found = stragglers(&times[..trainers.min(times.len())], THRESHOLD);
+        // The ranks gone were trainers; the others are named by their rank in the job.
+        let trainers = trainers.saturating_sub(self.gone().len());
+        let mut found = stragglers(&times[..trainers.min(times.len())], THRESHOLD);
+        let members = self.comm().members().to_vec();
+        for s in &mut found {
+            s.rank = members[s.rank].0 as usize;
+        }
         self.straggler = found.first().map(|s| s.short());
         self.to_say = found
             .iter()
@@ -281,7 +353,6 @@ impl<'a, J: Job> RankContext<'a, J> {
             i64::try_from(l.state.epochs_done).unwrap_or(i64::MAX)
         });
         let all = self
-            .world
             .comm()
             .all_gather(vec![mine])
             .wait()
@@ -300,7 +371,7 @@ impl<'a, J: Job> RankContext<'a, J> {
         // copy) receive it from the lowest rank that holds it.
         let holder = loaded.as_ref().ok().filter(|_| mine == target);
         let shared = bonfire::checkpoint::share_newest(
-            self.world.comm(),
+            self.comm(),
             &dir,
             &all,
             holder.map(|l| l.dir.as_path()),
@@ -400,7 +471,7 @@ impl<'a, J: Job> RankContext<'a, J> {
         write: impl FnOnce(&std::path::Path) -> Result<(), JobError>,
     ) -> Result<PerRank, JobError> {
         let root = &self.settings.checkpoint_dir;
-        let comm = self.world.comm();
+        let comm = self.comm();
         let during = "agreeing on a per-rank checkpoint's directory";
         let tmp = checkpoint::staging(root, state.epochs_done);
         // Rank 0's staging directory, with a token no earlier run left: every rank must see it.
@@ -496,7 +567,7 @@ impl<'a, J: Job> RankContext<'a, J> {
         bytes: Vec<u8>,
         during: &'static str,
     ) -> Result<Vec<u8>, JobError> {
-        let comm = self.world.comm();
+        let comm = self.comm();
         let len = comm
             .broadcast(vec![bytes.len() as i64], 0)
             .wait()
@@ -538,8 +609,7 @@ impl<'a, J: Job> RankContext<'a, J> {
 
     /// The element-wise sum of every rank's `values`; `during` says what for, in an error.
     pub fn sum(&self, values: Vec<f64>, during: &'static str) -> Result<Vec<f64>, JobError> {
-        self.world
-            .comm()
+        self.comm()
             .all_reduce(values, ReduceOp::Sum)
             .wait()
             .map_err(JobError::collective(during))

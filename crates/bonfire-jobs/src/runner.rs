@@ -204,8 +204,19 @@ impl<'a, J: Job> Runner<'a, J> {
         };
         config.prefix_output = false;
         config.max_restarts = self.options.max_restarts;
+        // Workers that die are dropped; one that fails with an error of its own fails the run.
+        config.expendable = s.config.expendable_ranks();
+        config.expendable_deaths_only = true;
         config.timeout = None;
-        config.peer_timeout = Some(Duration::from_secs(60));
+        // How long a rank waits on a silent peer before naming it (a worker that died, which
+        // asynchronous parameter servers then drop): a minute, unless the environment says.
+        config.peer_timeout = Some(
+            std::env::var(bonfire::launch::env::vars::PEER_TIMEOUT)
+                .ok()
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|t| t.is_finite() && *t > 0.0)
+                .map_or(Duration::from_secs(60), Duration::from_secs_f64),
+        );
         let handoff = Handoff {
             job: J::NAME.to_string(),
             settings: s.clone(),
@@ -264,12 +275,11 @@ impl<'a, J: Job> Runner<'a, J> {
         let _compute = bonfire::compute_on_this_thread();
         let world = bonfire::init()?;
         let mut silent = Silent;
-        let reporter: &mut dyn Reporter = if world.is_main() {
-            reporter
+        let settings = if world.is_main() {
+            self.rank_settings(&world, reporter)?
         } else {
-            &mut silent
+            self.rank_settings(&world, &mut silent)?
         };
-        let settings = self.rank_settings(&world, reporter)?;
         if settings.config.bf16_gradients()
             && std::env::var("BONFIRE_GRAD_DTYPE").as_deref() != Ok("bf16")
         {
@@ -291,6 +301,8 @@ impl<'a, J: Job> Runner<'a, J> {
                 found: world.pp_group().size(),
             });
         }
+        // Every rank holds the reporter, and the context lets only its main rank speak: rank 0,
+        // or the first rank left once asynchronous parameter servers dropped ranks.
         let mut ctx = RankContext::new(&world, &settings, reporter);
         let (state, report) = self.job.train_rank(&mut ctx)?;
         Ok(Finished {

@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 pub use bonfire::launch::stragglers::{
-    Cause, MIN_EXCESS_SECS, RankTimes, Straggler, THRESHOLD, report_line, stragglers,
+    Cause, MIN_EXCESS_SECS, RankTimes, Straggler, THRESHOLD, report_line, report_line_of,
+    stragglers,
 };
 
 /// A parameter server's times for a round it served since `since`: all of it counted as

@@ -469,6 +469,16 @@ impl Strategy {
         }
     }
 
+    /// The ranks of a job of `ranks` whose death it survives: asynchronous parameter servers'
+    /// workers (the first ranks; the servers, the last ones, are not expendable). None under
+    /// the other strategies, where every rank's part is needed to the end.
+    pub fn expendable_ranks(&self, ranks: usize) -> Vec<usize> {
+        match *self {
+            Strategy::PsAsync { servers, .. } => (0..ranks.saturating_sub(servers)).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Whether a local strategy's deltas travel in int8.
     pub fn int8_deltas(&self) -> bool {
         matches!(
@@ -617,7 +627,7 @@ pub(crate) fn served_lines<J: crate::job::Job>(
     };
     // Only rank 0 prints them.
     let Some(all) = crate::rank::gather_to_root(
-        ctx.world().dp_group(),
+        ctx.dp_group(),
         mine.into_bytes(),
         "gathering the parameter servers' reports",
     )?

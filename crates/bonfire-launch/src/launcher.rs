@@ -51,6 +51,10 @@ pub struct LaunchConfig {
     /// servers): the launcher says how each ended, and the job goes on without it. A job
     /// whose other ranks all succeed succeeds.
     pub expendable: Vec<usize>,
+    /// Forgive an expendable rank only when a signal ended it (it died: killed, crashed), not
+    /// when it exited with an error of its own, which still stops the job (the bundled jobs'
+    /// parameter-server workers: a dead worker is dropped, a failing one is a failure).
+    pub expendable_deaths_only: bool,
     /// How this node's ranks are placed on its CPUs.
     pub cpu_bind: CpuBind,
 }
@@ -111,6 +115,7 @@ impl LaunchConfig {
             extra_env: Vec::new(),
             prefix_output: true,
             expendable: Vec::new(),
+            expendable_deaths_only: false,
             cpu_bind: CpuBind::None,
         }
     }
@@ -492,6 +497,13 @@ pub(crate) struct Failure {
     pub(crate) status: String,
 }
 
+/// Whether rank `rank`'s failure, ending with `status`, lets the job go on: it is one of the
+/// `expendable` ranks, and under `deaths_only` a signal ended it.
+fn forgives(expendable: &[usize], deaths_only: bool, rank: usize, status: ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    expendable.contains(&rank) && (!deaths_only || status.signal().is_some())
+}
+
 /// The ranks of this node in one round: started together, watched, stopped together.
 pub(crate) struct LocalRanks {
     running: Vec<Running>,
@@ -499,6 +511,8 @@ pub(crate) struct LocalRanks {
     failure: Option<Failure>,
     /// Ranks whose failure does not stop the job.
     expendable: Vec<usize>,
+    /// Only when a signal ended them.
+    deaths_only: bool,
     /// How the expendable ranks that failed ended (before the round was stopped: one that
     /// ends when the launcher stops it is not lost).
     pub(crate) lost: Vec<String>,
@@ -520,6 +534,7 @@ impl LocalRanks {
             pumps: Vec::new(),
             failure: None,
             expendable: c.expendable.clone(),
+            deaths_only: c.expendable_deaths_only,
             lost: Vec::new(),
             stopping: false,
         };
@@ -604,7 +619,8 @@ impl LocalRanks {
         for r in self.running.iter_mut().filter(|r| r.status.is_none()) {
             if let Ok(Some(status)) = r.child.try_wait() {
                 r.status = Some(status);
-                if !status.success() && self.expendable.contains(&r.rank) {
+                if !status.success() && forgives(&self.expendable, self.deaths_only, r.rank, status)
+                {
                     let how = format!(
                         "rank {} (pid {}) {}",
                         r.rank,
@@ -631,11 +647,13 @@ impl LocalRanks {
         (new, self.running.iter().all(|r| r.status.is_some()))
     }
 
-    /// Every rank exited with success (an expendable one: exited).
+    /// Every rank exited with success (an expendable one: exited, or died under
+    /// `expendable_deaths_only`).
     pub(crate) fn succeeded(&self) -> bool {
         self.running.iter().all(|r| {
-            r.status
-                .is_some_and(|s| s.success() || self.expendable.contains(&r.rank))
+            r.status.is_some_and(|s| {
+                s.success() || forgives(&self.expendable, self.deaths_only, r.rank, s)
+            })
         })
     }
 
@@ -912,6 +930,22 @@ mod tests {
         let mut c = sh(3, "if [ $RANK = 2 ]; then exit 4; fi; sleep 30");
         c.expendable = vec![1];
         assert_eq!(launch(&c).unwrap_err().failed_rank(), Some(2));
+    }
+
+    #[test]
+    fn deaths_only_forgives_a_killed_rank_but_not_an_error() {
+        // Rank 1 kills itself: it died, and the job goes on.
+        let mut c = sh(3, "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 0.5");
+        c.expendable = vec![1];
+        c.expendable_deaths_only = true;
+        let launched = launch(&c).unwrap();
+        assert_eq!(launched.lost.len(), 1, "{launched:?}");
+        assert!(launched.lost[0].contains("SIGKILL"), "{launched:?}");
+        // Rank 1 exits with an error of its own: the job fails, naming it.
+        let mut c = sh(3, "if [ $RANK = 1 ]; then exit 3; fi; sleep 30");
+        c.expendable = vec![1];
+        c.expendable_deaths_only = true;
+        assert_eq!(launch(&c).unwrap_err().failed_rank(), Some(1));
     }
 
     #[test]

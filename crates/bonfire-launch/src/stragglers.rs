@@ -181,14 +181,27 @@ pub fn stragglers(times: &[RankTimes], threshold: f64) -> Vec<Straggler> {
 pub fn report_line<'a>(
     epochs: impl IntoIterator<Item = (usize, &'a [RankTimes])>,
 ) -> Option<String> {
+    report_line_of(
+        epochs
+            .into_iter()
+            .map(|(e, times)| (e, times, (0..times.len()).collect())),
+    )
+}
+
+/// [`report_line`] where each epoch's times are those of the ranks its list names, in order (a
+/// job that went on without some ranks): stragglers are named by those ranks.
+pub fn report_line_of<'a>(
+    epochs: impl IntoIterator<Item = (usize, &'a [RankTimes], Vec<usize>)>,
+) -> Option<String> {
     let mut timed = false;
     // rank -> (epochs, worst, its cause)
     let mut by_rank: std::collections::BTreeMap<usize, (Vec<usize>, f64, Cause)> =
         std::collections::BTreeMap::new();
-    for (epoch, times) in epochs {
+    for (epoch, times, ranks) in epochs {
         timed |= times.len() > 1;
         for s in stragglers(times, THRESHOLD) {
-            let e = by_rank.entry(s.rank).or_insert((Vec::new(), 0.0, s.cause));
+            let rank = ranks.get(s.rank).copied().unwrap_or(s.rank);
+            let e = by_rank.entry(rank).or_insert((Vec::new(), 0.0, s.cause));
             e.0.push(epoch);
             if s.slower > e.1 {
                 (e.1, e.2) = (s.slower, s.cause);
@@ -276,6 +289,12 @@ mod tests {
         let line = report_line([(1, &even[..])]).unwrap();
         assert!(line.starts_with("stragglers      none"), "{line}");
         assert_eq!(report_line([(1, &even[..1])]), None);
+        // Epoch 3's times are ranks 0 and 2's (rank 1 gone): its slow second entry is rank 2.
+        let line = report_line_of([(1, &even[..], vec![0, 1]), (3, &slow[..], vec![0, 2])]);
+        assert_eq!(
+            line.unwrap(),
+            "stragglers      rank 2 in epoch 3 (compute; up to 45% slower than the median of the others)"
+        );
     }
 
     #[test]

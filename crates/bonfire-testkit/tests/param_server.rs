@@ -437,46 +437,59 @@ fn across_processes_synchronous_servers_equal_one_device_and_asynchronous_ones_f
     );
 }
 
-#[test]
-fn a_worker_dropped_in_one_round_is_not_waited_for_in_the_next() {
+/// A server's two reports, and the departed workers a rank learned at each round's end.
+type DroppedRounds = (Option<(PsReport, PsReport)>, Vec<Vec<usize>>);
+
+/// Workers 0 to 2 and `servers` servers, asynchronous: worker 2 trains 2 steps of the first
+/// round and is gone; the others train two rounds. What each rank saw.
+fn dropped_in_the_first_round(servers: usize) -> Vec<DroppedRounds> {
     let device = Device::default();
+    let n = 3 + servers;
     let models = RankModels::new(
-        (0..4)
+        (0..n)
             .map(|_| seeded::<DpFlex, _>(7, &device, SmallCnn::new))
             .collect(),
     );
     let b = batches(36, 4, 9);
-    let comms = in_process_ranks(4, Duration::from_secs(5));
-    let ends = run_ranks(comms, Duration::from_secs(120), move |comm| {
+    let comms = in_process_ranks(n, Duration::from_secs(5));
+    run_ranks(comms, Duration::from_secs(120), move |comm| {
         let r = comm.rank();
         let mut model = models.take(r);
         let _bind = bind_rank(comm);
-        let mut optim = bonfire::param_server(adam(), 1).asynchronous(1);
+        let mut optim = bonfire::param_server(adam(), servers).asynchronous(1);
         match optim.role(&Device::default()) {
             PsRole::Server { .. } => {
                 let (m, first) = optim.serve(model);
+                let after_first = optim.departed().to_vec();
                 let (_, second) = optim.serve(m);
-                Some((first, second))
+                let after_second = optim.departed().to_vec();
+                (Some((first, second)), vec![after_first, after_second])
             }
             PsRole::Worker { index, workers } => {
-                // Worker 2 trains 2 steps of round 1 and is gone; the others train two rounds.
                 let steps = if index == 2 { 2 } else { 4 };
                 for batch in b.iter().take(steps) {
                     model = step(model, &mut optim, batch, index, workers);
                 }
                 if index == 2 {
-                    return None;
+                    return (None, Vec::new());
                 }
+                assert!(optim.departed().is_empty(), "no round ended yet");
                 model = optim.finish(model);
+                let after_first = optim.departed().to_vec();
                 for batch in b.iter().take(3) {
                     model = step(model, &mut optim, batch, index, workers);
                 }
                 drop(optim.finish(model));
-                None
+                (None, vec![after_first, optim.departed().to_vec()])
             }
         }
-    });
-    let (first, second) = ends[3].clone().expect("the server's reports");
+    })
+}
+
+#[test]
+fn a_worker_dropped_in_one_round_is_not_waited_for_in_the_next() {
+    let ends = dropped_in_the_first_round(1);
+    let (first, second) = ends[3].0.clone().expect("the server's reports");
     assert_eq!(first.departed.len(), 1, "{}", first.line());
     assert_eq!(first.departed[0].worker, 2);
     assert_eq!(first.versions, 2 + 4 + 4);
@@ -493,4 +506,23 @@ fn a_worker_dropped_in_one_round_is_not_waited_for_in_the_next() {
         "{}",
         second.line()
     );
+    // Every rank left learned who is gone, at both rounds' ends.
+    for r in [0, 1, 3] {
+        assert_eq!(ends[r].1, vec![vec![2], vec![2]], "rank {r}");
+    }
+}
+
+/// With two servers each drops the dead worker, and every rank left, servers and workers,
+/// ends each round with the same list of who is gone.
+#[test]
+fn every_rank_left_learns_which_workers_the_servers_dropped() {
+    let ends = dropped_in_the_first_round(2);
+    for r in [0, 1, 3, 4] {
+        assert_eq!(ends[r].1, vec![vec![2], vec![2]], "rank {r}");
+    }
+    for r in [3, 4] {
+        let (first, second) = ends[r].0.clone().expect("a server's reports");
+        assert_eq!(first.departed.len(), 1, "{}", first.line());
+        assert!(second.departed.is_empty(), "{}", second.line());
+    }
 }

@@ -190,6 +190,7 @@ pub fn param_server<O>(optimizer: O, servers: usize) -> ParamServer<O> {
         versions: Vec::new(),
         checked: false,
         gone: Vec::new(),
+        departed: Vec::new(),
         stats: PsStats::default(),
     }
 }
@@ -220,6 +221,8 @@ pub struct ParamServer<O> {
     checked: bool,
     /// An asynchronous server: the workers it dropped (not waited for in later rounds).
     gone: Vec<bool>,
+    /// The workers the servers had dropped when the last round ended, as its final frames said.
+    departed: Vec<usize>,
     stats: PsStats,
 }
 
@@ -245,6 +248,16 @@ impl<O> ParamServer<O> {
     /// What this rank sent and received so far.
     pub fn stats(&self) -> PsStats {
         self.stats
+    }
+
+    /// The workers (indices, ascending) the servers had dropped by the end of the last round
+    /// ([`ParamServer::serve`] on a server, [`ParamServer::finish`] on a worker): the union of
+    /// every server's, sent with the final parameters and between the servers, so every rank that
+    /// ended the round holds the same list. Empty before the first round ends, and always under
+    /// synchronous servers (which fail instead of dropping). The ranks left can go on together
+    /// without them, for instance in [`Communicator::subgroup`] of every other rank.
+    pub fn departed(&self) -> &[usize] {
+        &self.departed
     }
 
     /// The wrapped optimizer (on a server, its state for the parameters it owns).
@@ -291,7 +304,8 @@ impl<O> ParamServer<O> {
             put_u64(&mut frame, CLOCK, self.clock);
             self.stats.bytes_sent += 4 * frame.len() as u64;
             sends.push(rep.comm.send(frame, workers + s));
-            recvs.push(pull.recv(vec![0.0f32; plan.pull_len(s)], workers + s));
+            // A final frame ends with its server's dropped workers, a word each.
+            recvs.push(pull.recv(vec![0.0f32; plan.pull_len(s) + workers], workers + s));
         }
         let what = |s: usize, dir: &str| {
             format!(
@@ -323,6 +337,9 @@ impl<O> ParamServer<O> {
                 }),
             }
         }
+        self.departed = (0..workers)
+            .filter(|&w| pulled.iter().any(|f| f[f.len() - workers + w] != 0.0))
+            .collect();
         let module = module.map(&mut Writer {
             plan: &plan,
             frames: &pulled,
@@ -1188,7 +1205,13 @@ impl Server<'_> {
         M: AutodiffModule<B>,
         B: AutodiffBackend,
     {
-        let frame = self.pull_frame(module, optim.clock);
+        let mut frame = self.pull_frame(module, optim.clock);
+        // The workers dropped so far, a word each after the parameters: every worker that
+        // finishes learns them, and the servers tell each other below.
+        let gone: Vec<f32> = (0..self.workers)
+            .map(|w| f32::from(u8::from(optim.gone.get(w).copied().unwrap_or(false))))
+            .collect();
+        frame.extend_from_slice(&gone);
         let sends: Vec<(usize, Work<Vec<f32>>)> = self
             .report
             .finished
@@ -1225,6 +1248,61 @@ impl Server<'_> {
                 }
             }
         }
+        self.agree_on_departed(optim, gone);
+    }
+
+    /// Tells the other servers which workers this one had dropped (`gone`, a word each) and
+    /// takes the union of every server's as the round's [`ParamServer::departed`], the list the
+    /// workers took from the final frames; a worker one server dropped is not waited for by any
+    /// in later rounds.
+    fn agree_on_departed<O>(&mut self, optim: &mut ParamServer<O>, gone: Vec<f32>) {
+        let comm = &self.rep.comm;
+        let others: Vec<usize> = (0..optim.servers).filter(|&t| t != self.index).collect();
+        let sends: Vec<_> = others
+            .iter()
+            .map(|&t| comm.send(gone.clone(), self.workers + t))
+            .collect();
+        let recvs: Vec<_> = others
+            .iter()
+            .map(|&t| (t, comm.recv(vec![0.0f32; self.workers], self.workers + t)))
+            .collect();
+        let mut union: Vec<bool> = gone.iter().map(|&g| g != 0.0).collect();
+        for work in sends {
+            if let Err(source) = work.wait() {
+                self.fail(
+                    format!(
+                        "server {} (rank {}) telling the other servers which workers it dropped",
+                        self.index,
+                        self.rank()
+                    ),
+                    Some(source),
+                );
+            }
+        }
+        for (t, work) in recvs {
+            match work.wait() {
+                Ok(theirs) => {
+                    for (u, g) in union.iter_mut().zip(theirs) {
+                        *u |= g != 0.0;
+                    }
+                }
+                Err(source) => self.fail(
+                    format!(
+                        "server {} (rank {}) learning which workers server {t} dropped",
+                        self.index,
+                        self.rank()
+                    ),
+                    Some(source),
+                ),
+            }
+        }
+        if matches!(optim.mode, PsMode::Async { .. }) {
+            optim.gone.resize(self.workers, false);
+            for (g, &u) in optim.gone.iter_mut().zip(&union) {
+                *g |= u;
+            }
+        }
+        optim.departed = (0..self.workers).filter(|&w| union[w]).collect();
     }
 
     /// The workers' mean gradient of each owned parameter, summed in worker order; every

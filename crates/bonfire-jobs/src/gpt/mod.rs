@@ -294,6 +294,10 @@ impl JobConfig for GptRunConfig {
         !self.strategy.is_all_reduce()
     }
 
+    fn expendable_ranks(&self) -> Vec<usize> {
+        self.strategy.expendable_ranks(self.ranks())
+    }
+
     fn fully_shards(&self) -> bool {
         true
     }
@@ -328,6 +332,10 @@ pub struct EvalRecord {
     /// ranks were timed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<crate::stragglers::RankTimes>,
+    /// The job's ranks gone before the round's times were taken (workers asynchronous parameter
+    /// servers dropped): `ranks` holds the others', in rank order. Empty while every rank trains.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gone: Vec<usize>,
 }
 
 /// A GPT run's state, as its checkpoints hold it.

@@ -78,7 +78,7 @@ pub(super) fn run<A: AutodiffBackend>(
     let s = ctx.settings().clone();
     let c = &s.config;
     let pp_group = ctx.world().pp_group().clone();
-    let dp_group = ctx.world().dp_group().clone();
+    let dp_group = ctx.dp_group().clone();
     let (replica, replicas) = (dp_group.rank(), c.dp());
     let pipe = Pipeline::new(pp_group, c.schedule, c.grad_accum)?;
     let text = c.dataset.text(&s.data_dir)?;

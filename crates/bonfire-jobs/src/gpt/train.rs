@@ -175,6 +175,9 @@ fn run_on<A: AutodiffBackend>(
         // A local strategy's replicas agree on one model before it is evaluated and saved; a
         // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
+        // Workers asynchronous parameter servers dropped are gone for good: the ranks left go on
+        // without them (and share the validation windows among themselves).
+        ctx.go_on_without(optim.departed())?;
         // A server holds only its share up to date: it takes rank 0's parameters (the ids are
         // every rank's since the job began from rank 0's) before the model is evaluated, saved
         // and served again.
@@ -325,7 +328,7 @@ fn resume<A: AutodiffBackend>(
     let (bytes, outer) = optimizer_part(
         &loaded.optimizer,
         ctx.settings().config.strategy.is_local(),
-        ctx.world().dp_group().rank(),
+        ctx.dp_group().rank(),
         ctx.settings().config.dp(),
         &loaded.dir,
     )?;
@@ -399,8 +402,9 @@ pub(super) fn evaluate<A: AutodiffBackend>(
     device: &A::Device,
 ) -> Result<EvalRecord, JobError> {
     let c = ctx.settings().config.clone();
-    // Parameter servers (the last ranks) train nothing: only the workers are compared.
-    let replicas = c.workers();
+    // Parameter servers (the last ranks) train nothing: only the workers are compared, and
+    // only those left count (the workers asynchronous servers dropped train no more).
+    let replicas = c.workers() - ctx.gone().len();
     let trainers = ctx.world_size() - c.strategy.servers().unwrap_or(0);
     let ranks = ctx.epoch_times(trained.times, trainers)?;
     account.throughput.items += trained.tokens * replicas;
@@ -434,6 +438,7 @@ pub(super) fn evaluate<A: AutodiffBackend>(
         sample,
         param_digest: param_digest(model),
         ranks,
+        gone: ctx.gone().to_vec(),
     })
 }
 
@@ -501,11 +506,9 @@ fn train_round<A: AutodiffBackend>(
     device: &A::Device,
 ) -> Result<(Gpt<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
-    let (replica, replicas, rounds) = (
-        ctx.world().dp_group().rank(),
-        c.workers(),
-        ctx.settings().epochs,
-    );
+    // This replica's draws are its own as the job began, whoever is gone since.
+    let (replica, rounds) = (ctx.world().dp_group().rank(), ctx.settings().epochs);
+    let replicas = c.workers() - ctx.gone().len();
     let first = round * c.eval_every;
     let end = ((round + 1) * c.eval_every).min(c.steps);
     let steps = end - first;
@@ -674,7 +677,7 @@ fn validate<A: AutodiffBackend>(
     device: &A::Device,
 ) -> Result<Vec<f64>, JobError> {
     let n = n.min(val.len());
-    let dp = ctx.world().dp_group();
+    let dp = ctx.dp_group();
     let mine = Sharding::Balanced.shard(dp.rank(), dp.size(), n)?;
     let valid = model.valid();
     let idx: Vec<usize> = mine.positions().collect();
@@ -740,7 +743,7 @@ fn record_round<A: AutodiffBackend>(
     // Under parameter servers the servers' shares, gathered to rank 0.
     let whole = optim.whole_record(device);
     let whole = match optim.as_served() {
-        Some(_) => served_record::<Adam, Gpt<A>, A>(ctx.world().dp_group(), whole, device)?,
+        Some(_) => served_record::<Adam, Gpt<A>, A>(ctx.dp_group(), whole, device)?,
         None => whole,
     };
     let optim_bytes = recorder
@@ -748,7 +751,7 @@ fn record_round<A: AutodiffBackend>(
         .map_err(encode("optimizer state"))?;
     // A local strategy's replicas each add their own inner state and rounding error.
     let outer = optim.as_local().map(|o| o.outer_state());
-    let optim_bytes = optimizer_file(ctx.world().dp_group(), outer, optim_bytes)?;
+    let optim_bytes = optimizer_file(ctx.dp_group(), outer, optim_bytes)?;
     write_round(ctx, state, model_bytes, optim_bytes)
 }
 

@@ -187,6 +187,10 @@ impl JobConfig for VisionConfig {
         !self.strategy.is_all_reduce()
     }
 
+    fn expendable_ranks(&self) -> Vec<usize> {
+        self.strategy.expendable_ranks(self.ranks())
+    }
+
     fn fully_shards(&self) -> bool {
         true
     }
@@ -221,6 +225,10 @@ pub struct EpochRecord {
     /// ranks were timed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankTimes>,
+    /// The job's ranks gone before the epoch's times were taken (workers asynchronous parameter
+    /// servers dropped): `ranks` holds the others', in rank order. Empty while every rank trains.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gone: Vec<usize>,
 }
 
 /// A vision run's state, as its checkpoints hold it.

@@ -83,7 +83,7 @@ fn run_on<A: AutodiffBackend>(
     // Under parameter servers the last ranks serve and train on nothing.
     let workers = size - c.strategy.servers().unwrap_or(0);
     let serving = rank >= workers;
-    let (train, test) = load_data(&s, rank, size, workers)?;
+    let (train, mut test) = load_data(&s, rank, size, workers)?;
     if ctx.is_main() {
         ctx.say(Say::Start, &output::start_line(&s, &train, &test, workers));
     }
@@ -150,13 +150,20 @@ fn run_on<A: AutodiffBackend>(
         // A local strategy's replicas agree on one model before it is tested and saved; a
         // parameter servers' worker takes the servers' final parameters.
         model = optim.meet(model);
+        // Workers asynchronous parameter servers dropped are gone for good: the ranks left go on
+        // without them, and share the test set among themselves.
+        if ctx.go_on_without(optim.departed())? {
+            let left = ctx.comm();
+            test = load_test(&s, left.rank(), left.size())?;
+        }
         if c.pool_bn_stats {
             model = pool_running_statistics(ctx, model, &device)?;
         }
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times, workers)?;
         throughput.seconds += train_secs;
-        throughput.add_steady(&trained.split, workers);
+        // The steady rate of the workers left (those the servers dropped train no more).
+        throughput.add_steady(&trained.split, workers - ctx.gone().len());
         split += trained.split;
         let totals = ctx.sum(
             vec![
@@ -181,6 +188,7 @@ fn run_on<A: AutodiffBackend>(
             curve: trained.curve,
             param_digest: param_digest(&model),
             ranks,
+            gone: ctx.gone().to_vec(),
         });
         state.epochs_done = epoch + 1;
         record_epoch(ctx, &state, &model, &optim, &device, shards)?;
@@ -242,7 +250,7 @@ fn pool_running_statistics<A: AutodiffBackend>(
     let mut pooled = Vec::with_capacity(stats.len());
     for (mean, _) in &stats {
         let n = mean.dims()[0];
-        let (m, v) = pooled_statistics(&all[at..at + 2 * n], ctx.world_size());
+        let (m, v) = pooled_statistics(&all[at..at + 2 * n], ctx.comm().size());
         pooled.push((
             Tensor::from_data(TensorData::new(m, [n]), device),
             Tensor::from_data(TensorData::new(v, [n]), device),
@@ -297,18 +305,24 @@ fn load_data(
         // A server trains on nothing; it loads one image (a shard cannot be empty).
         Shard::whole().limit(1)
     };
-    let test_shard = limit(Shard::balanced(rank, world), c.test_limit);
-    let (train, test) = match c.dataset.fetched() {
-        None => (
-            ImageSet::embedded(Split::Train, train_shard),
-            ImageSet::embedded(Split::Test, test_shard),
-        ),
-        Some(set) => (
-            ImageSet::load(set, Split::Train, &s.data_dir, train_shard),
-            ImageSet::load(set, Split::Test, &s.data_dir, test_shard),
-        ),
+    let train = match c.dataset.fetched() {
+        None => ImageSet::embedded(Split::Train, train_shard),
+        Some(set) => ImageSet::load(set, Split::Train, &s.data_dir, train_shard),
     };
-    Ok((train?, test?))
+    Ok((train?, load_test(s, rank, world)?))
+}
+
+/// Share `at` of `of` of the test set (within `--test-limit`).
+fn load_test(s: &Settings<VisionConfig>, at: usize, of: usize) -> Result<ImageSet, JobError> {
+    let c = &s.config;
+    let mut shard = Shard::balanced(at, of);
+    if let Some(n) = c.test_limit {
+        shard = shard.limit(n);
+    }
+    Ok(match c.dataset.fetched() {
+        None => ImageSet::embedded(Split::Test, shard),
+        Some(set) => ImageSet::load(set, Split::Test, &s.data_dir, shard),
+    }?)
 }
 
 /// A resumed model, its optimizer, and the per-rank checkpoint left to read once the model is
@@ -372,8 +386,8 @@ fn load_whole<A: AutodiffBackend>(
     let (bytes, outer) = optimizer_part(
         &loaded.optimizer,
         ctx.settings().config.strategy.is_local(),
-        ctx.world().dp_group().rank(),
-        ctx.world().dp_group().size(),
+        ctx.dp_group().rank(),
+        ctx.dp_group().size(),
         &loaded.dir,
     )?;
     let optim = optim
@@ -408,8 +422,8 @@ fn train_epoch<A: AutodiffBackend>(
 ) -> Result<(ResNet<A>, Trained), JobError> {
     let c = ctx.settings().config.clone();
     let (rank, epochs) = (ctx.rank(), ctx.settings().epochs);
-    // The ranks that train: all but the parameter servers.
-    let size = ctx.world_size() - c.strategy.servers().unwrap_or(0);
+    // The ranks that train: all but the parameter servers, and the workers they dropped.
+    let size = ctx.world_size() - c.strategy.servers().unwrap_or(0) - ctx.gone().len();
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let steps = train.len().div_ceil(c.batch);
     let lr = c.lr * c.lr_decay.powi(epoch as i32);
@@ -551,7 +565,7 @@ fn record_epoch<A: AutodiffBackend>(
     // servers every server its share.
     let whole = optim.whole_record(device);
     let whole = match optim.as_served() {
-        Some(_) => served_record::<Adam, ResNet<A>, A>(ctx.world().dp_group(), whole, device)?,
+        Some(_) => served_record::<Adam, ResNet<A>, A>(ctx.dp_group(), whole, device)?,
         None => whole,
     };
     let local = match optim.as_local() {
@@ -559,7 +573,7 @@ fn record_epoch<A: AutodiffBackend>(
             let mine = recorder
                 .record(whole, ())
                 .map_err(encode("optimizer state"))?;
-            let file = optimizer_file(ctx.world().dp_group(), Some(o.outer_state()), mine)?;
+            let file = optimizer_file(ctx.dp_group(), Some(o.outer_state()), mine)?;
             Err(file)
         }
         None => Ok(whole),

@@ -386,26 +386,9 @@ impl Communicator {
             .iter()
             .position(|&(_, i)| i == self.rank())
             .expect("this rank chose its own color");
-        let g = &self.group;
-        let members: Arc<[Rank]> = chosen.iter().map(|&(_, i)| g.members[i]).collect();
-        Ok(Some(Communicator {
-            group: Arc::new(Group {
-                id: g.id.derive(&[SPLIT, seq, u64::from(color)]),
-                nodes: chosen.iter().map(|&(_, i)| g.nodes[i]).collect(),
-                members,
-                me: me as u32,
-                transport: g.transport.clone(),
-                config: g.config.clone(),
-                reducer: g.reducer.clone(),
-                runtime: g.runtime.clone(),
-                seq: AtomicU64::new(0),
-                sends: Mutex::new(HashMap::new()),
-                recvs: Mutex::new(HashMap::new()),
-            }),
-            algorithm: self.algorithm,
-            timeout: self.timeout,
-            caller_driven: false,
-        }))
+        let members: Vec<usize> = chosen.iter().map(|&(_, i)| i).collect();
+        let id = self.group.id.derive(&[SPLIT, seq, u64::from(color)]);
+        Ok(Some(self.derived(id, &members, me)))
     }
 
     /// The group of `members` (indices here, in the order given), formed without a collective:
@@ -417,7 +400,6 @@ impl Communicator {
     /// [`split`]: Communicator::split
     pub fn subgroup(&self, members: &[usize]) -> Option<Communicator> {
         let me = members.iter().position(|&i| i == self.rank())?;
-        let g = &self.group;
         assert!(
             members.iter().all(|&i| i < self.size()),
             "subgroup {members:?} of a group of {}",
@@ -425,9 +407,15 @@ impl Communicator {
         );
         let mut key = vec![SUBGROUP];
         key.extend(members.iter().map(|&i| i as u64));
-        Some(Communicator {
+        Some(self.derived(self.group.id.derive(&key), members, me))
+    }
+
+    /// The group `id` of `members` (indices here, in order), this rank at index `me` of it.
+    fn derived(&self, id: GroupId, members: &[usize], me: usize) -> Communicator {
+        let g = &self.group;
+        Communicator {
             group: Arc::new(Group {
-                id: g.id.derive(&key),
+                id,
                 nodes: members.iter().map(|&i| g.nodes[i]).collect(),
                 members: members.iter().map(|&i| g.members[i]).collect(),
                 me: me as u32,
@@ -442,7 +430,7 @@ impl Communicator {
             algorithm: self.algorithm,
             timeout: self.timeout,
             caller_driven: false,
-        })
+        }
     }
 
     /// This rank's data-parallel, tensor-parallel and pipeline groups in `mesh`, by [`split`]s

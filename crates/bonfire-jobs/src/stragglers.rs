@@ -8,6 +8,20 @@ pub use bonfire::launch::stragglers::{
     stragglers,
 };
 
+/// The end report's straggler line over each round's (number, every rank's times, the job's
+/// ranks gone by then): parameter servers (the last `servers` ranks) train nothing, so only the
+/// workers are compared, named by their rank in the job (the ranks left, once some are gone).
+pub(crate) fn workers_line<'a>(
+    rounds: impl IntoIterator<Item = (usize, &'a [RankTimes], &'a [usize])>,
+    servers: usize,
+) -> Option<String> {
+    report_line_of(rounds.into_iter().map(|(n, times, gone)| {
+        let workers = times.len().saturating_sub(servers);
+        let ranks = (0..).filter(|k| !gone.contains(k)).take(workers).collect();
+        (n, &times[..workers], ranks)
+    }))
+}
+
 /// A parameter server's times for a round it served since `since`: all of it counted as
 /// compute (the straggler rule compares only the workers).
 pub(crate) fn serving_times(since: Instant) -> RankTimes {

@@ -189,19 +189,14 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
             st.activation_bytes as f64 / (1 << 20) as f64,
         ));
     }
-    // Parameter servers (the last ranks) train nothing: only the workers are compared, named
-    // by their rank in the job (the ranks left, once some are gone).
     let servers = state.config.strategy.servers().unwrap_or(0);
-    lines.extend(crate::stragglers::report_line_of(state.history.iter().map(
-        |r| {
-            let workers = r.ranks.len().saturating_sub(servers);
-            let ranks = (0..)
-                .filter(|k| !r.gone.contains(k))
-                .take(workers)
-                .collect();
-            (r.eval, &r.ranks[..workers], ranks)
-        },
-    )));
+    lines.extend(crate::stragglers::workers_line(
+        state
+            .history
+            .iter()
+            .map(|r| (r.eval, &r.ranks[..], &r.gone[..])),
+        servers,
+    ));
     lines.extend(
         report
             .saves

@@ -130,19 +130,14 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
             "evaluations and checkpoints",
         ));
     }
-    // Parameter servers (the last ranks) train nothing: only the workers are compared, named
-    // by their rank in the job (the ranks left, once some are gone).
     let servers = state.config.strategy.servers().unwrap_or(0);
-    lines.extend(crate::stragglers::report_line_of(state.history.iter().map(
-        |r| {
-            let workers = r.ranks.len().saturating_sub(servers);
-            let ranks = (0..)
-                .filter(|k| !r.gone.contains(k))
-                .take(workers)
-                .collect();
-            (r.epoch, &r.ranks[..workers], ranks)
-        },
-    )));
+    lines.extend(crate::stragglers::workers_line(
+        state
+            .history
+            .iter()
+            .map(|r| (r.epoch, &r.ranks[..], &r.gone[..])),
+        servers,
+    ));
     lines.push(checkpoints_line(&report.checkpoint_dir, last.epoch, &PLOTS));
     lines.push(format!("weights digest  {}", last.param_digest));
     lines

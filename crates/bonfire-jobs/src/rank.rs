@@ -293,7 +293,7 @@ impl<'a, J: Job> RankContext<'a, J> {
         // The ranks gone were trainers; the others are named by their rank in the job.
         let trainers = trainers.saturating_sub(self.gone().len());
         let mut found = stragglers(&times[..trainers.min(times.len())], THRESHOLD);
-        let members = self.comm().members().to_vec();
+        let members = self.comm().members();
         for s in &mut found {
             s.rank = members[s.rank].0 as usize;
         }

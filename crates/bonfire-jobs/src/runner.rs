@@ -209,14 +209,11 @@ impl<'a, J: Job> Runner<'a, J> {
         config.expendable_deaths_only = true;
         config.timeout = None;
         // How long a rank waits on a silent peer before naming it (a worker that died, which
-        // asynchronous parameter servers then drop): a minute, unless the environment says.
-        config.peer_timeout = Some(
-            std::env::var(bonfire::launch::env::vars::PEER_TIMEOUT)
-                .ok()
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .filter(|t| t.is_finite() && *t > 0.0)
-                .map_or(Duration::from_secs(60), Duration::from_secs_f64),
-        );
+        // asynchronous parameter servers then drop): a minute, unless the environment sets
+        // BONFIRE_PEER_TIMEOUT, which the ranks then inherit and read as any rank does.
+        config.peer_timeout = std::env::var_os(bonfire::launch::env::vars::PEER_TIMEOUT)
+            .is_none()
+            .then_some(Duration::from_secs(60));
         let handoff = Handoff {
             job: J::NAME.to_string(),
             settings: s.clone(),

@@ -1296,11 +1296,9 @@ impl Server<'_> {
                 ),
             }
         }
-        if matches!(optim.mode, PsMode::Async { .. }) {
-            optim.gone.resize(self.workers, false);
-            for (g, &u) in optim.gone.iter_mut().zip(&union) {
-                *g |= u;
-            }
+        optim.gone.resize(self.workers, false);
+        for (g, &u) in optim.gone.iter_mut().zip(&union) {
+            *g |= u;
         }
         optim.departed = (0..self.workers).filter(|&w| union[w]).collect();
     }

@@ -580,19 +580,17 @@ impl<'a, J: Job> RankContext<'a, J> {
     }
 
     /// Rank 0's `module` on every rank (a collective): rank 0 encodes it and sends it, and every
-    /// rank, rank 0 too, loads it into its own (values and ids), as whole tensors. With
-    /// `everyone_encodes`, every rank encodes its module and only rank 0's bytes are kept: for
-    /// a module whose whole tensors are read through a collective (ZeRO-3's gathers), which
-    /// after loading needs none.
+    /// rank, rank 0 too, loads it into its own (values and ids), as whole tensors. Not for a
+    /// module whose tensors are read through a collective (ZeRO-3's gathers), which only rank 0
+    /// would run.
     pub fn rank0_module<B: Backend, M: Module<B>>(
         &self,
         module: M,
         device: &B::Device,
-        everyone_encodes: bool,
         during: &'static str,
     ) -> Result<M, JobError> {
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        let mine = if self.is_main() || everyone_encodes {
+        let mine = if self.is_main() {
             recorder
                 .record(module.clone().into_record(), ())
                 .map_err(|source| JobError::EncodeRecord {

@@ -183,7 +183,7 @@ fn run_on<A: AutodiffBackend>(
         // and served again.
         if c.strategy.servers().is_some() {
             let during = "sharing the workers' parameters with the servers";
-            model = ctx.rank0_module(model, &device, false, during)?;
+            model = ctx.rank0_module(model, &device, during)?;
         }
         let train_secs = t0.elapsed().as_secs_f64();
         let mut account = Account {

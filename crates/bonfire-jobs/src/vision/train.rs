@@ -499,21 +499,37 @@ fn hits<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> i64 {
 }
 
 /// Rank 0's model (its batch-norm statistics) evaluated on every rank's test shard: the summed
-/// test loss, images right and images, over all ranks. Under ZeRO-3 encoding the model gathers
-/// its parameters, so every rank encodes it; each then evaluates rank 0's whole copy, with no
-/// gathers.
+/// test loss, images right and images, over all ranks.
+///
+/// Under ZeRO-3 no rank holds the whole model: each takes rank 0's running statistics only (the
+/// parameters are the same on every rank) and evaluates its own sharded model, which gathers each
+/// parameter where a layer reads it and frees it after. Those gathers are collectives, so every
+/// rank runs as many forwards as the rank with the most batches; a rank with fewer runs one
+/// image for each it lacks and does not count it.
 fn evaluate<A: AutodiffBackend>(
     ctx: &RankContext<'_, Vision>,
     model: &ResNet<A>,
     test: &ImageSet,
     device: &A::Device,
 ) -> Result<Vec<f64>, JobError> {
-    let during = "sharing rank 0's model for evaluation";
-    let valid = ctx.rank0_module(model.valid(), device, sharded_at_rest(ctx), during)?;
-    let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
     let all: Vec<usize> = (0..test.len()).collect();
+    let mut batches: Vec<Option<&[usize]>> = all.chunks(EVAL_BATCH).map(Some).collect();
+    let valid = if sharded_at_rest(ctx) {
+        let passes = most_of_any_rank(ctx, batches.len())?;
+        batches.resize(passes, None);
+        rank0_statistics(ctx, model.clone(), device)?.valid()
+    } else {
+        let during = "sharing rank 0's model for evaluation";
+        ctx.rank0_module(model.valid(), device, during)?
+    };
+    let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
     let eval_loss = CrossEntropyLossConfig::new().init(device);
-    for idx in all.chunks(EVAL_BATCH) {
+    for batch in batches {
+        let Some(idx) = batch else {
+            let (x, _) = test.batch::<A::InnerBackend>(&[0], device);
+            let _ = valid.forward(x);
+            continue;
+        };
         let (x, y) = test.batch::<A::InnerBackend>(idx, device);
         let logits = valid.forward(x);
         let hits = hits(logits.clone(), y.clone());
@@ -525,6 +541,55 @@ fn evaluate<A: AutodiffBackend>(
         vec![test_loss, test_correct, test.len() as f64],
         "summing the test results",
     )
+}
+
+/// The largest of the ranks' `count`s (a collective).
+fn most_of_any_rank(ctx: &RankContext<'_, Vision>, count: usize) -> Result<usize, JobError> {
+    let comm = ctx.comm();
+    let mut counts = vec![0.0; comm.size()];
+    counts[comm.rank()] = count as f64;
+    let counts = ctx.sum(counts, "agreeing on the evaluation's batches")?;
+    Ok(counts.into_iter().fold(0.0, f64::max) as usize)
+}
+
+/// `model` with rank 0's batch-norm running statistics (a broadcast of those alone).
+fn rank0_statistics<A: AutodiffBackend>(
+    ctx: &RankContext<'_, Vision>,
+    model: ResNet<A>,
+    device: &A::Device,
+) -> Result<ResNet<A>, JobError> {
+    let stats = model.running_statistics();
+    let values: Vec<f32> = stats
+        .iter()
+        .flat_map(|(mean, var)| [mean, var])
+        .flat_map(|t| {
+            t.to_data()
+                .convert::<f32>()
+                .iter::<f32>()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let values = ctx
+        .comm()
+        .broadcast(values, 0)
+        .wait()
+        .map_err(JobError::collective(
+            "sharing rank 0's batch-norm statistics",
+        ))?;
+    let mut at = 0;
+    let mut next = |n: usize| {
+        let t = Tensor::from_data(TensorData::new(values[at..at + n].to_vec(), [n]), device);
+        at += n;
+        t
+    };
+    let rank0 = stats
+        .iter()
+        .map(|(mean, _)| {
+            let n = mean.dims()[0];
+            (next(n), next(n))
+        })
+        .collect();
+    Ok(model.with_running_statistics(rank0))
 }
 
 /// Whether the parameters are sharded at rest (ZeRO-3): reading one whole, as encoding the model

@@ -1181,7 +1181,7 @@ fn asynchronous_parameter_servers_train_on_without_a_dead_worker() {
         "{log}"
     );
     assert!(
-        log.contains("the run finished without expendable rank that failed (rank 1"),
+        log.contains("the run finished without the expendable rank that failed (rank 1"),
         "{log}"
     );
     assert!(!log.contains("restart"), "{log}");

@@ -520,22 +520,25 @@ fn parameter_servers_equal_allreduce_and_resume_exactly() {
         );
     }
 
-    // ps-async at 4 ranks, 2 of them servers, worker 1 killed once the first epoch is saved:
-    // both servers drop it, the job goes on without a restart, and the ranks left evaluate
-    // the whole test set among themselves every epoch.
+    // ps-async at 4 ranks, 2 of them servers, worker 0 (rank 0, which reports and writes the
+    // checkpoints) killed once the first epoch is saved: both servers drop it, the job goes on
+    // without a restart, the ranks left evaluate the whole test set among themselves every
+    // epoch, and rank 1 reports and checkpoints, under its own name.
     let dead = dir.join("async");
     let mut cmd = bonfire(&dir, &common);
     cmd.args(["--ranks", "4", "--strategy", "ps-async", "--staleness", "1"])
         .args(["--servers", "2", "--checkpoint-dir"])
         .arg(&dead);
-    let out = kill_a_rank_after_first_checkpoint(&mut cmd, &dead, 1);
+    let out = kill_a_rank_after_first_checkpoint(&mut cmd, &dead, 0);
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(
         log.contains("ps-async, 2 server(s), staleness bound 1")
             && log.contains("histogram [")
-            && log.matches("dropped worker 1 after").count() == 2
-            && log.contains("going on without rank(s) 1 (the parameter servers dropped them)"),
+            && log.matches("dropped worker 0 after").count() == 2
+            && log.contains("going on without rank(s) 0 (the parameter servers dropped them)")
+            && log.contains("images/s over 2 rank(s), 1 at the end (")
+            && log.contains("step split      per batch on rank 1: "),
         "{log}"
     );
     let a = state(&dead, 3);

@@ -95,9 +95,25 @@ pub struct Throughput {
     pub steady_items: usize,
     /// The seconds those batches took.
     pub steady_seconds: f64,
+    /// Training seconds times the ranks that trained in them, summed over the run's stretches
+    /// ([`Throughput::trained`]): the per-rank rate's measure where ranks left the run (workers
+    /// asynchronous parameter servers dropped). 0: `ranks` trained throughout.
+    pub rank_seconds: f64,
+    /// The ranks that trained the last stretch; 0: `ranks`.
+    pub ranks_left: usize,
 }
 
 impl Throughput {
+    /// Adds a stretch of training (an epoch, the steps between evaluations): `items` trained,
+    /// over all ranks, in `seconds`, by `ranks` ranks (fewer than [`Throughput::ranks`] once
+    /// some have left the run).
+    pub fn trained(&mut self, items: usize, seconds: f64, ranks: usize) {
+        self.items += items;
+        self.seconds += seconds;
+        self.rank_seconds += seconds * ranks as f64;
+        self.ranks_left = ranks;
+    }
+
     /// Adds an epoch's steady batches (rank 0's, from its [`StepSplit`]) as `copies` ranks'
     /// worth of items: the ranks that train distinct batches (every rank in the vision job, the
     /// data-parallel replicas in the GPT's).
@@ -120,12 +136,18 @@ impl Throughput {
                     items as f64 / self.steady_seconds
                 ),
             };
+            // Ranks that left trained part of the run: the rate per rank is over the seconds
+            // each rank trained.
+            let (ranks, per_rank) = match self.ranks_left {
+                left if left != 0 && left != self.ranks && self.rank_seconds > 0.0 => (
+                    format!("{} rank(s), {left} at the end", self.ranks),
+                    self.items as f64 / self.rank_seconds,
+                ),
+                _ => (format!("{} rank(s)", self.ranks), rate / self.ranks as f64),
+            };
             format!(
-                "throughput      {:.0} {unit}/s over {} rank(s) ({:.0} per rank); this run \
-                 trained for {} of {} in all{steady}",
-                rate,
-                self.ranks,
-                rate / self.ranks as f64,
+                "throughput      {rate:.0} {unit}/s over {ranks} ({per_rank:.0} per rank); this \
+                 run trained for {} of {} in all{steady}",
                 clock(Duration::from_secs_f64(self.seconds)),
                 clock(self.wall),
             )
@@ -286,13 +308,17 @@ pub fn fully_sharded_line(
     )
 }
 
-/// What writing a run's checkpoints cost rank 0.
+/// What writing a run's checkpoints cost the rank that wrote them (rank 0, or the first rank
+/// left where rank 0 has left the run).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Saves {
     /// Checkpoints this run wrote.
     pub count: usize,
-    /// Seconds rank 0 spent writing them (a per-rank checkpoint waits for every rank's file).
+    /// Seconds the writing rank spent writing them (a per-rank checkpoint waits for every rank's
+    /// file).
     pub secs: f64,
+    /// The rank that wrote the newest.
+    pub rank: usize,
     /// Whether each rank wrote its own file (ZeRO-3's per-rank checkpoints).
     pub per_rank: bool,
     /// Bytes rank 0 wrote to the newest one: its own file, or the whole model and state.
@@ -328,16 +354,17 @@ impl Saves {
     pub fn line(&self) -> String {
         let mib = self.bytes as f64 / (1 << 20) as f64;
         let each = 1e3 * self.secs / self.count.max(1) as f64;
+        let rank = self.rank;
         let what = if self.per_rank {
             format!(
-                "each rank wrote its own slices (ZeRO-3): {mib:.2} MiB by rank 0 of {}",
+                "each rank wrote its own slices (ZeRO-3): {mib:.2} MiB by rank {rank} of {}",
                 self.ranks
             )
         } else {
-            format!("rank 0 wrote the whole model and state: {mib:.2} MiB")
+            format!("rank {rank} wrote the whole model and state: {mib:.2} MiB")
         };
         format!(
-            "checkpoint cost {} save(s), {each:.1} ms each on rank 0; {what}",
+            "checkpoint cost {} save(s), {each:.1} ms each on rank {rank}; {what}",
             self.count
         )
     }
@@ -598,11 +625,21 @@ mod tests {
             per_rank: false,
             bytes: 4 << 19,
             ranks: 2,
+            rank: 0,
         };
         assert_eq!(
             whole.line(),
             "checkpoint cost 4 save(s), 25.0 ms each on rank 0; rank 0 wrote the whole model and \
              state: 2.00 MiB"
+        );
+        // Rank 1 writes where rank 0 has left the run (a worker asynchronous servers dropped).
+        assert!(
+            Saves {
+                rank: 1,
+                ..whole.clone()
+            }
+            .line()
+            .ends_with("each on rank 1; rank 1 wrote the whole model and state: 2.00 MiB")
         );
         std::fs::remove_file(dir.join("model.bin")).unwrap();
         std::fs::remove_file(dir.join("optimizer.bin")).unwrap();
@@ -656,6 +693,19 @@ mod tests {
              0:02 of 0:03 in all; 1600 images/s after the first 10 batches"
         );
         assert!(Throughput::default().line("images").is_none());
+        // A worker of 4 dropped after the first of two stretches: 3 ranks trained the second.
+        let mut t = Throughput {
+            ranks: 4,
+            wall: Duration::from_secs(3),
+            ..Throughput::default()
+        };
+        t.trained(4000, 1.0, 4);
+        t.trained(3000, 1.0, 3);
+        assert_eq!(
+            t.line("images").unwrap(),
+            "throughput      3500 images/s over 4 rank(s), 3 at the end (1000 per rank); this run \
+             trained for 0:02 of 0:03 in all"
+        );
         assert!(data_parallel_lines(None, 1.0, 2).is_empty());
     }
 

@@ -183,13 +183,14 @@ impl std::ops::AddAssign for StepSplit {
 
 impl StepSplit {
     /// `step split      per batch on rank 0: input 0.4 ms, forward 51.0 ms, backward 120.3 ms
-    /// (0.8 ms of it exposed communication), optimizer 6.2 ms`; nothing when no batch was timed.
-    pub fn line(&self) -> Option<String> {
+    /// (0.8 ms of it exposed communication), optimizer 6.2 ms`, for the split `rank` timed;
+    /// nothing when no batch was timed.
+    pub fn line(&self, rank: usize) -> Option<String> {
         (self.batches > 0).then(|| {
             let ms = |d: Duration| 1e3 * d.as_secs_f64() / self.batches as f64;
             format!(
-                "step split      per batch on rank 0: input {:.1} ms, forward {:.1} ms, backward \
-                 {:.1} ms ({:.1} ms of it exposed communication), optimizer {:.1} ms",
+                "step split      per batch on rank {rank}: input {:.1} ms, forward {:.1} ms, \
+                 backward {:.1} ms ({:.1} ms of it exposed communication), optimizer {:.1} ms",
                 ms(self.input),
                 ms(self.forward),
                 ms(self.backward),
@@ -243,14 +244,15 @@ mod tests {
             optimizer: Duration::from_millis(12),
             ..StepSplit::default()
         }
-        .line()
+        .line(1)
         .unwrap();
+        // Rank 1 reports where rank 0 has left the run.
         assert_eq!(
             line,
-            "step split      per batch on rank 0: input 0.5 ms, forward 50.0 ms, backward 120.0 \
+            "step split      per batch on rank 1: input 0.5 ms, forward 50.0 ms, backward 120.0 \
              ms (1.0 ms of it exposed communication), optimizer 6.0 ms"
         );
-        assert_eq!(StepSplit::default().line(), None);
+        assert_eq!(StepSplit::default().line(0), None);
     }
 
     #[test]

@@ -187,7 +187,7 @@ impl Launched {
         };
         let lost = (!self.lost.is_empty()).then(|| {
             format!(
-                "without expendable rank{} that failed ({})",
+                "without the expendable rank{} that failed ({})",
                 if self.lost.len() == 1 { "" } else { "s" },
                 self.lost.join("; ")
             )
@@ -922,7 +922,7 @@ mod tests {
         assert!(launched.lost[0].starts_with("rank 1 (pid "), "{launched:?}");
         let summary = launched.summary().unwrap();
         assert!(
-            summary.contains("without expendable rank that failed (rank 1")
+            summary.contains("without the expendable rank that failed (rank 1")
                 && summary.contains("exited with status 3"),
             "{summary}"
         );

@@ -115,8 +115,9 @@ pub(super) fn eval_lines(r: &EvalRecord, state: &GptState, dir: &Path) -> Vec<St
     lines
 }
 
-/// The end report's lines (the first empty), or none when nothing was trained.
-pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> {
+/// The end report's lines (the first empty), written by `rank` (rank 0, or the first rank
+/// left), or none when nothing was trained.
+pub(super) fn report_lines(state: &GptState, report: &GptReport, rank: usize) -> Vec<String> {
     let Some(last) = state.history.last() else {
         return Vec::new();
     };
@@ -142,7 +143,7 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport) -> Vec<String> 
         report.throughput.seconds,
         state.config.dp(),
     ));
-    lines.extend(report.split.line());
+    lines.extend(report.split.line(rank));
     lines.extend(report.servers.iter().cloned());
     if let Some((strategy, outer)) = &report.outer {
         lines.push(crate::strategy::report_line(

@@ -162,7 +162,7 @@ pub(super) fn run<A: AutodiffBackend>(
         saves: None,
     };
     if ctx.is_main() {
-        for line in output::report_lines(&state, &report) {
+        for line in output::report_lines(&state, &report, ctx.rank()) {
             ctx.say(Say::Report, &line);
         }
     }

@@ -199,6 +199,7 @@ fn run_on<A: AutodiffBackend>(
         record_round(ctx, &state, &model, &optim, &device, shards)?;
         saves.count += 1;
         saves.secs += saving.elapsed().as_secs_f64();
+        saves.rank = ctx.rank();
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
@@ -234,7 +235,7 @@ fn run_on<A: AutodiffBackend>(
         saves: Some(saves),
     };
     if ctx.is_main() {
-        for line in output::report_lines(&state, &report) {
+        for line in output::report_lines(&state, &report, ctx.rank()) {
             ctx.say(Say::Report, &line);
         }
     }
@@ -407,8 +408,10 @@ pub(super) fn evaluate<A: AutodiffBackend>(
     let replicas = c.workers() - ctx.gone().len();
     let trainers = ctx.world_size() - c.strategy.servers().unwrap_or(0);
     let ranks = ctx.epoch_times(trained.times, trainers)?;
-    account.throughput.items += trained.tokens * replicas;
-    account.throughput.seconds += account.train_secs;
+    let ranks_left = account.throughput.ranks - ctx.gone().len();
+    account
+        .throughput
+        .trained(trained.tokens * replicas, account.train_secs, ranks_left);
     account.throughput.add_steady(&trained.split, replicas);
     *account.split += trained.split;
     // The ranks of a tensor-parallel group count the same batches: the sums over all ranks are

@@ -87,8 +87,9 @@ pub(super) fn epoch_line(r: &EpochRecord, epochs: usize, dir: &Path) -> String {
     )
 }
 
-/// The end report's lines (the first empty), or none when no epoch was trained.
-pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<String> {
+/// The end report's lines (the first empty), written by `rank` (rank 0, or the first rank
+/// left), or none when no epoch was trained.
+pub(super) fn report_lines(state: &VisionState, report: &VisionReport, rank: usize) -> Vec<String> {
     let Some(last) = state.history.last() else {
         return Vec::new();
     };
@@ -112,7 +113,7 @@ pub(super) fn report_lines(state: &VisionState, report: &VisionReport) -> Vec<St
         report.throughput.seconds,
         report.throughput.ranks,
     ));
-    lines.extend(report.split.line());
+    lines.extend(report.split.line(rank));
     lines.extend(report.servers.iter().cloned());
     if let Some((strategy, outer)) = &report.outer {
         lines.push(crate::strategy::report_line(

@@ -161,7 +161,6 @@ fn run_on<A: AutodiffBackend>(
         }
         let train_secs = t0.elapsed().as_secs_f64();
         let ranks = ctx.epoch_times(trained.times, workers)?;
-        throughput.seconds += train_secs;
         // The steady rate of the workers left (those the servers dropped train no more).
         throughput.add_steady(&trained.split, workers - ctx.gone().len());
         split += trained.split;
@@ -173,7 +172,7 @@ fn run_on<A: AutodiffBackend>(
             ],
             "summing the epoch's training loss",
         )?;
-        throughput.items += totals[2] as usize;
+        throughput.trained(totals[2] as usize, train_secs, workers - ctx.gone().len());
         let t = evaluate(ctx, &model, &test, &device)?;
         state.history.push(EpochRecord {
             epoch: epoch + 1,
@@ -217,7 +216,7 @@ fn run_on<A: AutodiffBackend>(
         checkpoint_dir: s.checkpoint_dir.clone(),
     };
     if ctx.is_main() {
-        for line in output::report_lines(&state, &report) {
+        for line in output::report_lines(&state, &report, ctx.rank()) {
             ctx.say(Say::Report, &line);
         }
     }

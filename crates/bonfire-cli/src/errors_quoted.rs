@@ -1078,6 +1078,8 @@ variants!(
         JobError::Handoff(..),
         JobError::WrongJob { .. },
         JobError::Bf16NotSet { .. },
+        JobError::Environment(..),
+        JobError::SetByFlags { .. },
         JobError::Gpu { .. },
         JobError::NoCuda,
         JobError::NoLibtorch,
@@ -1195,6 +1197,16 @@ fn job_examples() -> Vec<JobError> {
             found: "gpt".into(),
         },
         JobError::Bf16NotSet { job: "vision" },
+        JobError::Environment(Box::new(InitError::Env(EnvError::Invalid {
+            var: "BONFIRE_PEER_TIMEOUT",
+            value: "abc".into(),
+            why: "expected a number of seconds".into(),
+        }))),
+        JobError::SetByFlags {
+            var: "BONFIRE_TP",
+            value: "2".into(),
+            run_has: "1 rank(s) per tensor-parallel group".into(),
+        },
         JobError::Gpu {
             device: "wgpu".into(),
             why: "no adapter".into(),

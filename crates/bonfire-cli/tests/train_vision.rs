@@ -318,6 +318,40 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
         assert!(log.contains(expect), "{args:?}: {log}");
         assert!(!log.contains("panicked"), "{args:?}: {log}");
     }
+    // The environment the ranks would inherit is read before any rank starts: a value they
+    // would refuse, or a mesh or gradient type other than the flags', is refused once, with
+    // status 2, and leaves no run directory.
+    for (var, value, expect) in [
+        (
+            "BONFIRE_PEER_TIMEOUT",
+            "abc",
+            "BONFIRE_PEER_TIMEOUT=\"abc\" is invalid: expected a number of seconds (in the \
+             environment the ranks would inherit)",
+        ),
+        (
+            "BONFIRE_TP",
+            "2",
+            "BONFIRE_TP=\"2\" is set in the environment, but this run has 1 rank(s) per \
+             tensor-parallel group",
+        ),
+        (
+            "BONFIRE_GRAD_DTYPE",
+            "bf16",
+            "but this run has f32 gradients: `bonfire train` sets BONFIRE_GRAD_DTYPE from its \
+             flags; unset it",
+        ),
+    ] {
+        let run = dir.join(format!("env-{var}"));
+        let out = bonfire(&dir, &["train", "vision", "--checkpoint-dir"])
+            .arg(&run)
+            .env(var, value)
+            .output()
+            .unwrap();
+        let log = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{var}: {log}");
+        assert_eq!(log.matches(expect).count(), 1, "{var}: {log}");
+        assert!(!log.contains("rank 0") && !run.exists(), "{var}: {log}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

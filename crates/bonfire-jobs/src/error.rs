@@ -266,6 +266,24 @@ pub enum JobError {
         /// The job the settings were made for.
         found: String,
     },
+    /// The environment `bonfire train` passes to its ranks holds a setting they would refuse
+    /// (found before any rank starts).
+    #[error("{0} (in the environment the ranks would inherit)")]
+    Environment(Box<bonfire::InitError>),
+    /// A variable `bonfire train` sets from its flags is set to something else in its
+    /// environment.
+    #[error(
+        "{var}={value:?} is set in the environment, but this run has {run_has}: `bonfire train` \
+         sets {var} from its flags; unset it"
+    )]
+    SetByFlags {
+        /// The variable.
+        var: &'static str,
+        /// Its value in the environment.
+        value: String,
+        /// What the run's flags give, in words.
+        run_has: String,
+    },
     /// bf16 gradients were asked for, but the rank's data-parallel backend was not told.
     #[error(
         "--bf16 under `bonfire launch`: set BONFIRE_GRAD_DTYPE=bf16 for every rank \
@@ -425,6 +443,8 @@ impl JobError {
                 | JobError::PromptOutsideVocab { .. }
                 | JobError::Text(_)
                 | JobError::Shard(_)
+                | JobError::Environment(_)
+                | JobError::SetByFlags { .. }
         )
     }
 

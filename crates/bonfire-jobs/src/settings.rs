@@ -168,7 +168,11 @@ pub fn settle<J: Job>(
         return Err(JobError::RanksMismatch { ranks, world });
     }
     let settings = if options.resume {
-        settle_resumed(job, request, options)
+        let settings = settle_resumed(job, request, options)?;
+        if world_size.is_none() {
+            inherited_env(&settings.config)?;
+        }
+        Ok(settings)
     } else if crate::rank::restart_round() > 0 {
         settle_restarted(job, request, options, world_size, reporter)
     } else {
@@ -183,6 +187,50 @@ pub fn settle<J: Job>(
         });
     }
     Ok(settings)
+}
+
+/// The environment the parent passes to its ranks, checked before it makes a run directory or
+/// starts a rank, so that a bad value is refused once, as a bad flag is: what the ranks read
+/// from it as `bonfire::init` reads it ([`bonfire::check_env`]), and the variables the parent
+/// sets from the run's flags (`BONFIRE_TP`, `BONFIRE_PP`, `BONFIRE_GRAD_DTYPE`), which where
+/// set must say what the flags say (otherwise the ranks would inherit a mesh or a gradient type
+/// the run did not ask for).
+fn inherited_env<C: JobConfig>(config: &C) -> Result<(), JobError> {
+    let (tp, pp) = (config.tensor_parallel(), config.pipeline_stages());
+    let dtype = if config.bf16_gradients() {
+        "bf16"
+    } else {
+        "f32"
+    };
+    let set_by_flags = [
+        (
+            "BONFIRE_TP",
+            tp.to_string(),
+            format!("{tp} rank(s) per tensor-parallel group"),
+        ),
+        (
+            "BONFIRE_PP",
+            pp.to_string(),
+            format!("{pp} pipeline stage(s)"),
+        ),
+        (
+            "BONFIRE_GRAD_DTYPE",
+            dtype.to_string(),
+            format!("{dtype} gradients"),
+        ),
+    ];
+    for (var, ours, run_has) in set_by_flags {
+        if let Ok(value) = std::env::var(var)
+            && value.trim() != ours
+        {
+            return Err(JobError::SetByFlags {
+                var,
+                value,
+                run_has,
+            });
+        }
+    }
+    bonfire::check_env(config.ranks()).map_err(|e| JobError::Environment(Box::new(e)))
 }
 
 /// `--zero` with pipeline stages or a local strategy, and `--zero 3` with tensor parallelism or
@@ -373,6 +421,9 @@ fn settle_fresh<J: Job>(
     let data_dir = data_dir(options);
     let config = job.configure(request, ranks, &data_dir, reporter)?;
     zero_with_stages(options, &config)?;
+    if world_size.is_none() {
+        inherited_env(&config)?;
+    }
     // Made once the settings hold: a refused run leaves no directory behind.
     std::fs::create_dir_all(&checkpoint_dir).map_err(JobError::io(&checkpoint_dir))?;
     let epochs = options

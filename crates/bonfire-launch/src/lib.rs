@@ -23,4 +23,4 @@ pub use launcher::{
     AddrError, CpuBind, DEFAULT_JOIN_TIMEOUT, LaunchConfig, LaunchError, Launched, free_local_port,
     launch, split_host_port,
 };
-pub use logging::{LogFilterError, init_logging, init_logging_with_prefix};
+pub use logging::{LogFilterError, filter_from_env, init_logging, init_logging_with_prefix};

@@ -59,7 +59,7 @@ pub use compute::{
     steady_heap,
 };
 
-pub use world::{InitError, World, init, init_from, init_with, init_with_transport};
+pub use world::{InitError, World, check_env, init, init_from, init_with, init_with_transport};
 
 pub use bonfire_launch::{LogFilterError, init_logging};
 

@@ -271,6 +271,40 @@ pub fn init_from(env: JobEnv, config: CommConfig) -> Result<World, InitError> {
     init_parts(env, config, ShmConfig::from_env()?)
 }
 
+/// Checks the settings [`init`] reads from the environment as a rank of a job of `world_size`
+/// ranks, started on this machine by bonfire's launcher, would read them, without joining
+/// anything: the log filter, the transport's, data-parallel and mesh settings (`BONFIRE_TP`,
+/// `BONFIRE_PP`) and the timeouts and addresses, with the launcher's own variables (the rank's
+/// place, the rendezvous, the restart round) taken as the launcher sets them. For a program
+/// that starts ranks which inherit its environment, as `bonfire train` does, and would refuse a
+/// malformed value once, before it starts them, rather than have every rank fail with it. The
+/// error is the one [`init`] would return.
+pub fn check_env(world_size: usize) -> Result<(), InitError> {
+    use bonfire_launch::env::vars;
+    bonfire_launch::filter_from_env()?;
+    ShmConfig::from_env()?;
+    DataParallelConfig::from_env()?;
+    let tp = tp_from_env(world_size)?;
+    pp_from_env(world_size, tp)?;
+    let n = world_size.to_string();
+    let launcher = [
+        (vars::RANK, "0"),
+        (vars::WORLD_SIZE, n.as_str()),
+        (vars::LOCAL_RANK, "0"),
+        (vars::LOCAL_WORLD_SIZE, n.as_str()),
+        (vars::GROUP_RANK, "0"),
+        (vars::MASTER_ADDR, "127.0.0.1"),
+        (vars::MASTER_PORT, "29500"),
+        (vars::RESTART_ROUND, "0"),
+    ];
+    let get = |k: &str| match launcher.iter().find(|(var, _)| *var == k) {
+        Some((_, v)) => Some(v.to_string()),
+        None => std::env::var(k).ok(),
+    };
+    JobEnv::from_vars(&get)?;
+    Ok(())
+}
+
 fn init_parts(env: JobEnv, mut config: CommConfig, shm: ShmConfig) -> Result<World, InitError> {
     bonfire_launch::init_logging()?;
     let heap = crate::steady_heap();

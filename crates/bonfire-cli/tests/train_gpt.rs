@@ -862,7 +862,7 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
     assert!(
         log.contains(
             "4 rank(s): 1 data-parallel replica(s) x 2 tensor-parallel x 2 pipeline stages (1f1b, 4 \
-             micro-batches per step)"
+             micro-batches per step; each stage idles (p-1)/(m+p-1) = 20% of a step)"
         ),
         "{log}"
     );
@@ -985,6 +985,11 @@ fn pipeline_stages_train_as_one_device() {
         (
             &["--pp", "2", "--schedule", "zigzag"][..],
             "expected gpipe or 1f1b",
+        ),
+        (
+            &["--schedule", "gpipe"][..],
+            "--schedule gpipe without --pp: a schedule orders a pipeline's micro-batches: it \
+             needs --pp 2 or more",
         ),
     ] {
         let out = bonfire(&dir, &tiny)

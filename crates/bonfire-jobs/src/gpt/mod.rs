@@ -377,6 +377,18 @@ pub fn run(request: &GptRequest, options: &RunOptions) -> Result<Finished<GptJob
     Runner::new(&GptJob, request, options).run()
 }
 
+/// `--schedule` in a run of one stage (`pp`): refused, as it would order nothing.
+fn schedule_needs_stages(r: &GptRequest, pp: usize) -> Result<(), JobError> {
+    match r.schedule {
+        Some(schedule) if pp == 1 => Err(JobError::Invalid {
+            flag: "--schedule",
+            given: format!("{schedule} without --pp"),
+            why: "a schedule orders a pipeline's micro-batches: it needs --pp 2 or more",
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// `--pp` above the model's blocks.
 fn stages_exceed_blocks(pp: usize, layers: usize) -> JobError {
     JobError::Invalid {
@@ -585,6 +597,7 @@ impl Job for GptJob {
                       the whole model",
             });
         }
+        schedule_needs_stages(r, pp)?;
         Ok(GptRunConfig {
             ranks: saved.dp() * saved.tp * pp,
             pp,
@@ -651,6 +664,7 @@ impl Job for GptJob {
                 why: "the pipeline stages times the tensor-parallel size must divide the ranks",
             });
         }
+        schedule_needs_stages(r, pp)?;
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         r.strategy.resolve().check_overlap()?;

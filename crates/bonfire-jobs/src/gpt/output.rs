@@ -32,8 +32,12 @@ pub(super) fn start_line(
     let mesh = if c.pp > 1 {
         format!(
             "{} rank(s): {replicas} data-parallel replica(s){tp} x {} pipeline stages ({}, {} \
-             micro-batches per step)",
-            c.ranks, c.pp, c.schedule, c.grad_accum
+             micro-batches per step; each stage idles (p-1)/(m+p-1) = {:.0}% of a step)",
+            c.ranks,
+            c.pp,
+            c.schedule,
+            c.grad_accum,
+            100.0 * bonfire::pipeline::bubble(c.pp, c.grad_accum)
         )
     } else if c.tp > 1 {
         format!(

@@ -18,6 +18,13 @@
 //! micro-batches ([`bubble`]). Activations travel as f32 over the group's point-to-point sends,
 //! each preceded by its shape; a send is not waited for until the step ends, so the transfer
 //! overlaps the stage's next compute.
+//!
+//! Interleaved 1F1B ([`Pipeline::interleaved`], Megatron-LM's virtual pipeline stages): the
+//! model is cut into `v * p` chunks and rank `r` holds chunks `r`, `r + p`, ..., so a
+//! micro-batch passes every rank `v` times, and [`Pipeline::step_chunks`] runs them in
+//! Megatron-LM's order (micro-batches in groups of `p`, each group through a rank's chunks in
+//! turn). Each chunk is `1/v` of a stage's work, so the bubble shrinks to
+//! `(p - 1) / (v * m + p - 1)` ([`bubble_interleaved`]), for `v` times the messages.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -84,6 +91,20 @@ pub enum PipelineError {
     /// A pipeline needs at least one micro-batch.
     #[error("a pipeline step needs at least 1 micro-batch, not 0")]
     NoMicroBatches,
+    /// Interleaved stages the pipeline cannot run.
+    #[error(
+        "{chunks} chunks per stage over {stages} stages and {micro_batches} micro-batches: {problem}"
+    )]
+    Interleave {
+        /// The chunks asked for.
+        chunks: usize,
+        /// The pipeline's stages.
+        stages: usize,
+        /// Micro-batches per step.
+        micro_batches: usize,
+        /// What does not fit.
+        problem: String,
+    },
     /// A second stage in a process that already runs one.
     #[error(
         "this process already runs a pipeline stage: run one stage per process (Burn 0.21 keeps \
@@ -152,8 +173,14 @@ impl StepReport {
 /// The part of a step a stage idles in a pipeline of `stages` stages over `micro_batches`
 /// micro-batches of equal cost, under GPipe or 1F1B: `(p - 1) / (m + p - 1)`.
 pub fn bubble(stages: usize, micro_batches: usize) -> f64 {
-    let (p, m) = (stages as f64, micro_batches as f64);
-    (p - 1.0) / (m + p - 1.0)
+    bubble_interleaved(stages, micro_batches, 1)
+}
+
+/// The part of a step a rank idles under interleaved 1F1B with `chunks` chunks per rank
+/// ([`Pipeline::interleaved`]): `(p - 1) / (v * m + p - 1)`, [`bubble`] at `v = 1`.
+pub fn bubble_interleaved(stages: usize, micro_batches: usize, chunks: usize) -> f64 {
+    let (p, m, v) = (stages as f64, micro_batches as f64, chunks.max(1) as f64);
+    (p - 1.0) / (v * m + p - 1.0)
 }
 
 /// Contiguous ranges of `costs.len()` blocks over `stages` stages, the largest stage's cost as
@@ -205,6 +232,49 @@ pub fn partition(costs: &[u64], stages: usize) -> Vec<Range<usize>> {
     ranges
 }
 
+/// The work of stage `stage` of `stages` in a step of `micro_batches` micro-batches under
+/// `schedule`, with `chunks` chunks per stage (interleaved 1F1B above 1), in order. Under
+/// interleaving it is Megatron-LM's order: the micro-batches in groups of `p`, each group through
+/// the stage's chunks in turn (forwards from its first chunk, backwards from its last), after a
+/// warm-up of `2 (p - 1 - stage) + (v - 1) p` forwards.
+pub fn tasks(
+    schedule: Schedule,
+    stages: usize,
+    stage: usize,
+    micro_batches: usize,
+    chunks: usize,
+) -> Vec<Task> {
+    let (p, r, m, v) = (stages.max(1), stage, micro_batches, chunks.max(1));
+    let at = |forward: bool, k: usize| {
+        if v == 1 {
+            return Task {
+                forward,
+                chunk: 0,
+                micro: k,
+            };
+        }
+        let turn = (k / p) % v;
+        Task {
+            forward,
+            chunk: if forward { turn } else { v - 1 - turn },
+            micro: (k / (p * v)) * p + k % p,
+        }
+    };
+    let total = m * v;
+    let warmup = match (schedule, v) {
+        (Schedule::GPipe, _) => total,
+        (Schedule::OneFOneB, 1) => (p - 1 - r).min(m),
+        (Schedule::OneFOneB, _) => ((p - 1 - r) * 2 + (v - 1) * p).min(total),
+    };
+    let mut tasks: Vec<Task> = (0..warmup).map(|k| at(true, k)).collect();
+    for k in 0..total - warmup {
+        tasks.push(at(true, warmup + k));
+        tasks.push(at(false, k));
+    }
+    tasks.extend((total - warmup..total).map(|k| at(false, k)));
+    tasks
+}
+
 /// One stage of a pipeline: this rank's place in the pipeline group, the schedule and the number
 /// of micro-batches per step.
 #[derive(Clone)]
@@ -212,7 +282,25 @@ pub struct Pipeline {
     group: Communicator,
     schedule: Schedule,
     micro_batches: usize,
+    /// Model chunks on this rank (1 but under [`Pipeline::interleaved`]).
+    chunks: usize,
+    /// The gradients' channel when chunks are interleaved (a communicator of its own over the
+    /// group, so that a gradient and an activation going the same way between two ranks are
+    /// never matched against each other); the group otherwise.
+    gradients: Communicator,
     _one: std::sync::Arc<OneStage>,
+}
+
+/// One piece of a stage's work in a step: a forward or a backward of a micro-batch through one
+/// of the rank's chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Task {
+    /// A forward (`false`: a backward).
+    pub forward: bool,
+    /// The rank's chunk (0 but under [`Pipeline::interleaved`]).
+    pub chunk: usize,
+    /// The micro-batch.
+    pub micro: usize,
 }
 
 /// A micro-batch this stage has run forward and not yet backward.
@@ -260,11 +348,56 @@ impl Pipeline {
         }
         let one = OneStage::take().ok_or(PipelineError::SecondStage)?;
         Ok(Pipeline {
+            gradients: group.clone(),
             group,
             schedule,
             micro_batches,
+            chunks: 1,
             _one: std::sync::Arc::new(one),
         })
+    }
+
+    /// This stage with `chunks` model chunks per rank, run by interleaved 1F1B (Megatron-LM's
+    /// virtual pipeline stages): cut the model into `chunks * p` contiguous chunks (for example
+    /// with [`partition`]); rank `r` holds chunks `r`, `r + p`, `r + 2p`, ..., its chunk `c`
+    /// being the model's chunk `c * p + r`, and trains them with [`Pipeline::step_chunks`]. The
+    /// model's first chunk (rank 0's chunk 0) reads the micro-batches; its last (rank `p - 1`'s
+    /// chunk `chunks - 1`) computes the loss. Needs the 1F1B schedule, 2 stages or more and a
+    /// number of micro-batches the stages divide (the order takes them `p` at a time). 1 chunk
+    /// is the stage as it was. Collective over the pipeline group (the gradients get a channel
+    /// of their own).
+    pub fn interleaved(mut self, chunks: usize) -> Result<Pipeline, PipelineError> {
+        let (p, m) = (self.stages(), self.micro_batches);
+        let refuse = |problem: &str| {
+            Err(PipelineError::Interleave {
+                chunks,
+                stages: p,
+                micro_batches: m,
+                problem: problem.to_string(),
+            })
+        };
+        if chunks == 0 {
+            return refuse("a rank holds 1 chunk or more");
+        }
+        if chunks == 1 {
+            return Ok(self);
+        }
+        if self.schedule != Schedule::OneFOneB {
+            return refuse("interleaving runs the 1f1b schedule");
+        }
+        if p < 2 {
+            return refuse("interleaving needs 2 stages or more");
+        }
+        if !m.is_multiple_of(p) {
+            return refuse("the stages must divide the micro-batches");
+        }
+        self.gradients = self
+            .group
+            .split(Some(0), self.stage() as u32)
+            .map_err(|source| self.transfer("making the gradients' channel", 0, source))?
+            .expect("every stage chose the same color");
+        self.chunks = chunks;
+        Ok(self)
     }
 
     /// This rank's stage.
@@ -295,6 +428,17 @@ impl Pipeline {
     /// The schedule.
     pub fn schedule(&self) -> Schedule {
         self.schedule
+    }
+
+    /// Model chunks on this rank (1 but under [`Pipeline::interleaved`]).
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// The bubble this stage's schedule leaves: [`bubble_interleaved`] of its stages,
+    /// micro-batches and chunks.
+    pub fn bubble(&self) -> f64 {
+        bubble_interleaved(self.stages(), self.micro_batches, self.chunks)
     }
 
     /// The pipeline group: one rank per stage, in stage order.
@@ -363,21 +507,21 @@ impl Pipeline {
     }
 
     /// The order of this stage's work in a step: `true` a forward, `false` a backward, each of
-    /// the next micro-batch of its kind.
+    /// the next micro-batch of its kind (see [`Pipeline::tasks`] for the chunks).
     pub fn order(&self) -> Vec<bool> {
-        let m = self.micro_batches;
-        match self.schedule {
-            Schedule::GPipe => [vec![true; m], vec![false; m]].concat(),
-            Schedule::OneFOneB => {
-                let warmup = (self.stages() - 1 - self.stage()).min(m);
-                let mut order = vec![true; warmup];
-                for _ in 0..m - warmup {
-                    order.extend([true, false]);
-                }
-                order.extend(vec![false; warmup]);
-                order
-            }
-        }
+        self.tasks().iter().map(|t| t.forward).collect()
+    }
+
+    /// This stage's work in a step, in order: each forward and backward of each micro-batch
+    /// through each of its chunks ([`tasks`] of its place).
+    pub fn tasks(&self) -> Vec<Task> {
+        tasks(
+            self.schedule,
+            self.stages(),
+            self.stage(),
+            self.micro_batches,
+            self.chunks,
+        )
     }
 
     /// One training step of this stage: every micro-batch forward and backward in the
@@ -386,7 +530,8 @@ impl Pipeline {
     /// previous stage's activation elsewhere; it returns [`StageOutput::Activation`] on every
     /// stage but the last, which returns [`StageOutput::Loss`]. Returns the gradients of the
     /// stage's parameters for the mean of the micro-batches' losses, ready for the optimizer,
-    /// and what the step measured. Every stage of the group calls it for every step.
+    /// and what the step measured. Every stage of the group calls it for every step. Under
+    /// [`Pipeline::interleaved`], [`Pipeline::step_chunks`].
     pub fn step<B, M, const D: usize, F>(
         &self,
         module: &M,
@@ -398,8 +543,47 @@ impl Pipeline {
         M: AutodiffModule<B>,
         F: FnMut(&M, usize, Option<Tensor<B, D>>) -> StageOutput<B, D>,
     {
+        let modules = std::slice::from_ref(module);
+        let (mut grads, report) =
+            self.step_chunks(modules, device, |m, _, i, input| forward(m, i, input))?;
+        Ok((grads.remove(0), report))
+    }
+
+    /// One training step of this rank's chunks under [`Pipeline::interleaved`] (or of its one
+    /// stage, `modules` of one): `modules[c]` is its chunk `c`, and `forward(module, c, i,
+    /// input)` runs micro-batch `i` through chunk `c`: `input` is `None` for the model's first
+    /// chunk (rank 0's chunk 0), which reads its own micro-batch `i`, and the previous chunk's
+    /// activation elsewhere; the model's last chunk (rank `p - 1`'s last) returns
+    /// [`StageOutput::Loss`], every other one [`StageOutput::Activation`]. Returns each chunk's
+    /// gradients for the mean of the micro-batches' losses, in chunk order, and what the step
+    /// measured.
+    pub fn step_chunks<B, M, const D: usize, F>(
+        &self,
+        modules: &[M],
+        device: &B::Device,
+        mut forward: F,
+    ) -> Result<(Vec<GradientsParams>, StepReport), PipelineError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        F: FnMut(&M, usize, usize, Option<Tensor<B, D>>) -> StageOutput<B, D>,
+    {
         let started = Instant::now();
-        let (stage, m) = (self.stage(), self.micro_batches);
+        let (stage, stages, m, v) = (self.stage(), self.stages(), self.micro_batches, self.chunks);
+        if modules.len() != v {
+            return Err(self.problem(
+                0,
+                format!(
+                    "{} module(s) for a stage of {v} chunk(s): pass one per chunk",
+                    modules.len()
+                ),
+            ));
+        }
+        // Where a chunk's activation comes from and goes to, and its gradient the other way:
+        // the neighbouring ranks, round the ring between a rank's chunks.
+        let (next, previous) = ((stage + 1) % stages, (stage + stages - 1) % stages);
+        let is_first = |c: usize| stage == 0 && c == 0;
+        let is_last = |c: usize| stage + 1 == stages && c + 1 == v;
         let mut account = Account {
             idle: Duration::ZERO,
             in_flight: 0,
@@ -407,30 +591,34 @@ impl Pipeline {
             bytes: 0,
             max_bytes: 0,
         };
-        let mut held: Vec<Option<InFlight<B, M, D>>> = (0..m).map(|_| None).collect();
+        let mut held: Vec<Option<InFlight<B, M, D>>> = (0..m * v).map(|_| None).collect();
         let mut sends = Vec::new();
-        let mut grads = GradientsAccumulator::<M>::new();
+        let mut grads: Vec<GradientsAccumulator<M>> =
+            (0..v).map(|_| GradientsAccumulator::new()).collect();
         let mut losses = Vec::new();
-        let (mut next_forward, mut next_backward) = (0, 0);
-        for is_forward in self.order() {
+        for Task {
+            forward: is_forward,
+            chunk: c,
+            micro: i,
+        } in self.tasks()
+        {
             if is_forward {
-                let i = next_forward;
-                next_forward += 1;
-                let received = if self.is_first() {
+                let received = if is_first(c) {
                     None
                 } else {
-                    Some(self.receive_activation::<D>(i, &mut account)?)
+                    Some(self.receive_activation::<D>(previous, i, &mut account)?)
                 };
                 let input = received.map(|(values, dims)| {
                     Tensor::<B, D>::from_data(TensorData::new(values, dims), device).require_grad()
                 });
                 let in_bytes = input.as_ref().map_or(0, |t| 4 * t.shape().num_elements());
-                let local = own_leaves(module.clone());
-                let output = match (forward(&local, i, input.clone()), self.is_last()) {
+                let local = own_leaves(modules[c].clone());
+                let output = match (forward(&local, c, i, input.clone()), is_last(c)) {
                     (StageOutput::Activation(a), false) => {
                         sends.extend(self.send(
+                            &self.group,
                             &a,
-                            stage + 1,
+                            next,
                             i,
                             "sending the activation",
                             true,
@@ -445,6 +633,17 @@ impl Pipeline {
                         return Err(
                             self.problem(i, "the last stage returned an activation, not a loss")
                         );
+                    }
+                    (StageOutput::Loss(_), false) if v > 1 => {
+                        return Err(self.problem(
+                            i,
+                            format!(
+                                "chunk {c} of stage {stage} returned a loss, but the model's \
+                                 last chunk is chunk {} of stage {}",
+                                v - 1,
+                                stages - 1
+                            ),
+                        ));
                     }
                     (StageOutput::Loss(_), false) => {
                         return Err(self.problem(
@@ -461,7 +660,7 @@ impl Pipeline {
                     Output::Loss(_) => 0,
                 };
                 let bytes = in_bytes + out_bytes;
-                held[i] = Some(InFlight {
+                held[c * m + i] = Some(InFlight {
                     module: local,
                     output,
                     input,
@@ -472,9 +671,7 @@ impl Pipeline {
                 account.max_in_flight = account.max_in_flight.max(account.in_flight);
                 account.max_bytes = account.max_bytes.max(account.bytes);
             } else {
-                let k = next_backward;
-                next_backward += 1;
-                let entry = held[k]
+                let entry = held[c * m + i]
                     .take()
                     .expect("a micro-batch goes backward after its forward");
                 let gradients = match entry.output {
@@ -482,7 +679,14 @@ impl Pipeline {
                     Output::Activation(a) => {
                         let dims = a.shape().dims::<D>();
                         let what = "receiving the gradient";
-                        let values = self.receive_values(dims, stage + 1, k, what, &mut account)?;
+                        let values = self.receive_values(
+                            &self.gradients,
+                            dims,
+                            next,
+                            i,
+                            what,
+                            &mut account,
+                        )?;
                         let g = Tensor::<B, D>::from_data(TensorData::new(values, dims), device);
                         (a * g).sum().backward()
                     }
@@ -490,13 +694,21 @@ impl Pipeline {
                 if let Some(input) = &entry.input {
                     let Some(g) = input.grad(&gradients) else {
                         return Err(
-                            self.problem(k, "the stage's output does not depend on its input")
+                            self.problem(i, "the stage's output does not depend on its input")
                         );
                     };
-                    sends.extend(self.send(&g, stage - 1, k, "sending the gradient", false)?);
+                    sends.extend(self.send(
+                        &self.gradients,
+                        &g,
+                        previous,
+                        i,
+                        "sending the gradient",
+                        false,
+                    )?);
                 }
                 let local = &entry.module;
-                grads.accumulate::<B>(module, GradientsParams::from_grads(gradients, local));
+                grads[c]
+                    .accumulate::<B>(&modules[c], GradientsParams::from_grads(gradients, local));
                 account.in_flight -= 1;
                 account.bytes -= entry.bytes;
             }
@@ -512,7 +724,7 @@ impl Pipeline {
         account.idle += waited.elapsed();
         let loss = (!losses.is_empty()).then(|| losses.iter().sum::<f32>() / losses.len() as f32);
         Ok((
-            grads.grads(),
+            grads.into_iter().map(|mut g| g.grads()).collect(),
             StepReport {
                 loss,
                 wall: started.elapsed(),
@@ -549,6 +761,7 @@ impl Pipeline {
     /// when it ends.
     fn send<B2: burn::tensor::backend::Backend, const D: usize>(
         &self,
+        over: &Communicator,
         t: &Tensor<B2, D>,
         to: usize,
         micro: usize,
@@ -560,21 +773,21 @@ impl Pipeline {
         let values = f32_values(t).map_err(|e| self.problem(micro, e))?;
         let mut sends = Vec::with_capacity(2);
         if with_shape {
-            sends.push((Pending::Shape(self.group.send(shape, to)), micro, what));
+            sends.push((Pending::Shape(over.send(shape, to)), micro, what));
         }
-        sends.push((Pending::Values(self.group.send(values, to)), micro, what));
+        sends.push((Pending::Values(over.send(values, to)), micro, what));
         Ok(sends)
     }
 
-    /// Receives the activation of micro-batch `micro` from the stage before: its values and
-    /// shape.
+    /// Receives the activation of micro-batch `micro` from stage `from`, the one before (the
+    /// last, for a rank's chunk after its first under interleaving): its values and shape.
     fn receive_activation<const D: usize>(
         &self,
+        from: usize,
         micro: usize,
         account: &mut Account,
     ) -> Result<(Vec<f32>, [usize; D]), PipelineError> {
         let what = "receiving the activation";
-        let from = self.stage() - 1;
         let waited = Instant::now();
         let shape = self
             .group
@@ -595,13 +808,14 @@ impl Pipeline {
             ));
         }
         let dims: [usize; D] = dims.try_into().expect("D dimensions were received");
-        let values = self.receive_values(dims, from, micro, what, account)?;
+        let values = self.receive_values(&self.group, dims, from, micro, what, account)?;
         Ok((values, dims))
     }
 
-    /// Receives the values of a tensor of `dims` from stage `from`.
+    /// Receives the values of a tensor of `dims` from stage `from` over `over`.
     fn receive_values<const D: usize>(
         &self,
+        over: &Communicator,
         dims: [usize; D],
         from: usize,
         micro: usize,
@@ -610,8 +824,7 @@ impl Pipeline {
     ) -> Result<Vec<f32>, PipelineError> {
         let waited = Instant::now();
         let len = dims.iter().product();
-        let values = self
-            .group
+        let values = over
             .recv(vec![0f32; len], from)
             .wait()
             .map_err(|source| self.transfer(what, micro, source))?;

@@ -1012,6 +1012,7 @@ variants!(
     PipelineError,
     [
         PipelineError::NoMicroBatches,
+        PipelineError::Interleave { .. },
         PipelineError::SecondStage,
         PipelineError::Transfer { .. },
         PipelineError::Stage { .. },
@@ -1021,6 +1022,12 @@ variants!(
 fn pipeline_examples() -> Vec<PipelineError> {
     vec![
         PipelineError::NoMicroBatches,
+        PipelineError::Interleave {
+            chunks: 2,
+            stages: 2,
+            micro_batches: 3,
+            problem: "the stages must divide the micro-batches".into(),
+        },
         PipelineError::SecondStage,
         PipelineError::Transfer {
             stage: 1,

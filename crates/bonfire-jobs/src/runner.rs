@@ -170,6 +170,8 @@ impl<'a, J: Job> Runner<'a, J> {
                 );
                 return Ok(self.parent_finished(settings, Some(state)));
             }
+            // A fresh run's environment was checked before its directory was made.
+            crate::settings::inherited_env(&settings.config)?;
         }
         let launched = launch(&self.launch_config(&settings)?)?;
         if let Some(summary) = launched.summary() {

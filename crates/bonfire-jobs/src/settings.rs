@@ -168,11 +168,7 @@ pub fn settle<J: Job>(
         return Err(JobError::RanksMismatch { ranks, world });
     }
     let settings = if options.resume {
-        let settings = settle_resumed(job, request, options)?;
-        if world_size.is_none() {
-            inherited_env(&settings.config)?;
-        }
-        Ok(settings)
+        settle_resumed(job, request, options)
     } else if crate::rank::restart_round() > 0 {
         settle_restarted(job, request, options, world_size, reporter)
     } else {
@@ -195,42 +191,47 @@ pub fn settle<J: Job>(
 /// sets from the run's flags (`BONFIRE_TP`, `BONFIRE_PP`, `BONFIRE_GRAD_DTYPE`), which where
 /// set must say what the flags say (otherwise the ranks would inherit a mesh or a gradient type
 /// the run did not ask for).
-fn inherited_env<C: JobConfig>(config: &C) -> Result<(), JobError> {
+pub(crate) fn inherited_env<C: JobConfig>(config: &C) -> Result<(), JobError> {
+    // What init would read: its own parsers first, so that a malformed value gets its message.
+    bonfire::check_env(config.ranks()).map_err(|e| JobError::Environment(Box::new(e)))?;
     let (tp, pp) = (config.tensor_parallel(), config.pipeline_stages());
-    let dtype = if config.bf16_gradients() {
-        "bf16"
-    } else {
-        "f32"
+    let number = |v: &str| v.trim().parse::<usize>().ok();
+    let set = |var: &str| std::env::var(var).ok().filter(|v| !v.trim().is_empty());
+    let mismatch = |var, value, run_has| JobError::SetByFlags {
+        var,
+        value,
+        run_has,
     };
-    let set_by_flags = [
-        (
+    if let Some(v) = set("BONFIRE_TP").filter(|v| number(v) != Some(tp)) {
+        return Err(mismatch(
             "BONFIRE_TP",
-            tp.to_string(),
+            v,
             format!("{tp} rank(s) per tensor-parallel group"),
-        ),
-        (
-            "BONFIRE_PP",
-            pp.to_string(),
-            format!("{pp} pipeline stage(s)"),
-        ),
-        (
-            "BONFIRE_GRAD_DTYPE",
-            dtype.to_string(),
-            format!("{dtype} gradients"),
-        ),
-    ];
-    for (var, ours, run_has) in set_by_flags {
-        if let Ok(value) = std::env::var(var)
-            && value.trim() != ours
-        {
-            return Err(JobError::SetByFlags {
-                var,
-                value,
-                run_has,
-            });
+        ));
+    }
+    if let Some(v) = set("BONFIRE_PP").filter(|v| number(v) != Some(pp)) {
+        return Err(mismatch("BONFIRE_PP", v, format!("{pp} pipeline stage(s)")));
+    }
+    if let Some(v) = set("BONFIRE_GRAD_DTYPE") {
+        // Parsed as the ranks parse it (f32, float32, bf16, bfloat16, any case).
+        let theirs = bonfire::backend::DataParallelConfig::from_env()
+            .map_err(|e| JobError::Environment(Box::new(bonfire::InitError::Config(e))))?
+            .grad_dtype;
+        let bf16 = theirs == bonfire::backend::GradDType::Bf16;
+        if bf16 != config.bf16_gradients() {
+            let ours = if config.bf16_gradients() {
+                "bf16"
+            } else {
+                "f32"
+            };
+            return Err(mismatch(
+                "BONFIRE_GRAD_DTYPE",
+                v,
+                format!("{ours} gradients"),
+            ));
         }
     }
-    bonfire::check_env(config.ranks()).map_err(|e| JobError::Environment(Box::new(e)))
+    Ok(())
 }
 
 /// `--zero` with pipeline stages or a local strategy, and `--zero 3` with tensor parallelism or

@@ -66,9 +66,14 @@ fn one_device() -> Vec<Step> {
 }
 
 fn check(stages: usize, schedule: Schedule) {
+    check_chunks(stages, schedule, 1);
+}
+
+/// `stages` processes, each holding `chunks` chunks of the model (interleaved 1F1B above 1).
+fn check_chunks(stages: usize, schedule: Schedule, chunks: usize) {
     let want = one_device();
     let dir = std::env::temp_dir().join(format!(
-        "bonfire-pp-{schedule}-{stages}-{}",
+        "bonfire-pp-{schedule}-{stages}-{chunks}-{}",
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&dir);
@@ -79,17 +84,23 @@ fn check(stages: usize, schedule: Schedule) {
         STEPS.to_string().into(),
         MICRO.to_string().into(),
         dir.clone().into(),
+        chunks.to_string().into(),
     ];
     c.timeout = Some(Duration::from_secs(60));
     launch(&c).expect("the pipeline job succeeds");
-    let ranges = partition(&[1; BLOCKS], stages);
-    for (s, range) in ranges.iter().enumerate() {
-        // A block has two parameters (weight, bias): the stage's share of the model's lists.
-        let params = range.start * 2..range.end * 2;
+    let ranges = partition(&[1; BLOCKS], stages * chunks);
+    let what = format!("{schedule} at pp {stages} with {chunks} chunk(s)");
+    for s in 0..stages {
+        // A block has two parameters (weight, bias): the stage's chunks' shares of the model's
+        // lists, chunk after chunk.
+        let params: Vec<usize> = (0..chunks)
+            .flat_map(|c| ranges[c * stages + s].clone())
+            .flat_map(|b| [2 * b, 2 * b + 1])
+            .collect();
         let mut got = read_params(&dir.join(format!("rank{s}.bin"))).into_iter();
         let mut take = |n: usize| got.by_ref().take(n).collect::<Vec<f32>>();
         for (step, (loss, grads, after)) in want.iter().enumerate() {
-            let name = format!("{schedule} at pp {stages}, stage {s}, step {step}");
+            let name = format!("{what}, stage {s}, step {step}");
             let stage_loss = take(1)[0];
             if s + 1 == stages {
                 assert!(
@@ -97,11 +108,12 @@ fn check(stages: usize, schedule: Schedule) {
                     "{name}: loss {stage_loss} against {loss}"
                 );
             }
-            for (what, want) in [("gradient", grads), ("parameter", after)] {
-                for (i, w) in want[params.clone()].iter().enumerate() {
+            for (kind, want) in [("gradient", grads), ("parameter", after)] {
+                for &i in &params {
+                    let w = &want[i];
                     let g = take(w.len());
                     let d = max_abs_diff(&[g], std::slice::from_ref(w));
-                    assert!(d <= TOLERANCE, "{name}: {what} {i} differs by {d:e}");
+                    assert!(d <= TOLERANCE, "{name}: {kind} {i} differs by {d:e}");
                 }
             }
         }
@@ -110,13 +122,20 @@ fn check(stages: usize, schedule: Schedule) {
             .unwrap()
             .parse()
             .unwrap();
-        let expected = match schedule {
-            Schedule::GPipe => MICRO,
-            Schedule::OneFOneB => (stages - s).min(MICRO),
+        // Interleaved: Megatron-LM's warm-up of 2 (p - 1 - s) + (v - 1) p forwards, then one
+        // more in flight in the steady state.
+        let total = MICRO * chunks;
+        let expected = match (schedule, chunks) {
+            (Schedule::GPipe, _) => MICRO,
+            (Schedule::OneFOneB, 1) => (stages - s).min(MICRO),
+            (Schedule::OneFOneB, v) => {
+                let warmup = ((stages - 1 - s) * 2 + (v - 1) * stages).min(total);
+                if warmup < total { warmup + 1 } else { total }
+            }
         };
         assert_eq!(
             held, expected,
-            "{schedule} at pp {stages}: stage {s} held {held} micro-batches"
+            "{what}: stage {s} held {held} micro-batches"
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -132,6 +151,72 @@ fn gpipe_over_two_and_four_processes_equals_one_device() {
 fn one_f_one_b_over_two_and_four_processes_equals_one_device() {
     check(2, Schedule::OneFOneB);
     check(4, Schedule::OneFOneB);
+}
+
+/// Interleaved 1F1B: the 4 blocks in 4 chunks over 2 processes (rank 0 holds blocks 0 and 2,
+/// rank 1 blocks 1 and 3), so each micro-batch passes each rank twice, the activations of
+/// block 1 going back to rank 0 and the gradients of block 2 to rank 1.
+#[test]
+fn interleaved_one_f_one_b_over_two_processes_equals_one_device() {
+    check_chunks(2, Schedule::OneFOneB, 2);
+}
+
+/// The order interleaving runs in, and what it refuses.
+#[test]
+fn interleaving_orders_micro_batches_in_groups_and_refuses_what_it_cannot_run() {
+    let order = |stage| {
+        bonfire::pipeline::tasks(Schedule::OneFOneB, 2, stage, 4, 2)
+            .iter()
+            .map(|t| {
+                format!(
+                    "{}{}.{}",
+                    if t.forward { 'F' } else { 'B' },
+                    t.chunk,
+                    t.micro
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    // Rank 0 warms up with 2 + 2 forwards, rank 1 with 2; micro-batches go 2 at a time through
+    // chunk 0, then chunk 1 (backwards from chunk 1).
+    assert_eq!(
+        order(0),
+        "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3"
+    );
+    assert_eq!(
+        order(1),
+        "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3"
+    );
+    // One chunk is 1F1B as it was.
+    let plain = bonfire::pipeline::tasks(Schedule::OneFOneB, 2, 0, 4, 1);
+    let forwards: Vec<bool> = plain.iter().map(|t| t.forward).collect();
+    assert_eq!(
+        forwards,
+        [true, true, false, true, false, true, false, false]
+    );
+    assert!((bonfire::pipeline::bubble_interleaved(2, 4, 2) - 1.0 / 9.0).abs() < 1e-12);
+    assert_eq!(
+        bonfire::pipeline::bubble_interleaved(2, 4, 1),
+        bonfire::pipeline::bubble(2, 4)
+    );
+    // Refused before any message: one rank of a group of 2 (or 1) is enough.
+    let _serial = IN_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let refused = |stages: usize, schedule, micro, chunks| {
+        let comm = Communicator::in_process(stages, comm_config(Duration::from_secs(30))).remove(0);
+        match Pipeline::new(comm, schedule, micro).and_then(|p| p.interleaved(chunks)) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{stages} stages, {schedule}, {micro} micro-batches, {chunks} chunks"),
+        }
+    };
+    assert_eq!(
+        refused(2, Schedule::OneFOneB, 3, 2),
+        "2 chunks per stage over 2 stages and 3 micro-batches: the stages must divide the \
+         micro-batches"
+    );
+    assert!(refused(2, Schedule::GPipe, 4, 2).ends_with("interleaving runs the 1f1b schedule"));
+    assert!(refused(1, Schedule::OneFOneB, 4, 2).ends_with("needs 2 stages or more"));
+    assert!(refused(2, Schedule::OneFOneB, 4, 0).ends_with("a rank holds 1 chunk or more"));
 }
 
 /// A stage that returns what its place does not give is an error naming the stage and the

@@ -286,22 +286,26 @@ pub fn check_env(world_size: usize) -> Result<(), InitError> {
     DataParallelConfig::from_env()?;
     let tp = tp_from_env(world_size)?;
     pp_from_env(world_size, tp)?;
-    let n = world_size.to_string();
-    let launcher = [
-        (vars::RANK, "0"),
-        (vars::WORLD_SIZE, n.as_str()),
-        (vars::LOCAL_RANK, "0"),
-        (vars::LOCAL_WORLD_SIZE, n.as_str()),
-        (vars::GROUP_RANK, "0"),
-        (vars::MASTER_ADDR, "127.0.0.1"),
-        (vars::MASTER_PORT, "29500"),
-        (vars::RESTART_ROUND, "0"),
-    ];
-    let get = |k: &str| match launcher.iter().find(|(var, _)| *var == k) {
-        Some((_, v)) => Some(v.to_string()),
-        None => std::env::var(k).ok(),
-    };
-    JobEnv::from_vars(&get)?;
+    let n = world_size.max(1);
+    // The first and the last rank: addresses and ports are per local rank.
+    for rank in [0, n - 1] {
+        let (rank, n) = (rank.to_string(), n.to_string());
+        let launcher = [
+            (vars::RANK, rank.as_str()),
+            (vars::WORLD_SIZE, n.as_str()),
+            (vars::LOCAL_RANK, rank.as_str()),
+            (vars::LOCAL_WORLD_SIZE, n.as_str()),
+            (vars::GROUP_RANK, "0"),
+            (vars::MASTER_ADDR, "127.0.0.1"),
+            (vars::MASTER_PORT, "29500"),
+            (vars::RESTART_ROUND, "0"),
+        ];
+        let get = |k: &str| match launcher.iter().find(|(var, _)| *var == k) {
+            Some((_, v)) => Some(v.to_string()),
+            None => std::env::var(k).ok(),
+        };
+        JobEnv::from_vars(&get)?;
+    }
     Ok(())
 }
 

@@ -145,6 +145,22 @@ pub fn prefetch_gathers(n: usize) {
     }
 }
 
+/// Runs `f` with the calling thread's fully sharded group gathering nothing ahead of need, then
+/// sets its depth back: for an evaluation, whose forward reads the parameters in training's
+/// order and would otherwise have the gathers for training's backward started behind it, and
+/// dropped (each a whole parameter gathered for nothing). Without such a group, runs `f`. Call
+/// it alike on every rank.
+pub fn without_prefetch<R>(f: impl FnOnce() -> R) -> R {
+    let Some(g) = context::current().filter(|g| g.fully_sharded) else {
+        return f();
+    };
+    let depth = g.prefetch_depth();
+    g.set_prefetch_depth(0);
+    let out = f();
+    g.set_prefetch_depth(depth);
+    out
+}
+
 /// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest
 /// that `ranks` divides (the first of equal ones), or none.
 pub fn shard_dim(shape: &[usize], ranks: usize) -> Option<usize> {

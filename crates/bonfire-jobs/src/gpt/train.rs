@@ -688,21 +688,24 @@ fn validate<A: AutodiffBackend>(
     if ctx.settings().zero_stage() == Some(bonfire::ZeroStage::Three) {
         // Every forward gathers the parameters over the replicas, so every rank runs as many:
         // the largest shard's count of batches, each rank's windows spread over them (a rank
-        // with none left runs one window and does not count it).
+        // with none left runs one window and does not count it). Nothing is gathered ahead:
+        // the prefetch follows training's order, whose backward validation does not run.
         let passes = n.div_ceil(dp.size()).div_ceil(EVAL_BATCH).max(1);
         let size = idx.len().div_ceil(passes).max(1);
-        for p in 0..passes {
-            let chunk = idx
-                .get(p * size..idx.len().min((p + 1) * size))
-                .unwrap_or(&[]);
-            let counted = !chunk.is_empty();
-            let windows = if counted { chunk } else { &[0][..] };
-            let (x, y) = batch::<A::InnerBackend>(val, windows.iter().copied(), device);
-            let l: f64 = valid.loss(x, y).into_scalar().elem();
-            if counted {
-                sum += l * chunk.len() as f64;
+        bonfire::without_prefetch(|| {
+            for p in 0..passes {
+                let chunk = idx
+                    .get(p * size..idx.len().min((p + 1) * size))
+                    .unwrap_or(&[]);
+                let counted = !chunk.is_empty();
+                let windows = if counted { chunk } else { &[0][..] };
+                let (x, y) = batch::<A::InnerBackend>(val, windows.iter().copied(), device);
+                let l: f64 = valid.loss(x, y).into_scalar().elem();
+                if counted {
+                    sum += l * chunk.len() as f64;
+                }
             }
-        }
+        });
     } else {
         for chunk in idx.chunks(EVAL_BATCH) {
             let (x, y) = batch::<A::InnerBackend>(val, chunk.iter().copied(), device);

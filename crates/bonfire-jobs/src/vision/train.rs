@@ -502,9 +502,9 @@ fn hits<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> i64 {
 ///
 /// Under ZeRO-3 no rank holds the whole model: each takes rank 0's running statistics only (the
 /// parameters are the same on every rank) and evaluates its own sharded model, which gathers each
-/// parameter where a layer reads it and frees it after. Those gathers are collectives, so every
-/// rank runs as many forwards as the rank with the most batches; a rank with fewer runs one
-/// image for each it lacks and does not count it.
+/// parameter where a layer reads it and frees it after (nothing gathered ahead). Those gathers
+/// are collectives, so every rank runs as many forwards as the rank with the most batches; a
+/// rank with fewer runs one image for each it lacks and does not count it.
 fn evaluate<A: AutodiffBackend>(
     ctx: &RankContext<'_, Vision>,
     model: &ResNet<A>,
@@ -523,19 +523,23 @@ fn evaluate<A: AutodiffBackend>(
     };
     let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
     let eval_loss = CrossEntropyLossConfig::new().init(device);
-    for batch in batches {
-        let Some(idx) = batch else {
-            let (x, _) = test.batch::<A::InnerBackend>(&[0], device);
-            let _ = valid.forward(x);
-            continue;
-        };
-        let (x, y) = test.batch::<A::InnerBackend>(idx, device);
-        let logits = valid.forward(x);
-        let hits = hits(logits.clone(), y.clone());
-        let l: f64 = eval_loss.forward(logits, y).into_scalar().elem();
-        test_loss += l * idx.len() as f64;
-        test_correct += hits as f64;
-    }
+    // Nothing gathered ahead (a ZeRO-3 run's prefetch follows training's order, whose backward
+    // an evaluation does not run).
+    bonfire::without_prefetch(|| {
+        for batch in batches {
+            let Some(idx) = batch else {
+                let (x, _) = test.batch::<A::InnerBackend>(&[0], device);
+                let _ = valid.forward(x);
+                continue;
+            };
+            let (x, y) = test.batch::<A::InnerBackend>(idx, device);
+            let logits = valid.forward(x);
+            let hits = hits(logits.clone(), y.clone());
+            let l: f64 = eval_loss.forward(logits, y).into_scalar().elem();
+            test_loss += l * idx.len() as f64;
+            test_correct += hits as f64;
+        }
+    });
     ctx.sum(
         vec![test_loss, test_correct, test.len() as f64],
         "summing the test results",

@@ -117,8 +117,9 @@ fn the_hybrid_program_trains_on_two_replicas_of_two_ranks() {
 }
 
 /// Burn's `TransformerEncoder` split into pipeline stages: as one process (one stage), two and
-/// four stages, under 1F1B and GPipe, and two replicas of two stages (`BONFIRE_PP=2` of 4
-/// ranks), the last rank prints the losses one process prints (the same arithmetic, micro-batch
+/// four stages, under 1F1B and GPipe, two replicas of two stages (`BONFIRE_PP=2` of 4 ranks),
+/// and two stages of two chunks each (interleaved 1F1B), the last rank prints the losses one
+/// process prints (the same arithmetic, micro-batch
 /// by micro-batch, with activations and gradients moved between processes and averaged between
 /// replicas), and they fall.
 #[test]
@@ -127,20 +128,22 @@ fn the_pipeline_program_trains_over_two_and_four_stages_as_on_one() {
     let alone = job(bin, 1, &[("BOOK_MICRO_BATCHES", "4")]);
     assert_learns(&alone[0], 6, 0.8, "one stage");
     let want = losses(&alone[0]);
-    for (ranks, stages, schedule) in [
-        (2, "2", "1f1b"),
-        (4, "4", "1f1b"),
-        (2, "2", "gpipe"),
-        (4, "2", "1f1b"),
+    for (ranks, stages, schedule, chunks) in [
+        (2, "2", "1f1b", "1"),
+        (4, "4", "1f1b", "1"),
+        (2, "2", "gpipe", "1"),
+        (4, "2", "1f1b", "1"),
+        (2, "2", "1f1b", "2"),
     ] {
         let env = [
             ("BOOK_SCHEDULE", schedule),
             ("BONFIRE_PP", stages),
             ("BOOK_MICRO_BATCHES", "4"),
+            ("BOOK_CHUNKS", chunks),
         ];
         let out = job(bin, ranks, &env);
         let got = losses(&out[ranks - 1]);
-        let what = format!("{ranks} ranks, {stages} stages, {schedule}");
+        let what = format!("{ranks} ranks, {stages} stages, {schedule}, {chunks} chunk(s)");
         assert_eq!(got.len(), want.len(), "{what}: {got:?}");
         for (g, w) in got.iter().zip(&want) {
             assert!(

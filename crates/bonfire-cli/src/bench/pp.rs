@@ -3,13 +3,16 @@
 //! schedule and number of micro-batches, side by side for the same global batch: step time,
 //! tokens per second, each stage's idle time against the bubble's formula, the micro-batches and
 //! activation bytes it held, its parameters, and the first step's loss (the same at every split).
+//! `--chunks 2` adds interleaved 1F1B with 2 chunks per rank to the 1F1B runs.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bonfire::DataParallel;
 use bonfire::models::{Gpt, GptConfig, GptStage};
-use bonfire::pipeline::{Pipeline, Schedule, average_gradients, bubble, materialised, partition};
+use bonfire::pipeline::{
+    Pipeline, Schedule, average_gradients, bubble_interleaved, materialised, partition,
+};
 use burn::backend::Autodiff;
 use burn::backend::flex::{Flex, FlexDevice};
 use burn::module::Module;
@@ -36,6 +39,11 @@ pub(crate) struct Args {
     /// Micro-batches per step to run; each must divide the replica's share of --batch.
     #[arg(long, value_delimiter = ',', default_value = "4,8")]
     micro_batches: Vec<usize>,
+    /// Model chunks per rank to run under 1f1b: above 1, interleaved 1F1B (the model cut into
+    /// chunks x stages, each rank holding every stages-th chunk; the stages must divide the
+    /// micro-batches and chunks x stages must not exceed --layers).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    chunks: Vec<usize>,
     /// Replicas of the pipeline, each on its 1/dp of the global batch.
     #[arg(long, default_value_t = 1)]
     dp: usize,
@@ -66,7 +74,8 @@ pub(crate) struct Args {
     /// Compute threads per rank [default: this machine's cores / ranks, at least 1].
     #[arg(long)]
     threads: Option<usize>,
-    /// Set on the ranks this command starts: the run's stages, schedule and micro-batches.
+    /// Set on the ranks this command starts: the run's stages, schedule, micro-batches and
+    /// chunks.
     #[arg(long, hide = true)]
     run: Option<String>,
     /// Set on the ranks this command starts: where rank 0 writes its figures.
@@ -110,7 +119,7 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         args.warmup
     );
     println!(
-        "# {:>3} {:>9} {:>5} {:>8} {:>10} {:>10} {:>10}  {:<44} {:<12} {:<22} first loss",
+        "# {:>3} {:>13} {:>5} {:>8} {:>10} {:>10} {:>10}  {:<44} {:<12} {:<22} first loss",
         "pp",
         "schedule",
         "m",
@@ -137,63 +146,77 @@ pub(crate) fn run(args: Args) -> Result<(), CliError> {
         };
         for &schedule in schedules {
             for &m in &args.micro_batches {
-                check(&args, pp, m)?;
-                let ranks = args.dp * pp;
-                let threads = args.threads.unwrap_or((cores / ranks).max(1));
-                let result = dir.join(format!("pp{pp}-{schedule}-m{m}.json"));
-                let mut config = bonfire::launch::LaunchConfig::local(ranks, exe.clone());
-                config.args = rank_args(&args, &format!("{pp}:{schedule}:{m}"), &result)
-                    .into_iter()
-                    .map(Into::into)
-                    .collect();
-                config.extra_env = vec![
-                    ("BONFIRE_PP".into(), pp.to_string().into()),
-                    ("RAYON_NUM_THREADS".into(), threads.to_string().into()),
-                ];
-                bonfire::launch::launch(&config)?;
-                let text =
-                    std::fs::read_to_string(&result).map_err(|source| CliError::ResultFile {
-                        path: result.clone(),
-                        source,
+                // Interleaving runs 1F1B over 2 stages or more; one chunk is the stage itself.
+                let chunks: Vec<usize> = if pp > 1 && schedule == Schedule::OneFOneB {
+                    args.chunks.clone()
+                } else {
+                    vec![1]
+                };
+                for v in chunks {
+                    check(&args, pp, m, v)?;
+                    let ranks = args.dp * pp;
+                    let threads = args.threads.unwrap_or((cores / ranks).max(1));
+                    let result = dir.join(format!("pp{pp}-{schedule}-m{m}-v{v}.json"));
+                    let mut config = bonfire::launch::LaunchConfig::local(ranks, exe.clone());
+                    config.args = rank_args(&args, &format!("{pp}:{schedule}:{m}:{v}"), &result)
+                        .into_iter()
+                        .map(Into::into)
+                        .collect();
+                    config.extra_env = vec![
+                        ("BONFIRE_PP".into(), pp.to_string().into()),
+                        ("RAYON_NUM_THREADS".into(), threads.to_string().into()),
+                    ];
+                    bonfire::launch::launch(&config)?;
+                    let text = std::fs::read_to_string(&result).map_err(|source| {
+                        CliError::ResultFile {
+                            path: result.clone(),
+                            source,
+                        }
                     })?;
-                let f: Figures =
-                    serde_json::from_str(&text).map_err(|source| CliError::ResultJson {
-                        path: result.clone(),
-                        source,
-                    })?;
-                let join = |v: Vec<String>| v.join(" / ");
-                println!(
-                    "  {:>3} {:>9} {:>5} {:>8} {:>10.1} {:>10.0} {:>9.1}%  {:<44} {:<12} {:<22} {:.5}",
-                    pp,
-                    if pp == 1 { "-" } else { schedule.name() },
-                    m,
-                    threads,
-                    f.step_ms,
-                    f.tokens_per_s,
-                    100.0 * bubble(pp, m),
-                    join(
-                        f.stages
-                            .iter()
-                            .map(|s| format!("{:.1}%", 100.0 * s.idle))
-                            .collect()
-                    ),
-                    join(f.stages.iter().map(|s| s.held.to_string()).collect()),
-                    join(f.stages.iter().map(|s| s.params.to_string()).collect()),
-                    f.first_loss
-                );
+                    let f: Figures =
+                        serde_json::from_str(&text).map_err(|source| CliError::ResultJson {
+                            path: result.clone(),
+                            source,
+                        })?;
+                    let join = |v: Vec<String>| v.join(" / ");
+                    let name = match (pp, v) {
+                        (1, _) => "-".to_string(),
+                        (_, 1) => schedule.name().to_string(),
+                        (_, v) => format!("interleaved x{v}"),
+                    };
+                    println!(
+                        "  {:>3} {:>13} {:>5} {:>8} {:>10.1} {:>10.0} {:>9.1}%  {:<44} {:<12} {:<22} {:.5}",
+                        pp,
+                        name,
+                        m,
+                        threads,
+                        f.step_ms,
+                        f.tokens_per_s,
+                        100.0 * bubble_interleaved(pp, m, v),
+                        join(
+                            f.stages
+                                .iter()
+                                .map(|s| format!("{:.1}%", 100.0 * s.idle))
+                                .collect()
+                        ),
+                        join(f.stages.iter().map(|s| s.held.to_string()).collect()),
+                        join(f.stages.iter().map(|s| s.params.to_string()).collect()),
+                        f.first_loss
+                    );
+                }
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "# step: the median timed step of rank 0 (the first stage), optimizer included; idle: the part of each stage's pipeline steps it waited for a neighbour (the bubble's formula (p-1)/(m+p-1) counts no transfer); held: the most micro-batches whose graphs a stage held at once; params: a stage's parameters (the last counts its copy of the tied embedding); first loss: the first step's mean loss, which every split must give"
+        "# step: the median timed step of rank 0 (the first stage), optimizer included; idle: the part of each stage's pipeline steps it waited for a neighbour (the bubble's formula (p-1)/(m+p-1), (p-1)/(v*m+p-1) with v chunks per rank, counts no transfer); held: the most micro-batches whose graphs a stage held at once (each chunk's counted); params: a stage's parameters (the last counts its copy of the tied embedding); first loss: the first step's mean loss, which every split must give"
     );
     Ok(())
 }
 
 /// Refuses a run whose micro-batches do not divide a replica's share of the batch, or whose
-/// stages outnumber the blocks.
-fn check(args: &Args, pp: usize, m: usize) -> Result<(), CliError> {
+/// stages (times its chunks) outnumber the blocks, or whose chunks interleaving cannot run.
+fn check(args: &Args, pp: usize, m: usize, chunks: usize) -> Result<(), CliError> {
     let bad = |why: String| Err(CliError::Usage(why));
     if args.dp == 0 || !args.batch.is_multiple_of(args.dp) {
         return bad(format!(
@@ -223,10 +246,22 @@ fn check(args: &Args, pp: usize, m: usize) -> Result<(), CliError> {
             args.layers
         ));
     }
+    if chunks == 0 || pp * chunks > args.layers {
+        return bad(format!(
+            "--chunks {chunks}: must be at least 1, and times --pp {pp} at most --layers {}",
+            args.layers
+        ));
+    }
+    if chunks > 1 && !m.is_multiple_of(pp) {
+        return bad(format!(
+            "--chunks {chunks} with --micro-batches {m}: interleaving needs micro-batches that \
+             --pp {pp} divides"
+        ));
+    }
     Ok(())
 }
 
-/// The arguments of a rank of run `run` (`pp:schedule:m`).
+/// The arguments of a rank of run `run` (`pp:schedule:m:chunks`).
 fn rank_args(args: &Args, run: &str, result: &Path) -> Vec<String> {
     let mut v = vec!["bench".to_string(), "pp".to_string()];
     for (flag, value) in [
@@ -281,18 +316,23 @@ fn micro_batches(
 
 /// One rank of a run: trains its stage and, on rank 0, writes the figures to `result`.
 fn rank(args: &Args, run: &str, result: &Path) -> Result<(), CliError> {
-    let bad_run = || CliError::Usage(format!("--run {run:?}: expected STAGES:SCHEDULE:M"));
+    let bad_run = || CliError::Usage(format!("--run {run:?}: expected STAGES:SCHEDULE:M:CHUNKS"));
     let mut parts = run.split(':');
-    let (Some(_), Some(schedule), Some(m), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
+    let (Some(_), Some(schedule), Some(m), Some(v), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
         return Err(bad_run());
     };
     let schedule: Schedule = schedule.parse().map_err(|_| bad_run())?;
     let m: usize = m.parse().map_err(|_| bad_run())?;
+    let v: usize = v.parse().map_err(|_| bad_run())?;
     let world = bonfire::init()?;
     let device = FlexDevice;
-    let pipe = Pipeline::new(world.pp_group().clone(), schedule, m)?;
+    let pipe = Pipeline::new(world.pp_group().clone(), schedule, m)?.interleaved(v)?;
     <B as burn::tensor::backend::Backend>::seed(&device, 7);
     let whole: Gpt<B> = GptConfig::new(args.vocab)
         .with_context(args.context)
@@ -301,10 +341,16 @@ fn rank(args: &Args, run: &str, result: &Path) -> Result<(), CliError> {
         .with_embd(args.embd)
         .init(&device);
     let whole = materialised(whole);
-    let range = partition(&whole.block_params(), pipe.stages())[pipe.stage()].clone();
-    let mut stage: GptStage<B> = whole.into_stage(range);
-    let params = stage.num_params() as u64;
-    let mut optim = AdamConfig::new().init::<B, GptStage<B>>();
+    // Rank r's chunk c is the model's chunk c * p + r.
+    let (p, r) = (pipe.stages(), pipe.stage());
+    let ranges = partition(&whole.block_params(), p * v);
+    let mut chunks: Vec<GptStage<B>> = (0..v)
+        .map(|c| whole.clone().into_stage(ranges[c * p + r].clone()))
+        .collect();
+    let params: u64 = chunks.iter().map(|c| c.num_params() as u64).sum();
+    let mut optims: Vec<_> = (0..v)
+        .map(|_| AdamConfig::new().init::<B, GptStage<B>>())
+        .collect();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     let dp = world.dp_group().clone();
     let replica = dp.rank();
@@ -313,14 +359,21 @@ fn rank(args: &Args, run: &str, result: &Path) -> Result<(), CliError> {
     for step in 0..args.warmup + args.steps {
         let micro = micro_batches(&mut rng, args, replica, m, &device);
         let start = Instant::now();
-        let (grads, report) = pipe.step(&stage, &device, |st: &GptStage<B>, i, input| {
-            bonfire_jobs::gpt::stage_output(st, &micro[i], input)
-        })?;
-        let mut grads = average_gradients(&dp, &stage, grads)?;
-        if let Some(tied) = stage.tied_embedding() {
-            pipe.sum_shared::<B, 2>(&mut grads, tied)?;
+        let (grads, report) =
+            pipe.step_chunks(&chunks, &device, |st: &GptStage<B>, _, i, input| {
+                bonfire_jobs::gpt::stage_output(st, &micro[i], input)
+            })?;
+        let mut stepped = Vec::with_capacity(v);
+        for ((chunk, grads), optim) in chunks.into_iter().zip(grads).zip(optims.iter_mut()) {
+            let mut grads = average_gradients(&dp, &chunk, grads)?;
+            // The first chunk (rank 0's first) and the last (rank p - 1's last) share the tied
+            // embedding.
+            if let Some(tied) = chunk.tied_embedding() {
+                pipe.sum_shared::<B, 2>(&mut grads, tied)?;
+            }
+            stepped.push(optim.step(1e-3, chunk, grads));
         }
-        stage = optim.step(1e-3, stage, grads);
+        chunks = stepped;
         let elapsed = start.elapsed().as_secs_f64();
         if step == 0 {
             // The last stage has the loss; the mean over the replicas is the batch's.

@@ -24,7 +24,8 @@
 //! micro-batch passes every rank `v` times, and [`Pipeline::step_chunks`] runs them in
 //! Megatron-LM's order (micro-batches in groups of `p`, each group through a rank's chunks in
 //! turn). Each chunk is `1/v` of a stage's work, so the bubble shrinks to
-//! `(p - 1) / (v * m + p - 1)` ([`bubble_interleaved`]), for `v` times the messages.
+//! `(p - 1) / (v * m + p - 1)` ([`bubble_interleaved`]), for `(v p - 1) / (p - 1)` times the
+//! transfers per micro-batch (3 at 2 stages of 2 chunks).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -152,7 +153,8 @@ pub struct StepReport {
     /// The time this stage waited for a neighbour (an activation, a gradient, or its own sends
     /// to be taken at the end): the bubble, and any transfer not hidden behind compute.
     pub idle: Duration,
-    /// The most micro-batches whose graphs this stage held at once.
+    /// The most micro-batches whose graphs this stage held at once (each chunk's counted under
+    /// interleaving).
     pub max_in_flight: usize,
     /// The most activation bytes (outputs sent and inputs received, kept for backward) this stage
     /// held at once.
@@ -237,6 +239,9 @@ pub fn partition(costs: &[u64], stages: usize) -> Vec<Range<usize>> {
 /// interleaving it is Megatron-LM's order: the micro-batches in groups of `p`, each group through
 /// the stage's chunks in turn (forwards from its first chunk, backwards from its last), after a
 /// warm-up of `2 (p - 1 - stage) + (v - 1) p` forwards.
+///
+/// Panics if `stage` is not below `stages`, or if `chunks` is above 1 and `stages` does not
+/// divide `micro_batches` ([`Pipeline::interleaved`] refuses that).
 pub fn tasks(
     schedule: Schedule,
     stages: usize,
@@ -245,6 +250,11 @@ pub fn tasks(
     chunks: usize,
 ) -> Vec<Task> {
     let (p, r, m, v) = (stages.max(1), stage, micro_batches, chunks.max(1));
+    assert!(r < p, "stage {r} of a pipeline of {p} stages");
+    assert!(
+        v == 1 || m.is_multiple_of(p),
+        "{v} chunks per stage need micro-batches that the {p} stages divide, not {m}"
+    );
     let at = |forward: bool, k: usize| {
         if v == 1 {
             return Task {
@@ -380,6 +390,8 @@ impl Pipeline {
             return refuse("a rank holds 1 chunk or more");
         }
         if chunks == 1 {
+            self.chunks = 1;
+            self.gradients = self.group.clone();
             return Ok(self);
         }
         if self.schedule != Schedule::OneFOneB {
@@ -391,11 +403,12 @@ impl Pipeline {
         if !m.is_multiple_of(p) {
             return refuse("the stages must divide the micro-batches");
         }
-        self.gradients = self
-            .group
-            .split(Some(0), self.stage() as u32)
-            .map_err(|source| self.transfer("making the gradients' channel", 0, source))?
-            .expect("every stage chose the same color");
+        self.gradients = match self.group.split(Some(0), self.stage() as u32) {
+            Ok(g) => g.expect("every stage chose the same color"),
+            Err(source) => {
+                return refuse(&format!("making the gradients' channel: {source}"));
+            }
+        };
         self.chunks = chunks;
         Ok(self)
     }
@@ -410,12 +423,15 @@ impl Pipeline {
         self.group.size()
     }
 
-    /// Whether this stage reads the micro-batches (it receives no activation).
+    /// Whether this stage reads the micro-batches (it receives no activation; under
+    /// interleaving, its first chunk reads them and its later chunks receive from the last
+    /// stage).
     pub fn is_first(&self) -> bool {
         self.stage() == 0
     }
 
-    /// Whether this stage computes the loss (it sends no activation).
+    /// Whether this stage computes the loss (it sends no activation; under interleaving, its
+    /// last chunk computes it and its earlier chunks send to the first stage).
     pub fn is_last(&self) -> bool {
         self.stage() + 1 == self.stages()
     }
@@ -451,7 +467,9 @@ impl Pipeline {
     /// two, as Megatron-LM's embedding group does: each ends with the first stage's gradient
     /// plus the last's, in that order, so the two copies take the same optimizer step, bit for
     /// bit. The first and the last stage call it after [`Pipeline::step`] with their copy; the
-    /// stages between do not. A no-op in a pipeline of one stage.
+    /// stages between do not. Under interleaving the copies are the model's first and last
+    /// chunks: rank 0 passes its chunk 0's gradients, rank `p - 1` its last chunk's. A no-op in
+    /// a pipeline of one stage.
     pub fn sum_shared<B: AutodiffBackend, const D: usize>(
         &self,
         grads: &mut GradientsParams,
@@ -506,8 +524,8 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The order of this stage's work in a step: `true` a forward, `false` a backward, each of
-    /// the next micro-batch of its kind (see [`Pipeline::tasks`] for the chunks).
+    /// The order of this stage's work in a step: `true` a forward, `false` a backward (which
+    /// micro-batch and chunk each is: [`Pipeline::tasks`]).
     pub fn order(&self) -> Vec<bool> {
         self.tasks().iter().map(|t| t.forward).collect()
     }

@@ -219,6 +219,87 @@ fn interleaving_orders_micro_batches_in_groups_and_refuses_what_it_cannot_run() 
     assert!(refused(2, Schedule::OneFOneB, 4, 0).ends_with("a rank holds 1 chunk or more"));
 }
 
+/// Every directed pair of ranks sends, on each channel (activations, gradients), in the order
+/// its peer receives (point-to-point messages are matched in call order, so anything else would
+/// pair two different tensors), and with sends that do not block the orders run to their end:
+/// 2, 3 and 4 stages, 1, 2 and 3 chunks, `p`, `2p` and `3p` micro-batches, replayed from
+/// [`bonfire::pipeline::tasks`].
+#[test]
+fn every_pair_sends_in_the_order_its_peer_receives_and_no_order_waits_forever() {
+    use std::collections::{BTreeMap, VecDeque};
+    // (channel: 0 activations, 1 gradients; from; to) and what a message is: the sender's
+    // place in the model (chunk * p + rank) and the micro-batch.
+    type Pair = (u8, usize, usize);
+    type Message = (usize, usize);
+    for p in 2..=4 {
+        for v in 1..=3 {
+            for m in [p, 2 * p, 3 * p] {
+                for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+                    if v > 1 && schedule == Schedule::GPipe {
+                        continue;
+                    }
+                    let what = format!("{schedule}, {p} stages, {v} chunk(s), {m} micro-batches");
+                    let last = v * p - 1;
+                    // Each rank's sends (true) and receives (false), in its order.
+                    let ops: Vec<Vec<(bool, Pair, Message)>> = (0..p)
+                        .map(|r| {
+                            let mut ops = Vec::new();
+                            for t in bonfire::pipeline::tasks(schedule, p, r, m, v) {
+                                let at = t.chunk * p + r;
+                                let (next, previous) = ((r + 1) % p, (r + p - 1) % p);
+                                if t.forward {
+                                    if at > 0 {
+                                        ops.push((false, (0, previous, r), (at - 1, t.micro)));
+                                    }
+                                    if at < last {
+                                        ops.push((true, (0, r, next), (at, t.micro)));
+                                    }
+                                } else {
+                                    if at < last {
+                                        ops.push((false, (1, next, r), (at + 1, t.micro)));
+                                    }
+                                    if at > 0 {
+                                        ops.push((true, (1, r, previous), (at, t.micro)));
+                                    }
+                                }
+                            }
+                            ops
+                        })
+                        .collect();
+                    let mut sent: BTreeMap<Pair, Vec<Message>> = BTreeMap::new();
+                    let mut taken: BTreeMap<Pair, Vec<Message>> = BTreeMap::new();
+                    for &(send, pair, message) in ops.iter().flatten() {
+                        let list = if send { &mut sent } else { &mut taken };
+                        list.entry(pair).or_default().push(message);
+                    }
+                    assert_eq!(sent, taken, "{what}");
+                    // Run the orders: a send never waits, a receive waits for its message.
+                    let mut queues: BTreeMap<Pair, VecDeque<Message>> = BTreeMap::new();
+                    let mut at = vec![0; p];
+                    while at.iter().zip(&ops).any(|(&i, o)| i < o.len()) {
+                        let mut moved = false;
+                        for r in 0..p {
+                            while let Some(&(send, pair, message)) = ops[r].get(at[r]) {
+                                let queue = queues.entry(pair).or_default();
+                                if send {
+                                    queue.push_back(message);
+                                } else if queue.front() == Some(&message) {
+                                    queue.pop_front();
+                                } else {
+                                    break;
+                                }
+                                at[r] += 1;
+                                moved = true;
+                            }
+                        }
+                        assert!(moved, "{what}: every rank waits, at {at:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A stage that returns what its place does not give is an error naming the stage and the
 /// micro-batch; a pipeline of no micro-batches is refused, and so is a second stage in a process
 /// that runs one.

@@ -74,6 +74,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pipe =
         Pipeline::new(world.pp_group().clone(), schedule, micro_batches)?.interleaved(chunks)?;
     let (p, r) = (pipe.stages(), pipe.stage());
+    if p * chunks > LAYERS {
+        return Err(format!(
+            "{p} stages of {chunks} chunk(s): more chunks than the {LAYERS} layers"
+        )
+        .into());
+    }
     let ranges = partition(&[1; LAYERS], p * chunks);
     let mut model: Vec<Stage<B>> = (0..chunks)
         .map(|c| {

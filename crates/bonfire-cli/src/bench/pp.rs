@@ -3,7 +3,7 @@
 //! schedule and number of micro-batches, side by side for the same global batch: step time,
 //! tokens per second, each stage's idle time against the bubble's formula, the micro-batches and
 //! activation bytes it held, its parameters, and the first step's loss (the same at every split).
-//! `--chunks 2` adds interleaved 1F1B with 2 chunks per rank to the 1F1B runs.
+//! `--chunks 1,2` runs each 1F1B configuration as it is and interleaved with 2 chunks per rank.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -9,9 +9,7 @@
 //! stages, the job is several replicas of the pipeline, each on its share of the batch, every
 //! stage averaging its gradients with the same stage of the other replicas.
 use bonfire::DataParallel;
-use bonfire::pipeline::{
-    Pipeline, Schedule, StageOutput, average_gradients, bubble_interleaved, partition,
-};
+use bonfire::pipeline::{Pipeline, Schedule, StageOutput, average_gradients, partition};
 use bonfire::topology::ReduceOp;
 use bonfire_book::materialised;
 use bonfire_book::text::{VOCAB, batch};
@@ -187,7 +185,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             pipe.stage(),
             pipe.stages(),
             100.0 * idle / wall,
-            100.0 * bubble_interleaved(pipe.stages(), micro_batches, chunks),
+            100.0 * pipe.bubble(),
             1000.0 * total / 25.0,
         );
     }

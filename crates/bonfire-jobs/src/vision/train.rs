@@ -548,11 +548,12 @@ fn evaluate<A: AutodiffBackend>(
 
 /// The largest of the ranks' `count`s (a collective).
 fn most_of_any_rank(ctx: &RankContext<'_, Vision>, count: usize) -> Result<usize, JobError> {
-    let comm = ctx.comm();
-    let mut counts = vec![0.0; comm.size()];
-    counts[comm.rank()] = count as f64;
-    let counts = ctx.sum(counts, "agreeing on the evaluation's batches")?;
-    Ok(counts.into_iter().fold(0.0, f64::max) as usize)
+    let most = ctx
+        .comm()
+        .all_reduce(vec![count as i64], bonfire::topology::ReduceOp::Max)
+        .wait()
+        .map_err(JobError::collective("agreeing on the evaluation's batches"))?;
+    Ok(most[0] as usize)
 }
 
 /// `model` with rank 0's batch-norm running statistics (a broadcast of those alone).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The bundled GPT over a pipeline against data parallelism and one process, at the same
-# characters per step: `--pp 2` (one replica of two stages, 1F1B and GPipe, M micro-batches),
+# characters per step: `--pp 2` (one replica of two stages, 1F1B, interleaved 1F1B with 2 chunks
+# per rank, and GPipe, M micro-batches),
 # `--dp 2` (two replicas of M/2 micro-batches each) and `--dp 1` (M micro-batches), the default
 # model on the embedded plays, in alternating rounds. Prints each run's steady rate (after the
 # first 10 micro-batches; a pipeline step counts from the one they end in) and, for the pipelines, each stage's idle time against the bubble's formula.
@@ -31,6 +32,7 @@ echo "# $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)
 printf '%-28s %12s %s\n' run "steady/s" "stages (idle against the bubble)"
 for round in $(seq 1 "$rounds"); do
     for cfg in "pp2-1f1b:--dp 1 --pp 2 --micro-batches $m --schedule 1f1b" \
+        "pp2-1f1b-2chunks:--dp 1 --pp 2 --micro-batches $m --chunks 2" \
         "dp2:--dp 2 --micro-batches $((m / 2))" \
         "pp2-gpipe:--dp 1 --pp 2 --micro-batches $m --schedule gpipe" \
         "dp1:--dp 1 --micro-batches $m"; do
@@ -40,8 +42,8 @@ for round in $(seq 1 "$rounds"); do
             --eval-windows 16 --sample-chars 20 --warmup 4 ${cfg#*:} \
             --checkpoint-dir "$work/$name-$round" 2>&1)"
         steady="$(grep -o '[0-9]* chars/s after the first 10 batches' <<<"$out" | grep -o '^[0-9]*' || echo '-')"
-        stages="$(grep -o 'pipeline stage [0-9] of [0-9]: .*idle [0-9.]*% of its pipeline steps (the bubble (p-1)/(m+p-1) is [0-9.]*%)' <<<"$out" \
-            | sed 's/pipeline stage \([0-9]\) of [0-9]: blocks [0-9.]*, [0-9]* parameters; idle \([0-9.]*%\).*is \([0-9.]*%\))/s\1 \2 (\3)/' | paste -sd' ' || true)"
+        stages="$(grep -o 'pipeline stage [0-9] of [0-9]: .*idle [0-9.]*% of its pipeline steps (the bubble ([^ ]*) is [0-9.]*%)' <<<"$out" \
+            | sed 's/pipeline stage \([0-9]\) of [0-9]: blocks [^,]*, [0-9]* parameters; idle \([0-9.]*%\).*is \([0-9.]*%\))/s\1 \2 (\3)/' | paste -sd' ' || true)"
         printf '%-28s %12s %s\n' "$name round $round" "$steady" "$stages"
     done
 done

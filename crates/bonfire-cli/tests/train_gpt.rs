@@ -905,7 +905,9 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
 /// and the last stage, not per micro-batch, so the bits may differ). The report names the
 /// stages against the bubble. A run killed after its first checkpoint resumes bit for bit; its
 /// checkpoint is the whole model (`--sample` reads it); `--pp` more than the blocks and `--zero`
-/// with `--pp` are refused with exit code 2. A run resumes at another `--pp`.
+/// with `--pp` are refused with exit code 2. A run resumes at another `--pp`. Interleaved 1F1B
+/// (`--chunks 2`: 4 blocks in 4 chunks, 2 per stage) gives the plain pipeline's bits, and a run
+/// killed with or without chunks resumes with them, bit for bit.
 #[test]
 fn pipeline_stages_train_as_one_device() {
     let dir = scratch("gpt-pipeline");
@@ -973,6 +975,68 @@ fn pipeline_stages_train_as_one_device() {
     assert!(sample.status.success(), "{}", text(&sample));
     assert!(String::from_utf8_lossy(&sample.stdout).starts_with("ROMEO:"));
 
+    // Interleaving: the same blocks, the same arithmetic in another order.
+    let mut four = tiny.clone();
+    let layers = four.iter().position(|a| *a == "--layers").unwrap() + 1;
+    four[layers] = "4";
+    let run4 = |name: &str, extra: &[&str]| {
+        let out = bonfire(&dir, &four)
+            .args([
+                "--steps",
+                "8",
+                "--micro-batches",
+                "4",
+                "--dp",
+                "1",
+                "--pp",
+                "2",
+            ])
+            .args(extra)
+            .arg("--checkpoint-dir")
+            .arg(dir.join(name))
+            .output()
+            .unwrap();
+        let log = text(&out);
+        assert!(out.status.success(), "{name}: {log}");
+        log
+    };
+    run4("pp4", &[]);
+    let log = run4("chunks", &["--chunks", "2"]);
+    assert!(
+        log.contains(
+            "2 pipeline stages (1f1b interleaved over 2 chunks per rank, 4 micro-batches per \
+             step; each stage idles (p-1)/(v*m+p-1) = 11% of a step)"
+        ),
+        "{log}"
+    );
+    for stage in [
+        "pipeline stage 0 of 2: blocks 0..1 and 2..3",
+        "pipeline stage 1 of 2: blocks 1..2 and 3..4",
+    ] {
+        assert!(log.contains(stage), "{log}");
+    }
+    assert!(
+        log.contains("(the bubble (p-1)/(v*m+p-1) is 11.1%)"),
+        "{log}"
+    );
+    assert_eq!(
+        digests(&dir.join("chunks"), 2),
+        digests(&dir.join("pp4"), 2)
+    );
+    let mesh = ["--dp", "1", "--pp", "2", "--chunks", "2"];
+    killed_and_resumed(&dir, &four, &mesh, "chunks-killed", &[]);
+    assert_eq!(
+        digests(&dir.join("chunks-killed"), 2),
+        digests(&dir.join("chunks"), 2)
+    );
+    let log = killed_and_resumed(&dir, &four, &mesh[..4], "chunks-later", &["--chunks", "2"]);
+    assert!(log.contains("interleaved over 2 chunks per rank"), "{log}");
+    assert_eq!(state(&dir.join("chunks-later"), 2)["config"]["chunks"], 2);
+    assert_eq!(
+        digests(&dir.join("chunks-later"), 2),
+        digests(&dir.join("pp4"), 2)
+    );
+
     for (extra, says) in [
         (
             &["--pp", "4"][..],
@@ -990,6 +1054,14 @@ fn pipeline_stages_train_as_one_device() {
             &["--schedule", "gpipe"][..],
             "--schedule gpipe without --pp: a schedule orders a pipeline's micro-batches: it \
              needs --pp 2 or more",
+        ),
+        (
+            &["--chunks", "2"][..],
+            "--chunks 2 without --pp: chunks interleave a pipeline's stages",
+        ),
+        (
+            &["--pp", "2", "--chunks", "2"][..],
+            "--chunks 2 with --pp 2 and --layers 3: each chunk holds at least one block",
         ),
     ] {
         let out = bonfire(&dir, &tiny)

@@ -40,6 +40,13 @@ pub(crate) struct GptArgs {
     /// [default: 1f1b]
     #[arg(long)]
     schedule: Option<bonfire_jobs::gpt::Schedule>,
+    /// Model chunks per pipeline rank: above 1, interleaved 1F1B (the blocks cut into chunks x
+    /// pp contiguous chunks, rank r of a pipeline holding chunks r, r + pp, ...: a stage idles
+    /// (p-1)/(chunks*m+p-1) of a step, for chunks times the activation transfers); needs --pp 2
+    /// or more, the 1f1b schedule and micro-batches --pp divides, and chunks x pp at most
+    /// --layers [default: 1]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    chunks: Option<u32>,
     /// Blocks [default: 4]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     layers: Option<u32>,
@@ -161,6 +168,7 @@ impl GptArgs {
             tp: n(self.tp),
             pp: n(self.pp),
             schedule: self.schedule,
+            chunks: n(self.chunks),
             layers: n(self.layers),
             heads: n(self.heads),
             embd: n(self.embd),
@@ -213,6 +221,7 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--tp", c.tp.to_string());
     flag("--pp", c.pp.to_string());
     flag("--schedule", c.schedule.name().to_string());
+    flag("--chunks", c.chunks.to_string());
     flag("--layers", c.layers.to_string());
     flag("--heads", c.heads.to_string());
     flag("--embd", c.embd.to_string());

@@ -125,6 +125,11 @@ pub struct GptRequest {
     pub pp: Option<usize>,
     /// The pipeline's order of forwards and backwards (default: 1F1B).
     pub schedule: Option<Schedule>,
+    /// Model chunks per pipeline rank: above 1, interleaved 1F1B (the blocks cut into
+    /// `chunks x pp` contiguous chunks, rank `r` of a pipeline holding chunks `r`, `r + pp`,
+    /// ...); needs `pp` 2 or more, the 1F1B schedule and micro-batches the stages divide
+    /// (default: 1; on a resume, the checkpoint's where it still fits, else 1).
+    pub chunks: Option<usize>,
     /// Blocks (default: 4).
     pub layers: Option<usize>,
     /// Attention heads per block; must divide `embd` (default: 4).
@@ -179,6 +184,9 @@ pub struct GptRunConfig {
     /// The pipeline's schedule.
     #[serde(default)]
     pub schedule: Schedule,
+    /// Model chunks per pipeline rank (interleaved 1F1B above 1).
+    #[serde(default = "one")]
+    pub chunks: usize,
     /// Blocks.
     pub layers: usize,
     /// Attention heads per block.
@@ -389,6 +397,65 @@ fn schedule_needs_stages(r: &GptRequest, pp: usize) -> Result<(), JobError> {
     }
 }
 
+/// Why `chunks` model chunks per rank cannot run in a pipeline of `pp` stages under `schedule`
+/// with `micro` micro-batches per step over `layers` blocks (`None`: they can).
+fn chunks_refused(
+    chunks: usize,
+    pp: usize,
+    schedule: Schedule,
+    micro: usize,
+    layers: usize,
+) -> Option<(String, &'static str)> {
+    if chunks == 1 {
+        return None;
+    }
+    let (given, why) = if chunks == 0 {
+        ("0".to_string(), "a pipeline rank holds 1 chunk or more")
+    } else if pp == 1 {
+        (
+            format!("{chunks} without --pp"),
+            "chunks interleave a pipeline's stages: they need --pp 2 or more",
+        )
+    } else if schedule != Schedule::OneFOneB {
+        (
+            format!("{chunks} with --schedule {schedule}"),
+            "interleaving runs the 1f1b schedule",
+        )
+    } else if chunks * pp > layers {
+        (
+            format!("{chunks} with --pp {pp} and --layers {layers}"),
+            "each chunk holds at least one block: --chunks times --pp must not exceed --layers",
+        )
+    } else if !micro.is_multiple_of(pp) {
+        (
+            format!("{chunks} with --pp {pp} and --micro-batches {micro}"),
+            "interleaving takes the micro-batches --pp at a time: --pp must divide --micro-batches",
+        )
+    } else {
+        return None;
+    };
+    Some((given, why))
+}
+
+/// `--chunks` asked for where it cannot run.
+fn check_chunks(
+    r: &GptRequest,
+    pp: usize,
+    schedule: Schedule,
+    micro: usize,
+    layers: usize,
+) -> Result<usize, JobError> {
+    let chunks = r.chunks.unwrap_or(1);
+    match chunks_refused(chunks, pp, schedule, micro, layers) {
+        Some((given, why)) => Err(JobError::Invalid {
+            flag: "--chunks",
+            given,
+            why,
+        }),
+        None => Ok(chunks),
+    }
+}
+
 /// `--pp` above the model's blocks.
 fn stages_exceed_blocks(pp: usize, layers: usize) -> JobError {
     JobError::Invalid {
@@ -422,6 +489,7 @@ impl Job for GptJob {
             ("--dp", r.dp),
             ("--tp", r.tp),
             ("--pp", r.pp),
+            ("--chunks", r.chunks),
             ("--layers", r.layers),
             ("--heads", r.heads),
             ("--embd", r.embd),
@@ -598,10 +666,23 @@ impl Job for GptJob {
             });
         }
         schedule_needs_stages(r, pp)?;
+        let schedule = r.schedule.unwrap_or(saved.schedule);
+        // Chunks, like the stages, decide no result: the checkpoint's are kept where they still
+        // fit the resumed pipeline, else it runs one chunk per rank.
+        let chunks = match r.chunks {
+            Some(_) => check_chunks(r, pp, schedule, saved.grad_accum, saved.layers)?,
+            None if chunks_refused(saved.chunks, pp, schedule, saved.grad_accum, saved.layers)
+                .is_none() =>
+            {
+                saved.chunks
+            }
+            None => 1,
+        };
         Ok(GptRunConfig {
             ranks: saved.dp() * saved.tp * pp,
             pp,
-            schedule: r.schedule.unwrap_or(saved.schedule),
+            schedule,
+            chunks,
             ..saved
         })
     }
@@ -665,6 +746,8 @@ impl Job for GptJob {
             });
         }
         schedule_needs_stages(r, pp)?;
+        let schedule = r.schedule.unwrap_or_default();
+        let chunks = check_chunks(r, pp, schedule, r.grad_accum.unwrap_or(1), layers)?;
         r.strategy
             .fits(r.strategy.kind.unwrap_or(StrategyKind::AllReduce))?;
         r.strategy.resolve().check_overlap()?;
@@ -677,8 +760,9 @@ impl Job for GptJob {
             ranks,
             tp,
             pp,
-            schedule: r.schedule.unwrap_or_default(),
-            layers: r.layers.unwrap_or(4),
+            schedule,
+            chunks,
+            layers,
             heads: r.heads.unwrap_or(4),
             embd: r.embd.unwrap_or(128),
             context,

@@ -31,13 +31,15 @@ pub(super) fn start_line(
     };
     let mesh = if c.pp > 1 {
         format!(
-            "{} rank(s): {replicas} data-parallel replica(s){tp} x {} pipeline stages ({}, {} \
-             micro-batches per step; each stage idles (p-1)/(m+p-1) = {:.0}% of a step)",
+            "{} rank(s): {replicas} data-parallel replica(s){tp} x {} pipeline stages ({}{}, {} \
+             micro-batches per step; each stage idles {} = {:.0}% of a step)",
             c.ranks,
             c.pp,
             c.schedule,
+            interleaving(c),
             c.grad_accum,
-            100.0 * bonfire::pipeline::bubble(c.pp, c.grad_accum)
+            bubble_formula(c),
+            100.0 * bubble(c)
         )
     } else if c.tp > 1 {
         format!(
@@ -180,16 +182,20 @@ pub(super) fn report_lines(state: &GptState, report: &GptReport, rank: usize) ->
     for st in report.pipeline.iter().flatten() {
         let c = &state.config;
         lines.push(format!(
-            "pipeline stage {} of {}: blocks {}..{}, {} parameters; idle {:.1}% of its pipeline \
-             steps (the bubble (p-1)/(m+p-1) is {:.1}%), {} micro-batch(es) and {:.2} MiB of \
-             activations held at most",
+            "pipeline stage {} of {}: blocks {}, {} parameters; idle {:.1}% of its pipeline \
+             steps (the bubble {} is {:.1}%), {} micro-batch(es) and {:.2} MiB of activations \
+             held at most",
             st.stage,
             c.pp,
-            st.blocks.start,
-            st.blocks.end,
+            st.blocks
+                .iter()
+                .map(|b| format!("{}..{}", b.start, b.end))
+                .collect::<Vec<_>>()
+                .join(" and "),
             st.params,
             100.0 * st.idle,
-            100.0 * bonfire::pipeline::bubble(c.pp, c.grad_accum),
+            bubble_formula(c),
+            100.0 * bubble(c),
             st.held,
             st.activation_bytes as f64 / (1 << 20) as f64,
         ));
@@ -261,4 +267,28 @@ pub(super) fn write_plot(dir: &Path, state: &GptState, log_loss: bool) -> std::i
             },
         ],
     )
+}
+
+/// ", interleaved over N chunks per rank" under `--chunks` above 1, else nothing.
+fn interleaving(c: &GptRunConfig) -> String {
+    if c.chunks > 1 {
+        format!(" interleaved over {} chunks per rank", c.chunks)
+    } else {
+        String::new()
+    }
+}
+
+/// The bubble's formula as the run's pipeline gives it: `(p-1)/(m+p-1)`, or with `v` chunks per
+/// rank `(p-1)/(v*m+p-1)`.
+fn bubble_formula(c: &GptRunConfig) -> &'static str {
+    if c.chunks > 1 {
+        "(p-1)/(v*m+p-1)"
+    } else {
+        "(p-1)/(m+p-1)"
+    }
+}
+
+/// The part of a step each stage of the run's pipeline idles, by the formula.
+fn bubble(c: &GptRunConfig) -> f64 {
+    bonfire::pipeline::bubble_interleaved(c.pp, c.grad_accum, c.chunks)
 }

@@ -2,7 +2,10 @@
 //! contiguous stages balanced by the blocks' parameter counts ([`bonfire::pipeline::partition`]), this rank
 //! holding only its stage (the embeddings on the first, the final norm and the head on the last,
 //! a tied head's embedding on both), and each step's `grad_accum` micro-batches flowing through
-//! the stages under the run's schedule ([`Pipeline::step`]). Under `--tp` each stage is then split
+//! the stages under the run's schedule ([`Pipeline::step_chunks`]). With `--chunks v` above 1
+//! the blocks are cut into `v x pp` chunks instead and rank `r` of a pipeline holds chunks `r`,
+//! `r + pp`, ... (interleaved 1F1B, [`Pipeline::interleaved`]): each chunk is then what a stage is
+//! below, with its own optimizer. Under `--tp` each stage (each chunk) is then split
 //! over its tensor-parallel group by the GPT's plan (the pipeline group joins the ranks of the
 //! same place in their groups), and the stage's gradients are read whole for the averaging and
 //! the tied embedding's sum below.
@@ -18,7 +21,8 @@
 //! digest and write one whole checkpoint, which any mesh can resume; between evaluations a rank
 //! holds its stage only.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::time::Instant;
 
 use bonfire::InOrder;
@@ -48,6 +52,9 @@ use crate::stragglers::{EpochTimer, StepSplit};
 /// A stage's optimizer: Adam over its blocks.
 type Optim<A> = JobOptimizer<Adam, GptStage<A>, A>;
 
+/// A rank's chunks (one, its stage, unless the run interleaves) and their optimizers.
+type Held<A> = (Vec<GptStage<A>>, Vec<Optim<A>>);
+
 /// How a rank lays out its stage over its tensor-parallel group: split by the GPT's plan under
 /// `--tp`, as it is otherwise.
 pub(super) type StageLayout<'a, A> = dyn Fn(GptStage<A>) -> Result<GptStage<A>, JobError> + 'a;
@@ -57,8 +64,9 @@ pub(super) type StageLayout<'a, A> = dyn Fn(GptStage<A>) -> Result<GptStage<A>, 
 pub struct StageSummary {
     /// The stage, from 0.
     pub stage: usize,
-    /// The blocks it held, as indices of the whole model's.
-    pub blocks: std::ops::Range<usize>,
+    /// The blocks it held, as indices of the whole model's: one range, or one per chunk under
+    /// `--chunks`.
+    pub blocks: Vec<Range<usize>>,
     /// Its parameters.
     pub params: usize,
     /// The part of its pipeline steps it waited for a neighbour (idle over wall, summed).
@@ -80,7 +88,7 @@ pub(super) fn run<A: AutodiffBackend>(
     let pp_group = ctx.world().pp_group().clone();
     let dp_group = ctx.dp_group().clone();
     let (replica, replicas) = (dp_group.rank(), c.dp());
-    let pipe = Pipeline::new(pp_group, c.schedule, c.grad_accum)?;
+    let pipe = Pipeline::new(pp_group, c.schedule, c.grad_accum)?.interleaved(c.chunks)?;
     let text = c.dataset.text(&s.data_dir)?;
     let corpus = CharCorpus::with_vocab(c.vocab(), &text, VAL_FRACTION)?;
     drop(text);
@@ -91,8 +99,12 @@ pub(super) fn run<A: AutodiffBackend>(
     // Burn draws a parameter's values when it is first used: every parameter is drawn now, in
     // module order as one device's run draws them, before this stage keeps its own.
     let whole: Gpt<A> = materialised(c.model().init(&device));
-    let ranges = partition(&whole.block_params(), pipe.stages());
-    let range = ranges[pipe.stage()].clone();
+    // The model cut into chunks x stages; rank r's chunk k is the model's chunk k * p + r.
+    let (p, v) = (pipe.stages(), pipe.chunks());
+    let ranges = partition(&whole.block_params(), p * v);
+    let mine: Vec<Range<usize>> = (0..v)
+        .map(|k| ranges[k * p + pipe.stage()].clone())
+        .collect();
     if ctx.is_main() {
         let params = whole.num_params();
         ctx.say(
@@ -100,13 +112,20 @@ pub(super) fn run<A: AutodiffBackend>(
             &output::start_line(&s, &corpus, params, shard.len(), replicas),
         );
     }
-    let optim = JobOptimizer::new(
-        AdamConfig::new().with_beta_2(0.99).init::<A, GptStage<A>>(),
-        None,
-    );
+    let optims: Vec<Optim<A>> = (0..v)
+        .map(|_| {
+            JobOptimizer::new(
+                AdamConfig::new().with_beta_2(0.99).init::<A, GptStage<A>>(),
+                None,
+            )
+        })
+        .collect();
     let mut state = State::new(c.clone(), s.epochs);
-    let (stage, mut optim) = resume(ctx, whole, range, optim, &mut state, &device)?;
-    let mut stage = layout(stage)?;
+    let (chunks, mut optims) = resume(ctx, whole, &mine, optims, &mut state, &device)?;
+    let mut chunks = chunks
+        .into_iter()
+        .map(layout)
+        .collect::<Result<Vec<_>, _>>()?;
     let started = Instant::now();
     let mut split = StepSplit::default();
     let mut throughput = Throughput {
@@ -117,12 +136,12 @@ pub(super) fn run<A: AutodiffBackend>(
     for round in state.epochs_done..s.epochs {
         let t0 = Instant::now();
         let trained;
-        (stage, trained) = train_round(
+        (chunks, trained) = train_round(
             ctx,
             &pipe,
             &dp_group,
-            stage,
-            &mut optim,
+            chunks,
+            &mut optims,
             (&train, &shard),
             round,
             split.batches,
@@ -130,7 +149,7 @@ pub(super) fn run<A: AutodiffBackend>(
             &device,
         )?;
         let train_secs = t0.elapsed().as_secs_f64();
-        let model = whole_model(pipe.group(), &stage, c, &device)?;
+        let model = whole_model(pipe.group(), &chunks, c, &device)?;
         let mut account = Account {
             throughput: &mut throughput,
             split: &mut split,
@@ -140,12 +159,12 @@ pub(super) fn run<A: AutodiffBackend>(
         let record = evaluate(ctx, &mut account, &model, &val, round, trained, &device)?;
         state.history.push(record);
         state.epochs_done = round + 1;
-        let optim_bytes = whole_optimizer(pipe.group(), &stage, &optim, &model, &device)?;
+        let optim_bytes = whole_optimizer(pipe.group(), &chunks, &optims, &model, &device)?;
         record_round(ctx, &state, &model, optim_bytes)?;
         ctx.say_stragglers();
     }
     throughput.wall = started.elapsed();
-    let pipeline = Some(summaries(ctx, &pipe, &stage, &measured)?);
+    let pipeline = Some(summaries(ctx, &pipe, &chunks, &measured)?);
     let report = GptReport {
         memory: None,
         split,
@@ -169,19 +188,25 @@ pub(super) fn run<A: AutodiffBackend>(
     Ok((state, report))
 }
 
-/// The stage of `whole` this rank holds, and its optimizer: from the checkpoint on a resumed
-/// run (the whole model and the whole optimizer state it holds, this stage's part kept),
-/// otherwise as they are.
+/// The chunks of `whole` this rank holds (blocks `ranges`: one range, its stage, unless the run
+/// interleaves) and their optimizers: from the checkpoint on a resumed run (the whole model and
+/// the whole optimizer state it holds, each chunk's part kept), otherwise as they are.
 fn resume<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     whole: Gpt<A>,
-    range: std::ops::Range<usize>,
-    optim: Optim<A>,
+    ranges: &[Range<usize>],
+    optims: Vec<Optim<A>>,
     state: &mut GptState,
     device: &A::Device,
-) -> Result<(GptStage<A>, Optim<A>), JobError> {
+) -> Result<Held<A>, JobError> {
+    let cut = |whole: Gpt<A>| -> Vec<GptStage<A>> {
+        ranges
+            .iter()
+            .map(|r| whole.clone().into_stage(r.clone()))
+            .collect()
+    };
     let Some(loaded) = ctx.resume_checkpoint()? else {
-        return Ok((whole.into_stage(range), optim));
+        return Ok((cut(whole), optims));
     };
     // A per-rank checkpoint (a ZeRO-3 run's) is put together whole, keyed by this model's ids.
     let (whole, record) = match &loaded.shards {
@@ -201,15 +226,23 @@ fn resume<A: AutodiffBackend>(
             (whole, record.0)
         }
     };
-    let stage = whole.into_stage(range);
-    let mine = param_ids(&stage);
-    let record: OptimRecord<Adam, GptStage<A>, A> = record
-        .into_iter()
-        .filter(|(id, _)| mine.contains(id))
+    let chunks = cut(whole);
+    // Each chunk's optimizer takes the state of the parameters it holds (no parameter is in
+    // two chunks of one rank: a tied embedding's copies are on the first and the last rank).
+    let mut record: HashMap<ParamId, _> = record.into_iter().collect();
+    let optims = chunks
+        .iter()
+        .zip(optims)
+        .map(|(chunk, optim)| {
+            let mine: OptimRecord<Adam, GptStage<A>, A> = param_ids(chunk)
+                .into_iter()
+                .filter_map(|id| record.remove(&id).map(|state| (id, state)))
+                .collect();
+            optim.load_whole_record(mine, chunk)
+        })
         .collect();
-    let optim = optim.load_whole_record(record, &stage);
     take_history(ctx, state, loaded);
-    Ok((stage, optim))
+    Ok((chunks, optims))
 }
 
 /// A module's parameter ids.
@@ -242,14 +275,14 @@ fn train_round<A: AutodiffBackend>(
     ctx: &mut RankContext<'_, GptJob>,
     pipe: &Pipeline,
     dp_group: &Communicator,
-    mut stage: GptStage<A>,
-    optim: &mut Optim<A>,
+    mut chunks: Vec<GptStage<A>>,
+    optims: &mut [Optim<A>],
     (train, shard): (&Windows<'_>, &RankShard),
     round: usize,
     before: u64,
     measured: &mut Measured,
     device: &A::Device,
-) -> Result<(GptStage<A>, Trained), JobError> {
+) -> Result<(Vec<GptStage<A>>, Trained), JobError> {
     let c = ctx.settings().config.clone();
     let (replica, replicas, rounds) = (dp_group.rank(), c.dp(), ctx.settings().epochs);
     let first = round * c.eval_every;
@@ -267,18 +300,32 @@ fn train_round<A: AutodiffBackend>(
             .collect();
         timer.input_done();
         timer.forward_done();
-        let (grads, report) = pipe.step(&stage, device, |st: &GptStage<A>, m, input| {
-            stage_output(st, &micro[m], input)
-        })?;
-        // Averaged over the replicas first, then the tied embedding's two copies summed: both
-        // stages add the same two averaged tensors in the same order, whatever the all-reduce.
-        let mut grads = average_gradients(dp_group, &stage, grads)
+        let (grads, report) =
+            pipe.step_chunks(&chunks, device, |st: &GptStage<A>, _, m, input| {
+                stage_output(st, &micro[m], input)
+            })?;
+        // Averaged over the replicas first (chunk by chunk, in the same order on every
+        // replica), then the tied embedding's two copies summed (the model's first chunk on the
+        // first stage, its last on the last): both add the same two averaged tensors in the
+        // same order, whatever the all-reduce.
+        let mut grads = chunks
+            .iter()
+            .zip(grads)
+            .map(|(chunk, grads)| average_gradients(dp_group, chunk, grads))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(crate::JobError::collective("averaging a stage's gradients"))?;
-        if let Some(tied) = stage.tied_embedding() {
-            pipe.sum_shared::<A, 2>(&mut grads, tied)?;
+        for (chunk, grads) in chunks.iter().zip(&mut grads) {
+            if let Some(tied) = chunk.tied_embedding() {
+                pipe.sum_shared::<A, 2>(grads, tied)?;
+            }
         }
         timer.backward_done();
-        stage = optim.step(lr, stage, grads);
+        chunks = chunks
+            .into_iter()
+            .zip(grads)
+            .zip(optims.iter_mut())
+            .map(|((chunk, grads), optim)| optim.step(lr, chunk, grads))
+            .collect();
         timer.steps_done(c.grad_accum as u64, step_tokens as u64);
         measured.idle += report.idle.as_secs_f64();
         measured.wall += report.wall.as_secs_f64();
@@ -310,7 +357,7 @@ fn train_round<A: AutodiffBackend>(
         times: timer.times(),
         split: timer.split(),
     };
-    Ok((stage, trained))
+    Ok((chunks, trained))
 }
 
 /// A GPT stage's forward of one micro-batch `(tokens, targets)` in a pipeline step: from the
@@ -330,34 +377,37 @@ pub fn stage_output<A: AutodiffBackend>(
     }
 }
 
-/// The whole model on every rank of the pipeline: each stage's record gathered, put together
-/// in stage order, loaded into a model of the run's shape.
+/// The whole model on every rank of the pipeline: each chunk's record gathered (chunk `k` of
+/// every stage at once, the model's chunks `k * p ..`), put together in the model's order,
+/// loaded into a model of the run's shape.
 fn whole_model<A: AutodiffBackend>(
     group: &Communicator,
-    stage: &GptStage<A>,
+    chunks: &[GptStage<A>],
     c: &GptRunConfig,
     device: &A::Device,
 ) -> Result<Gpt<A>, JobError> {
     let during = "gathering the stages into the whole model";
     let rec = Rec::default();
-    let mine = rec
-        .record(stage.clone().into_record(), ())
-        .map_err(|source| JobError::EncodeRecord {
-            what: "model",
-            source,
-        })?;
     let mut records: Vec<GptStageRecord<A>> = Vec::new();
-    for part in gather_bytes(group, mine, during)? {
-        records.push(
-            checkpoint::decode::<A, GptStageRecord<A>>(&part, device).map_err(|why| {
-                JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
-                    stage: records.len(),
-                    stages: group.size(),
-                    micro: 0,
-                    problem: format!("its record could not be read: {why}"),
-                })
-            })?,
-        );
+    for chunk in chunks {
+        let mine = rec
+            .record(chunk.clone().into_record(), ())
+            .map_err(|source| JobError::EncodeRecord {
+                what: "model",
+                source,
+            })?;
+        for (stage, part) in gather_bytes(group, mine, during)?.into_iter().enumerate() {
+            records.push(
+                checkpoint::decode::<A, GptStageRecord<A>>(&part, device).map_err(|why| {
+                    JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
+                        stage,
+                        stages: group.size(),
+                        micro: 0,
+                        problem: format!("its record could not be read: {why}"),
+                    })
+                })?,
+            );
+        }
     }
     Ok(c.model()
         .init::<A>(device)
@@ -365,13 +415,14 @@ fn whole_model<A: AutodiffBackend>(
 }
 
 /// The whole optimizer state as one device's run records it, encoded in `whole`'s parameter
-/// order: every stage's state gathered (the last stage's copy of a tied embedding, whose state
-/// is the first stage's, left out: on a fresh run its id is not the whole model's, on a resumed
-/// one it is, and the first stage's entry is kept). Every rank of the pipeline calls it.
+/// order: every chunk's state gathered, chunk by chunk as [`whole_model`] gathers them (the last
+/// stage's copy of a tied embedding, whose state is the first stage's, left out: on a fresh run
+/// its id is not the whole model's, on a resumed one it is, and the first stage's entry is
+/// kept). Every rank of the pipeline calls it.
 fn whole_optimizer<A: AutodiffBackend>(
     group: &Communicator,
-    stage: &GptStage<A>,
-    optim: &Optim<A>,
+    chunks: &[GptStage<A>],
+    optims: &[Optim<A>],
     whole: &Gpt<A>,
     device: &A::Device,
 ) -> Result<Vec<u8>, JobError> {
@@ -381,26 +432,31 @@ fn whole_optimizer<A: AutodiffBackend>(
         what: "optimizer state",
         source,
     };
-    let mine = rec
-        .record(InOrder::new(optim.whole_record(device), stage), ())
-        .map_err(encode)?;
     let ids = param_ids(whole);
     let mut merged: Vec<(ParamId, _)> = Vec::new();
-    for (stage, part) in gather_bytes(group, mine, during)?.into_iter().enumerate() {
-        let InOrder(entries) =
-            checkpoint::decode::<A, InOrder<_>>(&part, device).map_err(|why| {
-                JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
-                    stage,
-                    stages: group.size(),
-                    micro: 0,
-                    problem: format!("its optimizer state could not be read: {why}"),
-                })
-            })?;
-        // A tied embedding's copy on the last stage has the first stage's id after a resume
-        // (and its state, bit for bit): the first stage's entry is kept.
-        for (id, state) in entries {
-            if ids.contains(&id) && !merged.iter().any(|(seen, _)| *seen == id) {
-                merged.push((id, state));
+    let parts = chunks.iter().zip(optims).map(|(chunk, optim)| {
+        let mine = rec
+            .record(InOrder::new(optim.whole_record(device), chunk), ())
+            .map_err(encode)?;
+        gather_bytes(group, mine, during)
+    });
+    for gathered in parts {
+        for (stage, part) in gathered?.into_iter().enumerate() {
+            let InOrder(entries) =
+                checkpoint::decode::<A, InOrder<_>>(&part, device).map_err(|why| {
+                    JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
+                        stage,
+                        stages: group.size(),
+                        micro: 0,
+                        problem: format!("its optimizer state could not be read: {why}"),
+                    })
+                })?;
+            // A tied embedding's copy on the last stage has the first stage's id after a resume
+            // (and its state, bit for bit): the first stage's entry is kept.
+            for (id, state) in entries {
+                if ids.contains(&id) && !merged.iter().any(|(seen, _)| *seen == id) {
+                    merged.push((id, state));
+                }
             }
         }
     }
@@ -430,19 +486,22 @@ fn record_round<A: AutodiffBackend>(
 fn summaries<A: AutodiffBackend>(
     ctx: &RankContext<'_, GptJob>,
     pipe: &Pipeline,
-    stage: &GptStage<A>,
+    chunks: &[GptStage<A>],
     m: &Measured,
 ) -> Result<Vec<StageSummary>, JobError> {
-    let blocks = stage.blocks();
-    let mine = vec![
+    let mut mine = vec![
         pipe.stage() as f64,
-        blocks.start as f64,
-        blocks.end as f64,
-        stage.num_params() as f64,
+        chunks.iter().map(|c| c.num_params()).sum::<usize>() as f64,
         if m.wall > 0.0 { m.idle / m.wall } else { 0.0 },
         m.held as f64,
         m.bytes as f64,
     ];
+    for chunk in chunks {
+        let blocks = chunk.blocks();
+        mine.extend([blocks.start as f64, blocks.end as f64]);
+    }
+    // Every rank holds as many chunks.
+    let width = mine.len();
     let all = ctx
         .world()
         .comm()
@@ -451,16 +510,19 @@ fn summaries<A: AutodiffBackend>(
         .map_err(JobError::collective("gathering the stages' figures"))?;
     let replica0 = ctx.world().mesh();
     Ok(all
-        .chunks(7)
+        .chunks(width)
         .enumerate()
         .filter(|(rank, _)| replica0.coords(bonfire::topology::Rank::from(*rank)) == (0, 0))
         .map(|(_, v)| StageSummary {
             stage: v[0] as usize,
-            blocks: v[1] as usize..v[2] as usize,
-            params: v[3] as usize,
-            idle: v[4],
-            held: v[5] as usize,
-            activation_bytes: v[6] as usize,
+            blocks: v[5..]
+                .chunks(2)
+                .map(|b| b[0] as usize..b[1] as usize)
+                .collect(),
+            params: v[1] as usize,
+            idle: v[2],
+            held: v[3] as usize,
+            activation_bytes: v[4] as usize,
         })
         .collect())
 }

@@ -164,3 +164,71 @@ fn tensor_parallel_sizes_must_divide_the_heads_and_the_ranks() {
             .starts_with("--tp 3 with --heads 4")
     );
 }
+
+#[test]
+fn chunks_interleave_a_one_f_one_b_pipeline_whose_stages_divide_the_micro_batches() {
+    let dir = std::env::temp_dir();
+    let request = |pp: usize, chunks: usize, micro: usize, layers: usize| GptRequest {
+        dataset: Some(GptData::Embedded),
+        pp: Some(pp),
+        chunks: Some(chunks),
+        grad_accum: Some(micro),
+        layers: Some(layers),
+        ..GptRequest::default()
+    };
+    let configure =
+        |r: &GptRequest| GptJob.configure(r, 2 * r.pp.unwrap(), &dir, &mut crate::Silent);
+    let c = configure(&request(2, 2, 4, 4)).unwrap();
+    assert_eq!((c.pp, c.chunks, c.ranks), (2, 2, 4));
+    // One chunk is the plain pipeline, and runs without one.
+    assert_eq!(configure(&request(1, 1, 1, 4)).unwrap().chunks, 1);
+    let refused = |r: GptRequest| {
+        let e = configure(&r).unwrap_err();
+        assert!(e.is_usage(), "{e}");
+        e.to_string()
+    };
+    assert_eq!(
+        refused(request(1, 2, 4, 4)),
+        "--chunks 2 without --pp: chunks interleave a pipeline's stages: they need --pp 2 or more"
+    );
+    assert_eq!(
+        refused(GptRequest {
+            schedule: Some(Schedule::GPipe),
+            ..request(2, 2, 4, 4)
+        }),
+        "--chunks 2 with --schedule gpipe: interleaving runs the 1f1b schedule"
+    );
+    assert!(
+        refused(request(2, 3, 4, 4))
+            .starts_with("--chunks 3 with --pp 2 and --layers 4: each chunk"),
+    );
+    assert!(
+        refused(request(2, 2, 3, 4))
+            .starts_with("--chunks 2 with --pp 2 and --micro-batches 3: interleaving takes"),
+    );
+    // On a resume the checkpoint's chunks are kept where they fit the pipeline, else 1.
+    let resumed = |r: GptRequest| GptJob.resumed_config(&r, c.clone());
+    assert_eq!(resumed(GptRequest::default()).unwrap().chunks, 2);
+    let one = resumed(GptRequest {
+        pp: Some(1),
+        ..GptRequest::default()
+    })
+    .unwrap();
+    assert_eq!((one.pp, one.chunks, one.ranks), (1, 1, 2));
+    let asked = resumed(GptRequest {
+        chunks: Some(1),
+        ..GptRequest::default()
+    })
+    .unwrap();
+    assert_eq!((asked.pp, asked.chunks), (2, 1));
+    assert!(
+        resumed(GptRequest {
+            pp: Some(4),
+            chunks: Some(2),
+            ..GptRequest::default()
+        })
+        .unwrap_err()
+        .to_string()
+        .starts_with("--chunks 2 with --pp 4 and --layers 4")
+    );
+}

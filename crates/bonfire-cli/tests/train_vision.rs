@@ -352,6 +352,24 @@ fn bad_flags_fail_with_a_message_and_no_backtrace() {
         assert_eq!(log.matches(expect).count(), 1, "{var}: {log}");
         assert!(!log.contains("rank 0") && !run.exists(), "{var}: {log}");
     }
+    // ... before the data set is fetched: with a data directory that does not exist, no fetch
+    // is tried (a fetch makes the directory first).
+    let empty = dir.join("no-data");
+    let out = bonfire(&dir, &["train", "vision", "--data-dir"])
+        .arg(&empty)
+        .env("BONFIRE_PEER_TIMEOUT", "abc")
+        .output()
+        .unwrap();
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("BONFIRE_PEER_TIMEOUT=\"abc\" is invalid"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("could not be fetched") && !empty.exists(),
+        "{log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

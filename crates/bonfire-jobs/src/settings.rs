@@ -419,6 +419,10 @@ fn settle_fresh<J: Job>(
         None => runs(Path::new(RUNS_DIR), J::NAME).1,
     };
     let ranks = world_size.unwrap_or(job.requested_ranks(request).unwrap_or(J::DEFAULT_RANKS));
+    if world_size.is_none() {
+        // What the ranks would refuse to read, refused before `configure` fetches a data set.
+        bonfire::check_env(ranks).map_err(|e| JobError::Environment(Box::new(e)))?;
+    }
     let data_dir = data_dir(options);
     let config = job.configure(request, ranks, &data_dir, reporter)?;
     zero_with_stages(options, &config)?;

@@ -42,9 +42,9 @@ pub(crate) struct GptArgs {
     schedule: Option<bonfire_jobs::gpt::Schedule>,
     /// Model chunks per pipeline rank: above 1, interleaved 1F1B (the blocks cut into chunks x
     /// pp contiguous chunks, rank r of a pipeline holding chunks r, r + pp, ...: a stage idles
-    /// (p-1)/(chunks*m+p-1) of a step, for chunks times the activation transfers); needs --pp 2
-    /// or more, the 1f1b schedule and micro-batches --pp divides, and chunks x pp at most
-    /// --layers [default: 1]
+    /// (p-1)/(chunks*m+p-1) of a step, for (chunks*pp-1)/(pp-1) times the activation
+    /// transfers); needs --pp 2 or more, the 1f1b schedule and micro-batches --pp divides, and
+    /// chunks x pp at most --layers [default: 1]
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     chunks: Option<u32>,
     /// Blocks [default: 4]
@@ -220,8 +220,12 @@ fn rank_args(s: &Settings<GptRunConfig>) -> Vec<OsString> {
     flag("--dp", c.dp().to_string());
     flag("--tp", c.tp.to_string());
     flag("--pp", c.pp.to_string());
-    flag("--schedule", c.schedule.name().to_string());
-    flag("--chunks", c.chunks.to_string());
+    // A rank that settles its own run (`bonfire launch` without the parent's settings) refuses
+    // a schedule or chunks without stages.
+    if c.pp > 1 {
+        flag("--schedule", c.schedule.name().to_string());
+        flag("--chunks", c.chunks.to_string());
+    }
     flag("--layers", c.layers.to_string());
     flag("--heads", c.heads.to_string());
     flag("--embd", c.embd.to_string());
@@ -270,4 +274,64 @@ pub(crate) fn gpt(a: GptArgs) -> Result<(), CliError> {
         .each_rank_settles(a.resolved)
         .run()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bonfire_jobs::gpt::GptData;
+    use bonfire_jobs::{Job, Silent};
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Ranked {
+        #[command(flatten)]
+        args: GptArgs,
+    }
+
+    /// A rank that settles its own run from the flags the parent gives it (`--resolved`) settles
+    /// the parent's run: with a pipeline interleaved over chunks, and without stages (where a
+    /// schedule or chunks would be refused).
+    #[test]
+    fn a_rank_settles_the_parents_run_from_its_flags() {
+        let dir = std::env::temp_dir();
+        for (pp, chunks, ranks) in [(2, Some(2), 4), (1, None, 2)] {
+            let request = GptRequest {
+                dataset: Some(GptData::Embedded),
+                pp: Some(pp),
+                chunks,
+                grad_accum: Some(4),
+                steps: Some(20),
+                ..GptRequest::default()
+            };
+            let config = GptJob
+                .configure(&request, ranks, &dir, &mut Silent)
+                .unwrap();
+            let s = Settings {
+                config: config.clone(),
+                epochs: 1,
+                checkpoint_dir: PathBuf::from("/tmp/run"),
+                resume: false,
+                backend: bonfire_jobs::BackendKind::Flex,
+                data_dir: dir.clone(),
+                keep_checkpoints: None,
+                log_loss: false,
+                zero: None,
+                model_state_limit_mib: None,
+                prefetch: None,
+                allow_unchecked: false,
+            };
+            let args = rank_args(&s);
+            assert_eq!(args[..2], ["train", "gpt"]);
+            let parsed = Ranked::try_parse_from(
+                std::iter::once(OsString::from("gpt")).chain(args[2..].iter().cloned()),
+            )
+            .unwrap_or_else(|e| panic!("{e}: {args:?}"));
+            let settled = GptJob
+                .configure(&parsed.args.request().unwrap(), ranks, &dir, &mut Silent)
+                .unwrap_or_else(|e| panic!("{e}: {args:?}"));
+            assert_eq!(settled, config, "{args:?}");
+            assert_eq!(settled.chunks, chunks.unwrap_or(1));
+        }
+    }
 }

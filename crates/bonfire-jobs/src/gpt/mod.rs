@@ -127,8 +127,9 @@ pub struct GptRequest {
     pub schedule: Option<Schedule>,
     /// Model chunks per pipeline rank: above 1, interleaved 1F1B (the blocks cut into
     /// `chunks x pp` contiguous chunks, rank `r` of a pipeline holding chunks `r`, `r + pp`,
-    /// ...); needs `pp` 2 or more, the 1F1B schedule and micro-batches the stages divide
-    /// (default: 1; on a resume, the checkpoint's where it still fits, else 1).
+    /// ...); needs `pp` 2 or more, the 1F1B schedule, micro-batches the stages divide and
+    /// `chunks x pp` at most the layers (default: 1; on a resume, the checkpoint's where it
+    /// still fits, else 1).
     pub chunks: Option<usize>,
     /// Blocks (default: 4).
     pub layers: Option<usize>,

@@ -269,7 +269,7 @@ pub(super) fn write_plot(dir: &Path, state: &GptState, log_loss: bool) -> std::i
     )
 }
 
-/// ", interleaved over N chunks per rank" under `--chunks` above 1, else nothing.
+/// " interleaved over N chunks per rank" under `--chunks` above 1, else nothing.
 fn interleaving(c: &GptRunConfig) -> String {
     if c.chunks > 1 {
         format!(" interleaved over {} chunks per rank", c.chunks)

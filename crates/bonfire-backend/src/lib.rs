@@ -39,7 +39,7 @@ pub use data_parallel::{
 };
 #[cfg(feature = "cuda")]
 pub use data_parallel::{CommCross, CommLink, NodeLane};
-pub use tensor_parallel::fsdp::{fully_shard, prefetch_gathers, without_prefetch};
+pub use tensor_parallel::fsdp::{forward_only, fully_shard, prefetch_gathers, without_prefetch};
 pub use tensor_parallel::{Placement, PlanError, Split, TensorParallel, TpPlan, tensor_parallel};
 pub use tensor_parallel::{
     ShardedCheckpointError, check_sharded_checkpoint, consolidate_sharded_checkpoint,

@@ -636,6 +636,103 @@ fn gathers_started_ahead_change_no_bit_and_serve_every_step_after_the_first() {
     }
 }
 
+/// An evaluation inside `bonfire::forward_only` gathers ahead in the order of its own forward
+/// pass: on the bundled GPT at 2 ranks, 4 parameters to an all-gather, the first evaluation's
+/// first pass records (every read gathered at need), its second is served ahead but for its
+/// first read, its third whole; the next evaluation, which knows the pass, is served but for
+/// its first read; the steps after each evaluation take training's order back (served but for
+/// their first read). Every loss and every parameter is the same bits as without prefetch.
+#[test]
+fn forward_only_passes_are_served_ahead_in_their_own_order() {
+    use bonfire::models::Gpt;
+    const WORLD: usize = 2;
+    /// Per rank: the parameters at the end, each evaluation pass's loss and what each pass and
+    /// each step communicated.
+    type Run = (Params, Vec<f32>, Vec<TpStats>, Vec<TpStats>);
+    fn run(n: usize) -> Vec<Run> {
+        on_ranks(WORLD, move |r| {
+            let device = Device::default();
+            let model: Gpt<FsdpFlex> = seeded(1 + r as u64, &device, |d| tiny_gpt(2).init(d));
+            let mut model = fully_shard(model).unwrap();
+            bonfire::prefetch_gathers(n);
+            let mut optim =
+                bonfire::sharded(adam().init::<FsdpFlex, Gpt<FsdpFlex>>()).stage(ZeroStage::Three);
+            let (mut losses, mut passes, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+            for step in 0..4 {
+                // Evaluations of 3 passes, then 2, before steps 2 and 3.
+                let evaluation = match step {
+                    2 => 3,
+                    3 => 2,
+                    _ => 0,
+                };
+                let valid = model.valid();
+                bonfire::forward_only(|| {
+                    for pass in 0..evaluation {
+                        let before = tensor_parallel::stats().unwrap();
+                        let (x, y) = windows::<Hybrid<Flex>>(50 + pass, r, &device);
+                        losses.push(valid.loss(x, y).into_scalar());
+                        passes.push(tensor_parallel::stats().unwrap().since(&before));
+                    }
+                });
+                let before = tensor_parallel::stats().unwrap();
+                let (x, y) = windows::<FsdpFlex>(step, r, &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                model = optim.step(1e-2, model, grads);
+                steps.push(tensor_parallel::stats().unwrap().since(&before));
+            }
+            (parameters(&model), losses, passes, steps)
+        })
+    }
+    let none = run(0);
+    let ahead = run(4);
+    for (r, ((params, losses, passes, steps), (p0, l0, q0, _))) in
+        ahead.iter().zip(&none).enumerate()
+    {
+        let at_need = |s: &TpStats| s.gathers - s.gathers_started_ahead;
+        let reads = q0[0].gathers;
+        let served: Vec<(u64, u64)> = passes
+            .iter()
+            .map(|s| (s.served_ahead, at_need(s)))
+            .collect();
+        eprintln!(
+            "rank {r}: {reads} reads per pass; (served ahead, gathered at need) per pass {served:?}"
+        );
+        assert!(
+            params == p0,
+            "rank {r}: parameters {:e} from those without prefetch",
+            max_abs_diff(params, p0)
+        );
+        assert_eq!(
+            losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            l0.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            "rank {r}: the evaluations' losses"
+        );
+        assert!(
+            reads > 10 && q0.iter().all(|q| q.gathers == reads),
+            "{q0:?}"
+        );
+        assert_eq!(
+            served,
+            [
+                (0, reads),
+                (reads - 1, 1),
+                (reads, 0),
+                (reads - 1, 1),
+                (reads, 0)
+            ],
+            "rank {r}: each evaluation pass's reads served ahead and gathered at need"
+        );
+        for k in [2, 3] {
+            let needed = none[r].3[k].gathers;
+            assert_eq!(
+                (steps[k].served_ahead, at_need(&steps[k])),
+                (needed - 1, 1),
+                "rank {r}: step {k}, after an evaluation"
+            );
+        }
+    }
+}
+
 /// ZeRO stage 3's wrapper refuses a model that is only replicated (it would step it whole on
 /// every rank, sharding nothing), naming the fix.
 #[test]

@@ -74,7 +74,7 @@ pub use bonfire_backend::{
 pub use bonfire_backend::{
     Hybrid, Placement, PlanError, ShardedCheckpointError, Split, TensorParallel, TpPlan,
     check_sharded_checkpoint, consolidate_sharded_checkpoint, consolidate_sharded_model,
-    fully_shard, load_sharded_checkpoint, prefetch_gathers, save_sharded_checkpoint,
+    forward_only, fully_shard, load_sharded_checkpoint, prefetch_gathers, save_sharded_checkpoint,
     shard_checkpoint, tensor_parallel, without_prefetch,
 };
 

@@ -142,6 +142,9 @@ pub(crate) struct TpRank {
     placed: Mutex<std::collections::HashMap<u64, (crate::Placement, Vec<usize>)>>,
     /// How many parameters ZeRO stage 3 gathers ahead of need at a time (see `prefetch`).
     prefetch_depth: std::sync::atomic::AtomicUsize,
+    /// Inside `bonfire::forward_only`: the gathers ahead follow an evaluation's forward order,
+    /// not training's.
+    forward_only: std::sync::atomic::AtomicBool,
     /// The prefetch state (`prefetch::Prefetch` of the inner backend).
     prefetch: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// Log the first fallback of each op at info level (`BONFIRE_TP_LOG=1`; at debug level
@@ -165,6 +168,7 @@ impl TpRank {
             fully_sharded,
             placed: Mutex::new(std::collections::HashMap::new()),
             prefetch_depth: std::sync::atomic::AtomicUsize::new(DEFAULT_PREFETCH),
+            forward_only: std::sync::atomic::AtomicBool::new(false),
             prefetch: Mutex::new(None),
             log,
         })
@@ -201,6 +205,16 @@ impl TpRank {
     pub(crate) fn set_prefetch_depth(&self, depth: usize) {
         self.prefetch_depth
             .store(depth, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the rank runs forward-only passes (`bonfire::forward_only`).
+    pub(crate) fn forward_only(&self) -> bool {
+        self.forward_only.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_forward_only(&self, on: bool) {
+        self.forward_only
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(crate) fn prefetch_slot(&self) -> MutexGuard<'_, Option<Box<dyn std::any::Any + Send>>> {

@@ -161,6 +161,27 @@ pub fn without_prefetch<R>(f: impl FnOnce() -> R) -> R {
     out
 }
 
+/// Runs `f`, an evaluation's forward passes (no backward, no optimizer step), with the calling
+/// thread's fully sharded group gathering ahead in the order of those passes rather than
+/// training's: training's order is set aside, the first pass is recorded (up to its first read
+/// coming again), and from the second on each read is served by a gather started ahead, the
+/// next pass's first parameters behind the current one's last layers. The pass is kept for the
+/// next call, whose first pass is then served too; training's order comes back after `f`.
+/// Without it, an evaluation's forward follows training's order and has the gathers for
+/// training's backward started behind it, and dropped. The same bits as without prefetch.
+/// Without such a group, runs `f`. Call it alike on every rank, with passes that read the
+/// parameters alike (the gathers started ahead are collectives).
+pub fn forward_only<R>(f: impl FnOnce() -> R) -> R {
+    let Some(g) = context::current().filter(|g| g.fully_sharded) else {
+        return f();
+    };
+    let was = g.forward_only();
+    g.set_forward_only(true);
+    let out = f();
+    g.set_forward_only(was);
+    out
+}
+
 /// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest
 /// that `ranks` divides (the first of equal ones), or none.
 pub fn shard_dim(shape: &[usize], ranks: usize) -> Option<usize> {

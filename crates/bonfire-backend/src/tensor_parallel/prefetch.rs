@@ -26,6 +26,13 @@
 //! value the step did not register), what was started ahead is dropped (it completes in the
 //! background), the needed parameter is gathered as before, and the rank finds its place in the
 //! order again.
+//!
+//! An evaluation run inside `bonfire::forward_only` has an order of its own instead: training's
+//! is set aside, the evaluation's first forward pass is recorded (it ends where its first read
+//! comes again), and from then on the gathers are started ahead round that pass, each pass's
+//! last reads followed by the next one's first, with no backward gathered for nothing. The pass
+//! is kept for the next evaluation, and training's order and place are taken back at the
+//! first read or step after it.
 
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
@@ -64,6 +71,21 @@ pub(crate) struct Prefetch<B: Backend> {
     next: usize,
     /// Gathers started ahead, in `order`'s order.
     ahead: VecDeque<Ahead<B>>,
+    /// Whether `order` is an evaluation's forward pass, read over and over
+    /// (`bonfire::forward_only`): its indices then run on past its end, index `i` reading
+    /// `order[i % len]`.
+    cyclic: bool,
+    /// Training's order and place, set aside while an evaluation's are in use.
+    training: Option<Place>,
+    /// The last evaluation's forward pass, for the next one.
+    forward_pass: Vec<Need>,
+}
+
+/// An order set aside: the order, what was being recorded, and the index reached.
+struct Place {
+    order: Vec<Need>,
+    recording: Vec<Need>,
+    at: usize,
 }
 
 /// A gather of a parameter: its number, and the op that needed it (so that a parameter read by
@@ -128,6 +150,9 @@ impl<B: Backend> Default for Prefetch<B> {
             at: 0,
             next: 0,
             ahead: VecDeque::new(),
+            cyclic: false,
+            training: None,
+            forward_pass: Vec::new(),
         }
     }
 }
@@ -188,14 +213,27 @@ pub(crate) fn gather<B: Backend>(
     // The gather started ahead for this one, if there is one and it is of this value.
     let need = (tag.param, why.op());
     let ready = with_state::<B, _>(g, |s| {
-        if s.recording.len() < MAX_RECORDED {
-            s.recording.push(need);
+        s.follow_mode(g);
+        if !s.cyclic {
+            if s.recording.len() < MAX_RECORDED {
+                s.recording.push(need);
+            }
+        } else if s.order.is_empty() {
+            // An evaluation's first pass is recorded until its first read comes again: the
+            // second pass begins, and the order is known from here.
+            if s.recording.first() == Some(&need) {
+                s.order = std::mem::take(&mut s.recording);
+                s.at = 0;
+                s.next = 0;
+            } else if s.recording.len() < MAX_RECORDED {
+                s.recording.push(need);
+            }
         }
-        let expected = s.order.get(s.at) == Some(&need);
+        let expected = s.expected(s.at) == Some(need);
         if !expected {
             // Off the recorded order: what was started ahead is not needed.
             s.drop_ahead(g, usize::MAX);
-            if s.order.first() == Some(&need) {
+            if !s.cyclic && s.order.first() == Some(&need) {
                 // A new pass began before the recorded one ended (as after an evaluation's
                 // forward, which has no backward): the order is recorded again from here.
                 s.recording = vec![need];
@@ -258,6 +296,7 @@ pub(crate) fn gather<B: Backend>(
 /// runs), and so is whatever was started ahead.
 pub(crate) fn step_begins<B: Backend>(g: &TpRank) {
     with_state::<B, _>(g, |s| {
+        s.follow_mode(g);
         s.bases.clear();
         s.drop_ahead(g, usize::MAX);
     });
@@ -270,6 +309,7 @@ pub(crate) fn step_ended<B: Backend>(g: &TpRank) {
     let depth = g.prefetch_depth();
     // Nothing was started ahead since the step began (`step_begins` dropped it all).
     with_state::<B, _>(g, |s| {
+        s.follow_mode(g);
         if !s.recording.is_empty() {
             s.order = std::mem::take(&mut s.recording);
         }
@@ -282,6 +322,52 @@ pub(crate) fn step_ended<B: Backend>(g: &TpRank) {
 }
 
 impl<B: Backend> Prefetch<B> {
+    /// The read expected at index `index` of the order (round and round an evaluation's pass).
+    fn expected(&self, index: usize) -> Option<Need> {
+        match self.order.len() {
+            0 => None,
+            n if self.cyclic => Some(self.order[index % n]),
+            _ => self.order.get(index).copied(),
+        }
+    }
+
+    /// Takes up the order the rank's mode asks for, where it changed since the last read or
+    /// step: an evaluation's forward pass inside `bonfire::forward_only` (training's set aside),
+    /// training's after it (the evaluation's pass kept for the next). What was started ahead
+    /// for the other is dropped.
+    fn follow_mode(&mut self, g: &TpRank) {
+        let forward_only = g.forward_only();
+        if forward_only == self.training.is_some() {
+            return;
+        }
+        self.drop_ahead(g, usize::MAX);
+        if forward_only {
+            self.training = Some(Place {
+                order: std::mem::take(&mut self.order),
+                recording: std::mem::take(&mut self.recording),
+                at: self.at,
+            });
+            self.order = self.forward_pass.clone();
+            self.cyclic = true;
+            self.at = 0;
+        } else {
+            let place = self
+                .training
+                .take()
+                .expect("set aside when the evaluation began");
+            let pass = std::mem::take(&mut self.order);
+            let recorded = std::mem::take(&mut self.recording);
+            // A pass that never came round again (an evaluation of one batch) is kept as it was
+            // recorded.
+            self.forward_pass = if pass.is_empty() { recorded } else { pass };
+            self.order = place.order;
+            self.recording = place.recording;
+            self.at = place.at;
+            self.cyclic = false;
+        }
+        self.next = self.at;
+    }
+
     /// The first index of `order` from `at` on (then from its start) that is `need`.
     fn find(&self, need: Need) -> Option<usize> {
         let n = self.order.len();
@@ -307,12 +393,18 @@ impl<B: Backend> Prefetch<B> {
     /// whenever no more than `n` are ahead, so that the next bundle is in flight while the
     /// current one is read (at most `2n` parameters ahead).
     fn start(&mut self, g: &TpRank, n: usize) {
-        while self.ahead.len() <= n && self.next < self.order.len() {
+        while self.ahead.len() <= n && self.expected(self.next).is_some() {
             let mut members = Vec::with_capacity(n);
-            while members.len() < n && self.next < self.order.len() {
+            // At most one round of the order per all-gather (an evaluation's pass has no end).
+            let mut scanned = 0;
+            while members.len() < n && scanned < self.order.len() {
+                let Some((param, _)) = self.expected(self.next) else {
+                    break;
+                };
                 let index = self.next;
                 self.next += 1;
-                if let Some(base) = self.bases.get(&self.order[index].0) {
+                scanned += 1;
+                if let Some(base) = self.bases.get(&param) {
                     members.push((index, base.serial, base.local.clone()));
                 }
             }

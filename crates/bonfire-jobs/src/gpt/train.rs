@@ -429,7 +429,8 @@ pub(super) fn evaluate<A: AutodiffBackend>(
         top_k: Some(c.top_k),
         seed: c.seed.wrapping_add(round as u64),
     };
-    let sample = generate(&model.valid(), &c, &sampling);
+    // Under ZeRO-3 each token's forward gathers ahead in the order of the validation's pass.
+    let sample = bonfire::forward_only(|| generate(&model.valid(), &c, &sampling));
     Ok(EvalRecord {
         eval: round + 1,
         step: trained.last_step,
@@ -688,11 +689,11 @@ fn validate<A: AutodiffBackend>(
     if ctx.settings().zero_stage() == Some(bonfire::ZeroStage::Three) {
         // Every forward gathers the parameters over the replicas, so every rank runs as many:
         // the largest shard's count of batches, each rank's windows spread over them (a rank
-        // with none left runs one window and does not count it). Nothing is gathered ahead:
-        // the prefetch follows training's order, whose backward validation does not run.
+        // with none left runs one window and does not count it). The gathers ahead follow the
+        // validation's own forward pass, not training's (whose backward it does not run).
         let passes = n.div_ceil(dp.size()).div_ceil(EVAL_BATCH).max(1);
         let size = idx.len().div_ceil(passes).max(1);
-        bonfire::without_prefetch(|| {
+        bonfire::forward_only(|| {
             for p in 0..passes {
                 let chunk = idx
                     .get(p * size..idx.len().min((p + 1) * size))

@@ -523,9 +523,9 @@ fn evaluate<A: AutodiffBackend>(
     };
     let (mut test_loss, mut test_correct) = (0.0f64, 0.0f64);
     let eval_loss = CrossEntropyLossConfig::new().init(device);
-    // Nothing gathered ahead (a ZeRO-3 run's prefetch follows training's order, whose backward
-    // an evaluation does not run).
-    bonfire::without_prefetch(|| {
+    // A ZeRO-3 run's gathers ahead follow the evaluation's own forward pass, not training's
+    // (whose backward an evaluation does not run).
+    bonfire::forward_only(|| {
         for batch in batches {
             let Some(idx) = batch else {
                 let (x, _) = test.batch::<A::InnerBackend>(&[0], device);

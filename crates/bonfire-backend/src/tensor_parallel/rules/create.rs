@@ -135,11 +135,17 @@ pub(crate) fn float_cast<I: Backend>(tensor: TpTensor<I>, dtype: FloatDType) -> 
 }
 
 /// Autodiff's bookkeeping: keeps the placement (a `Partial` stays one).
+// Detaching and marking a tensor for gradients change neither its values nor its layout: a
+// parameter's shard at rest keeps its tag (a model's `valid()` copy reads the same registered
+// shards, so an evaluation's gathers can be served ahead).
 pub(crate) fn float_detach<I: Backend>(tensor: TpTensor<I>) -> TpTensor<I> {
     match tensor.repr {
         Repr::Partial(_) => derive_partial::<I>(&tensor, std::sync::Arc::new(I::float_detach)),
         Repr::Fill { .. } => tensor,
-        _ => map_local::<I>(tensor, I::float_detach),
+        _ => {
+            let tag = tensor.tag.clone();
+            map_local::<I>(tensor, I::float_detach).tagged(tag)
+        }
     }
 }
 
@@ -153,7 +159,10 @@ pub(crate) fn float_set_require_grad<I: Backend>(
             std::sync::Arc::new(move |t| I::float_set_require_grad(t, require_grad)),
         ),
         Repr::Fill { .. } => tensor,
-        _ => map_local::<I>(tensor, |t| I::float_set_require_grad(t, require_grad)),
+        _ => {
+            let tag = tensor.tag.clone();
+            map_local::<I>(tensor, |t| I::float_set_require_grad(t, require_grad)).tagged(tag)
+        }
     }
 }
 

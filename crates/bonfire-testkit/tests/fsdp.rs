@@ -641,7 +641,10 @@ fn gathers_started_ahead_change_no_bit_and_serve_every_step_after_the_first() {
 /// first pass records (every read gathered at need), its second is served ahead but for its
 /// first read, its third whole; the next evaluation, which knows the pass, is served but for
 /// its first read; the steps after each evaluation take training's order back (served but for
-/// their first read). Every loss and every parameter is the same bits as without prefetch.
+/// their first read). Every loss and every parameter is the same bits as without prefetch. Then
+/// another model (one block) is evaluated the same way: its first read is not in the kept pass,
+/// so its own pass is recorded from there (first pass at need, the second served but for its
+/// first read), and nothing is started ahead for the other model's pass.
 #[test]
 fn forward_only_passes_are_served_ahead_in_their_own_order() {
     use bonfire::models::Gpt;
@@ -680,6 +683,17 @@ fn forward_only_passes_are_served_ahead_in_their_own_order() {
                 model = optim.step(1e-2, model, grads);
                 steps.push(tensor_parallel::stats().unwrap().since(&before));
             }
+            // Another model, evaluated after the first one's pass was kept.
+            let other: Gpt<FsdpFlex> = seeded(9 + r as u64, &device, |d| tiny_gpt(1).init(d));
+            let other = fully_shard(other).unwrap().valid();
+            bonfire::forward_only(|| {
+                for pass in 0..2 {
+                    let before = tensor_parallel::stats().unwrap();
+                    let (x, y) = windows::<Hybrid<Flex>>(60 + pass, r, &device);
+                    losses.push(other.loss(x, y).into_scalar());
+                    passes.push(tensor_parallel::stats().unwrap().since(&before));
+                }
+            });
             (parameters(&model), losses, passes, steps)
         })
     }
@@ -708,11 +722,11 @@ fn forward_only_passes_are_served_ahead_in_their_own_order() {
             "rank {r}: the evaluations' losses"
         );
         assert!(
-            reads > 10 && q0.iter().all(|q| q.gathers == reads),
+            reads > 10 && q0[..5].iter().all(|q| q.gathers == reads),
             "{q0:?}"
         );
         assert_eq!(
-            served,
+            served[..5],
             [
                 (0, reads),
                 (reads - 1, 1),
@@ -721,6 +735,17 @@ fn forward_only_passes_are_served_ahead_in_their_own_order() {
                 (reads, 0)
             ],
             "rank {r}: each evaluation pass's reads served ahead and gathered at need"
+        );
+        let others = q0[5].gathers;
+        assert!(others > 5 && others < reads, "{q0:?}");
+        assert_eq!(
+            served[5..],
+            [(0, others), (others - 1, 1)],
+            "rank {r}: the other model's passes"
+        );
+        assert_eq!(
+            passes[5].gathers_started_ahead, 0,
+            "rank {r}: gathers started ahead for the first model's pass"
         );
         for k in [2, 3] {
             let needed = none[r].3[k].gathers;

@@ -168,18 +168,25 @@ pub fn without_prefetch<R>(f: impl FnOnce() -> R) -> R {
 /// next pass's first parameters behind the current one's last layers. The pass is kept for the
 /// next call, whose first pass is then served too; training's order comes back after `f`.
 /// Without it, an evaluation's forward follows training's order and has the gathers for
-/// training's backward started behind it, and dropped. The same bits as without prefetch.
-/// Without such a group, runs `f`. Call it alike on every rank, with passes that read the
+/// training's backward started behind it, and dropped (a model's `valid()` copy read outside
+/// both this and [`without_prefetch`] follows training's order too). The same bits as without
+/// prefetch. Run no optimizer step inside it. Without such a group, runs `f`. Call it alike on every rank, with passes that read the
 /// parameters alike (the gathers started ahead are collectives).
 pub fn forward_only<R>(f: impl FnOnce() -> R) -> R {
     let Some(g) = context::current().filter(|g| g.fully_sharded) else {
         return f();
     };
-    let was = g.forward_only();
+    /// Sets the flag back when `f` returns or unwinds (ranks that are threads may catch a
+    /// panic and go on training).
+    struct Back(std::sync::Arc<super::context::TpRank>, bool);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            self.0.set_forward_only(self.1);
+        }
+    }
+    let _back = Back(g.clone(), g.forward_only());
     g.set_forward_only(true);
-    let out = f();
-    g.set_forward_only(was);
-    out
+    f()
 }
 
 /// The dimension a fully sharded group of `ranks` splits a tensor of `shape` along: its largest

@@ -233,7 +233,13 @@ pub(crate) fn gather<B: Backend>(
         if !expected {
             // Off the recorded order: what was started ahead is not needed.
             s.drop_ahead(g, usize::MAX);
-            if !s.cyclic && s.order.first() == Some(&need) {
+            if s.cyclic && !s.order.is_empty() && s.find(need).is_none() {
+                // A read the evaluation's pass does not have (another model, or a pass cut
+                // short): its pass is recorded again from here.
+                s.order.clear();
+                s.recording = vec![need];
+                s.at = 0;
+            } else if !s.cyclic && s.order.first() == Some(&need) {
                 // A new pass began before the recorded one ended (as after an evaluation's
                 // forward, which has no backward): the order is recorded again from here.
                 s.recording = vec![need];
@@ -393,11 +399,18 @@ impl<B: Backend> Prefetch<B> {
     /// whenever no more than `n` are ahead, so that the next bundle is in flight while the
     /// current one is read (at most `2n` parameters ahead).
     fn start(&mut self, g: &TpRank, n: usize) {
-        while self.ahead.len() <= n && self.expected(self.next).is_some() {
+        // Round an evaluation's pass, at most one pass ahead (a pass shorter than `n` is not
+        // gathered twice over).
+        let end = if self.cyclic {
+            self.at + self.order.len()
+        } else {
+            usize::MAX
+        };
+        while self.ahead.len() <= n && self.next < end && self.expected(self.next).is_some() {
             let mut members = Vec::with_capacity(n);
             // At most one round of the order per all-gather (an evaluation's pass has no end).
             let mut scanned = 0;
-            while members.len() < n && scanned < self.order.len() {
+            while members.len() < n && scanned < self.order.len() && self.next < end {
                 let Some((param, _)) = self.expected(self.next) else {
                     break;
                 };

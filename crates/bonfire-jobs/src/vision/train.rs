@@ -502,7 +502,8 @@ fn hits<B: Backend>(logits: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> i64 {
 ///
 /// Under ZeRO-3 no rank holds the whole model: each takes rank 0's running statistics only (the
 /// parameters are the same on every rank) and evaluates its own sharded model, which gathers each
-/// parameter where a layer reads it and frees it after (nothing gathered ahead). Those gathers
+/// parameter where a layer reads it and frees it after (gathered ahead in the evaluation's own
+/// order, `bonfire::forward_only`). Those gathers
 /// are collectives, so every rank runs as many forwards as the rank with the most batches; a
 /// rank with fewer runs one image for each it lacks and does not count it.
 fn evaluate<A: AutodiffBackend>(

@@ -307,21 +307,7 @@ mod tests {
             let config = GptJob
                 .configure(&request, ranks, &dir, &mut Silent)
                 .unwrap();
-            let s = Settings {
-                config: config.clone(),
-                epochs: 1,
-                checkpoint_dir: PathBuf::from("/tmp/run"),
-                resume: false,
-                backend: bonfire_jobs::BackendKind::Flex,
-                data_dir: dir.clone(),
-                keep_checkpoints: None,
-                log_loss: false,
-                zero: None,
-                model_state_limit_mib: None,
-                prefetch: None,
-                allow_unchecked: false,
-            };
-            let args = rank_args(&s);
+            let args = rank_args(&super::super::fresh_run(config.clone(), dir.clone()));
             assert_eq!(args[..2], ["train", "gpt"]);
             let parsed = Ranked::try_parse_from(
                 std::iter::once(OsString::from("gpt")).chain(args[2..].iter().cloned()),

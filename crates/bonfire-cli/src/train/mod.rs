@@ -371,6 +371,26 @@ fn vision(a: VisionArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// A fresh run of `config` on Flex, 2 rounds, its data in `data_dir`: what the tests of the
+/// flags a parent gives its ranks settle.
+#[cfg(test)]
+pub(crate) fn fresh_run<C>(config: C, data_dir: PathBuf) -> Settings<C> {
+    Settings {
+        config,
+        epochs: 2,
+        checkpoint_dir: PathBuf::from("/tmp/run"),
+        resume: false,
+        backend: bonfire_jobs::BackendKind::Flex,
+        data_dir,
+        keep_checkpoints: None,
+        log_loss: false,
+        zero: None,
+        model_state_limit_mib: None,
+        prefetch: None,
+        allow_unchecked: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,20 +426,7 @@ mod tests {
             non_iid: true,
             pool_bn_stats: true,
         };
-        let s = Settings {
-            config: config.clone(),
-            epochs: 2,
-            checkpoint_dir: PathBuf::from("/tmp/run"),
-            resume: false,
-            backend: bonfire_jobs::BackendKind::Flex,
-            data_dir: PathBuf::from("/tmp/data"),
-            keep_checkpoints: None,
-            log_loss: false,
-            zero: None,
-            model_state_limit_mib: None,
-            prefetch: None,
-            allow_unchecked: false,
-        };
+        let s = fresh_run(config.clone(), PathBuf::from("/tmp/data"));
         let args = rank_args(&s);
         assert_eq!(args[..2], ["train", "vision"]);
         let parsed = Ranked::try_parse_from(

@@ -193,7 +193,17 @@ pub fn settle<J: Job>(
 /// the run did not ask for).
 pub(crate) fn inherited_env<C: JobConfig>(config: &C) -> Result<(), JobError> {
     // What init would read: its own parsers first, so that a malformed value gets its message.
-    bonfire::check_env(config.ranks()).map_err(|e| JobError::Environment(Box::new(e)))?;
+    readable_env(config.ranks())?;
+    env_matches_flags(config)
+}
+
+/// What `bonfire::init` would refuse to read in the environment of a job of `ranks` ranks.
+fn readable_env(ranks: usize) -> Result<(), JobError> {
+    bonfire::check_env(ranks).map_err(|e| JobError::Environment(Box::new(e)))
+}
+
+/// The variables the parent sets from the run's flags, where set, say what the flags say.
+fn env_matches_flags<C: JobConfig>(config: &C) -> Result<(), JobError> {
     let (tp, pp) = (config.tensor_parallel(), config.pipeline_stages());
     let number = |v: &str| v.trim().parse::<usize>().ok();
     let set = |var: &str| std::env::var(var).ok().filter(|v| !v.trim().is_empty());
@@ -421,13 +431,13 @@ fn settle_fresh<J: Job>(
     let ranks = world_size.unwrap_or(job.requested_ranks(request).unwrap_or(J::DEFAULT_RANKS));
     if world_size.is_none() {
         // What the ranks would refuse to read, refused before `configure` fetches a data set.
-        bonfire::check_env(ranks).map_err(|e| JobError::Environment(Box::new(e)))?;
+        readable_env(ranks)?;
     }
     let data_dir = data_dir(options);
     let config = job.configure(request, ranks, &data_dir, reporter)?;
     zero_with_stages(options, &config)?;
     if world_size.is_none() {
-        inherited_env(&config)?;
+        env_matches_flags(&config)?;
     }
     // Made once the settings hold: a refused run leaves no directory behind.
     std::fs::create_dir_all(&checkpoint_dir).map_err(JobError::io(&checkpoint_dir))?;

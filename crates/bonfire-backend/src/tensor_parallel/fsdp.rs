@@ -170,8 +170,9 @@ pub fn without_prefetch<R>(f: impl FnOnce() -> R) -> R {
 /// Without it, an evaluation's forward follows training's order and has the gathers for
 /// training's backward started behind it, and dropped (a model's `valid()` copy read outside
 /// both this and [`without_prefetch`] follows training's order too). The same bits as without
-/// prefetch. Run no optimizer step inside it. Without such a group, runs `f`. Call it alike on every rank, with passes that read the
-/// parameters alike (the gathers started ahead are collectives).
+/// prefetch. Run no optimizer step inside it. Without such a group, runs `f`. Call it alike on
+/// every rank, with passes that read the parameters alike (the gathers started ahead are
+/// collectives).
 pub fn forward_only<R>(f: impl FnOnce() -> R) -> R {
     let Some(g) = context::current().filter(|g| g.fully_sharded) else {
         return f();

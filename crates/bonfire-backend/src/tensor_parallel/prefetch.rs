@@ -408,15 +408,12 @@ impl<B: Backend> Prefetch<B> {
         };
         while self.ahead.len() <= n && self.next < end && self.expected(self.next).is_some() {
             let mut members = Vec::with_capacity(n);
-            // At most one round of the order per all-gather (an evaluation's pass has no end).
-            let mut scanned = 0;
-            while members.len() < n && scanned < self.order.len() && self.next < end {
+            while members.len() < n && self.next < end {
                 let Some((param, _)) = self.expected(self.next) else {
                     break;
                 };
                 let index = self.next;
                 self.next += 1;
-                scanned += 1;
                 if let Some(base) = self.bases.get(&param) {
                     members.push((index, base.serial, base.local.clone()));
                 }

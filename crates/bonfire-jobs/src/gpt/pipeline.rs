@@ -396,18 +396,9 @@ fn whole_model<A: AutodiffBackend>(
                 what: "model",
                 source,
             })?;
-        for (stage, part) in gather_bytes(group, mine, during)?.into_iter().enumerate() {
-            records.push(
-                checkpoint::decode::<A, GptStageRecord<A>>(&part, device).map_err(|why| {
-                    JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
-                        stage,
-                        stages: group.size(),
-                        micro: 0,
-                        problem: format!("its record could not be read: {why}"),
-                    })
-                })?,
-            );
-        }
+        records.extend(gather_decoded::<A, GptStageRecord<A>>(
+            group, mine, during, "record", device,
+        )?);
     }
     Ok(c.model()
         .init::<A>(device)
@@ -434,23 +425,13 @@ fn whole_optimizer<A: AutodiffBackend>(
     };
     let ids = param_ids(whole);
     let mut merged: Vec<(ParamId, _)> = Vec::new();
-    let parts = chunks.iter().zip(optims).map(|(chunk, optim)| {
+    for (chunk, optim) in chunks.iter().zip(optims) {
         let mine = rec
             .record(InOrder::new(optim.whole_record(device), chunk), ())
             .map_err(encode)?;
-        gather_bytes(group, mine, during)
-    });
-    for gathered in parts {
-        for (stage, part) in gathered?.into_iter().enumerate() {
-            let InOrder(entries) =
-                checkpoint::decode::<A, InOrder<_>>(&part, device).map_err(|why| {
-                    JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
-                        stage,
-                        stages: group.size(),
-                        micro: 0,
-                        problem: format!("its optimizer state could not be read: {why}"),
-                    })
-                })?;
+        let parts =
+            gather_decoded::<A, InOrder<_>>(group, mine, during, "optimizer state", device)?;
+        for InOrder(entries) in parts {
             // A tied embedding's copy on the last stage has the first stage's id after a resume
             // (and its state, bit for bit): the first stage's entry is kept.
             for (id, state) in entries {
@@ -462,6 +443,31 @@ fn whole_optimizer<A: AutodiffBackend>(
     }
     let record: OptimRecord<Adam, Gpt<A>, A> = merged.into_iter().collect();
     rec.record(InOrder::new(record, whole), ()).map_err(encode)
+}
+
+/// Every stage's `T`, gathered over the pipeline group in stage order (this rank's encoded as
+/// `mine`) and decoded; a part that cannot be read is an error naming its stage and `what` it is.
+fn gather_decoded<A: AutodiffBackend, T: burn::record::Record<A>>(
+    group: &Communicator,
+    mine: Vec<u8>,
+    during: &'static str,
+    what: &str,
+    device: &A::Device,
+) -> Result<Vec<T>, JobError> {
+    gather_bytes(group, mine, during)?
+        .iter()
+        .enumerate()
+        .map(|(stage, part)| {
+            checkpoint::decode::<A, T>(part, device).map_err(|why| {
+                JobError::Pipeline(bonfire::pipeline::PipelineError::Stage {
+                    stage,
+                    stages: group.size(),
+                    micro: 0,
+                    problem: format!("its {what} could not be read: {why}"),
+                })
+            })
+        })
+        .collect()
 }
 
 /// The round's checkpoint: the whole model's record and the whole optimizer state (every rank

@@ -35,7 +35,10 @@ use bonfire_topology::ReduceOp;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
+
+use crate::data_parallel::{part_of, placed_as};
 
 /// The order of a stage's forwards and backwards within a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -470,6 +473,11 @@ impl Pipeline {
     /// stages between do not. Under interleaving the copies are the model's first and last
     /// chunks: rank 0 passes its chunk 0's gradients, rank `p - 1` its last chunk's. A no-op in
     /// a pipeline of one stage.
+    ///
+    /// Each rank sums its own part, as [`average_gradients`] averages: on stages split over a
+    /// tensor-parallel group the pipeline group joins the ranks of the same place in their
+    /// groups, so each sums its shard with the same shard of the other copy, which the same
+    /// plan placed alike. Parts of two sizes fail the call, naming both.
     pub fn sum_shared<B: AutodiffBackend, const D: usize>(
         &self,
         grads: &mut GradientsParams,
@@ -499,9 +507,7 @@ impl Pipeline {
                 ),
             ));
         };
-        let device = mine.device();
-        let dims = mine.shape().dims::<D>();
-        let values = f32_values(&mine).map_err(|e| self.problem(0, e))?;
+        let (like, shape, values) = part_of(mine).map_err(|e| self.problem(0, e))?;
         let len = values.len();
         let sent = self.group.send(values, other);
         let theirs = self
@@ -519,7 +525,7 @@ impl Pipeline {
             (&theirs, &values)
         };
         let sum: Vec<f32> = first.iter().zip(last).map(|(a, b)| a + b).collect();
-        let sum = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(sum, dims), &device);
+        let sum = placed_as::<B::InnerBackend, D>(&like, shape, sum);
         grads.register::<B::InnerBackend, D>(param.id, sum);
         Ok(())
     }
@@ -855,6 +861,11 @@ impl Pipeline {
 /// same stage (the stage's data-parallel group), in one all-reduce of the gradients in
 /// `module`'s parameter order, after the step's last backward. Every member calls it with the
 /// same stage. Returns the gradients, averaged; a group of one returns them as they are.
+///
+/// Each rank averages its own part of each gradient: on a stage split over a tensor-parallel
+/// group (`TensorParallel<B>`), its shard of a split gradient, averaged with the same shard of
+/// the other replicas and never gathered over the tensor-parallel group (a pending sum is summed
+/// over that group first); on any other backend the whole gradient.
 pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &Communicator,
     module: &M,
@@ -863,21 +874,21 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     if group.size() == 1 {
         return Ok(grads);
     }
-    struct Take<B> {
+    type Part<B> = (ParamId, FloatTensor<B>, burn::tensor::Shape, usize);
+    struct Take<B: AutodiffBackend> {
         grads: GradientsParams,
         flat: Vec<f32>,
-        taken: Vec<(ParamId, Vec<usize>, usize)>,
+        taken: Vec<Part<B::InnerBackend>>,
         failed: Option<String>,
-        _b: std::marker::PhantomData<B>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Take<B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             let Some(g) = self.grads.remove::<B::InnerBackend, D>(p.id) else {
                 return;
             };
-            match f32_values(&g) {
-                Ok(values) => {
-                    self.taken.push((p.id, g.dims().to_vec(), values.len()));
+            match part_of(g) {
+                Ok((like, shape, values)) => {
+                    self.taken.push((p.id, like, shape, values.len()));
                     self.flat.extend(values);
                 }
                 Err(e) => self.failed = Some(e),
@@ -889,7 +900,6 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
         flat: Vec::new(),
         taken: Vec::new(),
         failed: None,
-        _b: std::marker::PhantomData,
     };
     module.visit(&mut take);
     if let Some(problem) = take.failed {
@@ -903,36 +913,25 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     struct Put<'a, B: AutodiffBackend> {
         grads: GradientsParams,
         averaged: &'a [f32],
-        taken: std::slice::Iter<'a, (ParamId, Vec<usize>, usize)>,
+        taken: std::iter::Peekable<std::vec::IntoIter<Part<B::InnerBackend>>>,
         at: usize,
-        device: Option<B::Device>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let Some((id, dims, len)) = self.taken.as_slice().first() else {
+            let Some((_, like, shape, len)) = self.taken.next_if(|(id, ..)| *id == p.id) else {
                 return;
             };
-            if *id != p.id {
-                return;
-            }
-            self.taken.next();
-            let device = self
-                .device
-                .get_or_insert_with(|| p.val().inner().device())
-                .clone();
             let values = self.averaged[self.at..self.at + len].to_vec();
             self.at += len;
-            let dims: [usize; D] = dims.clone().try_into().expect("the gradient's rank");
-            let g = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, dims), &device);
+            let g = placed_as::<B::InnerBackend, D>(&like, shape, values);
             self.grads.register::<B::InnerBackend, D>(p.id, g);
         }
     }
     let mut put = Put::<B> {
         grads: take.grads,
         averaged: &averaged,
-        taken: take.taken.iter(),
+        taken: take.taken.into_iter().peekable(),
         at: 0,
-        device: None,
     };
     module.visit(&mut put);
     Ok(put.grads)

@@ -875,7 +875,17 @@ fn pipeline_stages_split_over_tensor_parallel_ranks_train_as_tensor_parallelism(
         assert!(log.contains(line), "{log}");
     }
     run("dp-tp", &["--dp", "2", "--tp", "2"]);
-    run("dp-tp-pp", &["--dp", "2", "--tp", "2", "--pp", "2"]);
+    let replicated = run("dp-tp-pp", &["--dp", "2", "--tp", "2", "--pp", "2"]);
+    // Each rank averages its own shard of a gradient over the replicas and sums its shard of the
+    // tied embedding with the other end's: a second replica adds no tensor-parallel traffic
+    // (reading the gradients whole gathered each split one every step).
+    let tp_line = |log: &str| {
+        log.lines()
+            .find(|l| l.starts_with("tensor parallel"))
+            .map(str::to_string)
+            .unwrap_or_else(|| panic!("no tensor-parallel line in: {log}"))
+    };
+    assert_eq!(tp_line(&replicated), tp_line(&log));
     let close = |a: &str, b: &str| runs_close(&dir, a, b);
     close("tp-pp", "tp");
     close("dp-tp-pp", "dp-tp");

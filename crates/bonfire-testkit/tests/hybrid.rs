@@ -15,12 +15,13 @@ use bonfire::{Hybrid, ZeroStage, replicate};
 use bonfire_testkit::nets::{DpFlex, max_abs_diff, parameters, seeded};
 use bonfire_testkit::run_ranks;
 use bonfire_testkit::tp::{
-    TpEncoder, TpGpt, TpMlp, TpNet, adam_steps, adam_steps_on_part, steps_on_part,
+    TpEncoder, TpGpt, TpMlp, TpNet, adam_steps, adam_steps_on_part, gradients, loss_and_grads,
+    steps_on_part,
 };
 use burn::backend::Autodiff;
 use burn::backend::flex::Flex;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
-use burn::optim::{AdamConfig, Optimizer};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
@@ -295,5 +296,82 @@ fn zero_over_the_hybrid_mesh_changes_no_bit() {
             let states: usize = of_column.map(|z| z.states).sum();
             assert_eq!(states, tensors, "{stage:?} tp rank {tp_rank}");
         }
+    }
+}
+
+/// What a rank of a pipeline stage's average ended with.
+struct StageAverage {
+    /// Gradient bytes the rank held before the average and after it.
+    held: (usize, usize),
+    /// The elements of its parameters' parts.
+    local_elements: usize,
+    /// The tensor-parallel collectives the average made.
+    tp: tensor_parallel::TpStats,
+    /// Every averaged gradient, whole (gathered after the counting).
+    grads: Params,
+}
+
+/// `bonfire::pipeline::average_gradients`, a pipeline stage's average over its data-parallel
+/// group, on a stage split over its tensor-parallel group (as `bonfire train gpt --dp 2 --tp 2
+/// --pp 2` splits each stage, on `Autodiff<Hybrid<_>>` with no replicated parameters): every
+/// gradient stays split (each rank holds its shard's bytes after the average as before it),
+/// nothing is gathered over the tensor-parallel group, and the averaged gradients equal one
+/// device's on the union batch.
+#[test]
+fn a_split_pipeline_stage_averages_its_gradients_shard_by_shard() {
+    let batch = <TpGpt<DpFlex> as TpNet<DpFlex>>::batch(7);
+    let want = {
+        let device = Device::default();
+        let _bind = bonfire::backend::bind_thread(
+            Communicator::in_process(1, comm_config()).remove(0),
+            dp_config(),
+        );
+        let model = seeded::<DpFlex, _>(1, &device, TpGpt::new);
+        loss_and_grads(&model, &batch, &device).1
+    };
+    let whole: usize = want.iter().map(Vec::len).sum();
+    let ranks = run_ranks(
+        Communicator::in_process(DP * TP, comm_config()),
+        Duration::from_secs(180),
+        move |world| {
+            let device = Device::default();
+            let groups = world
+                .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
+                .expect("split the mesh");
+            let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
+            let model = seeded::<HybridFlex, _>(1, &device, TpGpt::new);
+            let model = bonfire::tensor_parallel(model, &TpGpt::<HybridFlex>::plan(), &groups.tp)
+                .expect("the plan applies");
+            let part = batch.part(groups.dp.rank(), DP);
+            let loss = model.loss(&part, &device);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let before = bonfire::gradient_bytes(&model, &grads);
+            let tp_before = tensor_parallel::stats().expect("tp stats");
+            let grads = bonfire::pipeline::average_gradients(&groups.dp, &model, grads)
+                .expect("the average");
+            let tp = tensor_parallel::stats()
+                .expect("tp stats")
+                .since(&tp_before);
+            StageAverage {
+                held: (before, bonfire::gradient_bytes(&model, &grads)),
+                local_elements: local_elements(&model),
+                tp,
+                grads: gradients(&model, &grads),
+            }
+        },
+    );
+    for (rank, got) in ranks.iter().enumerate() {
+        assert_eq!(
+            got.held,
+            (4 * got.local_elements, 4 * got.local_elements),
+            "rank {rank}: gradient bytes before and after the average"
+        );
+        assert!(got.local_elements < whole, "rank {rank}: nothing is split");
+        assert_eq!(got.tp.gathers, 0, "rank {rank}: {:?}", got.tp);
+        let d = max_abs_diff(&got.grads, &want);
+        assert!(
+            d <= TOLERANCE,
+            "rank {rank}: averaged gradients differ by {d} from one device's on the union batch"
+        );
     }
 }

@@ -137,6 +137,38 @@ pub(crate) fn write<B: Backend>(
         .expect("LocalParts::write returns the primitive it was registered for")
 }
 
+/// This rank's part of `t` (see [`read`]) as f32 values with their shape, and `t`'s primitive,
+/// the `like` that places new values of that part as `t` is placed ([`placed_as`]).
+pub(crate) fn part_of<B: Backend, const D: usize>(
+    t: burn::tensor::Tensor<B, D>,
+) -> Result<(FloatTensor<B>, Shape, Vec<f32>), String> {
+    let like = t.into_primitive().tensor();
+    let data = read::<B>(like.clone()).map_err(|e| format!("cannot read a tensor's part: {e}"))?;
+    let shape = data.shape.clone();
+    let values = data
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| format!("cannot read a tensor's part: {e:?}"))?;
+    Ok((like, shape, values))
+}
+
+/// A tensor placed as `like` whose part on this rank is `values` of `shape` (the inverse of
+/// [`part_of`]).
+pub(crate) fn placed_as<B: Backend, const D: usize>(
+    like: &FloatTensor<B>,
+    shape: Shape,
+    values: Vec<f32>,
+) -> burn::tensor::Tensor<B, D> {
+    let device = B::float_device(like);
+    let data = TensorData::new(values, shape);
+    burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(write::<B>(
+        Some(like),
+        data,
+        &device,
+        None,
+    )))
+}
+
 /// How parameter `param` is sharded at rest over the data-parallel ranks (ZeRO stage 3), if it
 /// is (see [`LocalParts::shard_at_rest`]).
 pub(crate) fn shard_at_rest<B: Backend>(param: u64) -> Option<ShardAtRest> {

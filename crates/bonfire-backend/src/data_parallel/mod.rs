@@ -45,6 +45,7 @@ pub use error::SyncError;
 #[cfg(feature = "cuda")]
 pub use lane::{CommCross, CommLink, NodeLane};
 pub use local::{LocalParts, ShardAtRest, register as register_local_parts};
+pub(crate) use local::{part_of, placed_as};
 pub use outer::{
     DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, MeetingInFlight, Outer, OuterState,
     OuterStats, diloco, local_sgd,

@@ -7,8 +7,8 @@
 //! `r + pp`, ... (interleaved 1F1B, [`Pipeline::interleaved`]): each chunk is then what a stage is
 //! below, with its own optimizer. Under `--tp` each stage (each chunk) is then split
 //! over its tensor-parallel group by the GPT's plan (the pipeline group joins the ranks of the
-//! same place in their groups), and the stage's gradients are read whole for the averaging and
-//! the tied embedding's sum below.
+//! same place in their groups), and each rank averages and sums its own shard of the stage's
+//! gradients below.
 //!
 //! After a step's last backward each stage averages its gradients over its data-parallel group
 //! (the ranks of its stage in the other replicas: [`average_gradients`], one all-reduce, not

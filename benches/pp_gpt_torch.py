@@ -11,10 +11,13 @@ bonfire's `Pipeline::sum_shared` does. Each step is `--micro-batches M` micro-ba
 `--batch` windows of the text's first 90%, drawn at random (the same on both ranks), through
 `torch.distributed.pipelining` (`Schedule1F1B` or `ScheduleGPipe`, gradients scaled by 1/M: the
 mean loss) over gloo on 127.0.0.1, one compute thread per process; Adam with betas (0.9, 0.99)
-and eps 1e-5 at a constant learning rate.
+and eps 1e-5 at a constant learning rate. The schedule `interleaved` is
+`ScheduleInterleaved1F1B` with `--chunks V` chunks per rank, as `bonfire train gpt --chunks V`
+cuts the model: `2 V` chunks of equal blocks, rank `r` holding chunks `r`, `r + 2`, ...; the
+embeddings on chunk 0 (rank 0), the final norm and the head on chunk `2 V - 1` (rank 1).
 
     python3 benches/pp_gpt_torch.py --text PATH [--micro-batches 4,8] [--batch 8]
-        [--schedules 1f1b,gpipe] [--steps 40] [--skip 10]
+        [--schedules 1f1b,gpipe,interleaved] [--chunks 2] [--steps 40] [--skip 10]
 
 Prints, per schedule and M, the characters per second over the steps after the first `--skip`
 (wall time on the last stage; `bonfire train gpt --dp 1 --pp 2 --batch B --micro-batches M
@@ -88,7 +91,8 @@ def rank_main(rank, world, port, args, micro, schedule_name, out):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
     torch.set_num_threads(1)
     import datetime
@@ -103,17 +107,24 @@ def rank_main(rank, world, port, args, micro, schedule_name, out):
     args.vocab = len(chars)
     torch.manual_seed(args.seed)  # the whole model drawn alike on both ranks, then split
     whole = ddp_peer().model_module().build_model(args)
-    module = stage_module(whole, rank, world)
+    chunks = args.chunks if schedule_name == "interleaved" else 1
+    # Rank r holds the model's chunks r, r + world, ...
+    indices = [k * world + rank for k in range(chunks)]
+    modules = [stage_module(whole, i, world * chunks) for i in indices]
     del whole
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    stages = [PipelineStage(m, i, world * chunks, torch.device("cpu")) for m, i in zip(modules, indices)]
 
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
 
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
-    sched = kind(stage, micro, loss_fn=loss_fn)
-    opt = torch.optim.Adam(module.parameters(), lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
-    tied = module.tok.weight if rank == 0 else module.head.weight
+    if schedule_name == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, micro, loss_fn=loss_fn)
+    else:
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
+        sched = kind(stages[0], micro, loss_fn=loss_fn)
+    params = [q for m in modules for q in m.parameters()]
+    opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99), eps=1e-5)
+    tied = modules[0].tok.weight if rank == 0 else modules[-1].head.weight
     gen = torch.Generator().manual_seed(args.seed)  # the same windows on both ranks
     offsets = torch.arange(args.context + 1)
     first_loss, start = None, None
@@ -145,7 +156,8 @@ def main():
     p.add_argument("--text", required=True)
     p.add_argument("--micro-batches", default="4,8")
     p.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
-    p.add_argument("--schedules", default="1f1b,gpipe")
+    p.add_argument("--schedules", default="1f1b,gpipe", help="1f1b, gpipe, interleaved")
+    p.add_argument("--chunks", type=int, default=2, help="chunks per rank under interleaved")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=10, help="steps before the timed ones")
     p.add_argument("--lr", type=float, default=0.002)
@@ -158,6 +170,11 @@ def main():
     args = p.parse_args()
     if args.layers % 2:
         p.error("--layers must be even: two stages of equal blocks")
+    schedules = args.schedules.split(",")
+    if any(s not in ("1f1b", "gpipe", "interleaved") for s in schedules):
+        p.error(f"--schedules {args.schedules}: each must be 1f1b, gpipe or interleaved")
+    if "interleaved" in schedules and (args.chunks < 1 or args.layers % (2 * args.chunks)):
+        p.error(f"--chunks {args.chunks}: --layers {args.layers} must split into 2 x chunks equal parts")
     if not 0 <= args.skip < args.steps:
         p.error("--skip must be below --steps")
     try:
@@ -170,7 +187,7 @@ def main():
           f"context {args.context}, 2 stages, {args.batch} windows per micro-batch, 1 thread per "
           f"stage, {args.steps} steps, the last {args.steps - args.skip} timed")
     ctx = mp.get_context("spawn")
-    for schedule in args.schedules.split(","):
+    for schedule in schedules:
         for micro in [int(m) for m in args.micro_batches.split(",")]:
             out = ctx.Queue()
             port = ddp_peer().free_port()
@@ -196,7 +213,8 @@ def main():
             rate, loss = result
             for proc in procs:
                 proc.join(timeout=60)
-            print(f"torch pp 2 {schedule:>5}, {micro:>2} micro-batches of {args.batch}: "
+            name = f"interleaved ({args.chunks} chunks)" if schedule == "interleaved" else schedule
+            print(f"torch pp 2 {name:>5}, {micro:>2} micro-batches of {args.batch}: "
                   f"{rate:>8.0f} chars/s, first loss {loss:.4f}")
     return 0
 

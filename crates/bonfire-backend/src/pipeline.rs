@@ -35,10 +35,9 @@ use bonfire_topology::ReduceOp;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
-use crate::data_parallel::{part_of, placed_as};
+use crate::data_parallel::{Layout, part_of, placed_as};
 
 /// The order of a stage's forwards and backwards within a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -476,8 +475,9 @@ impl Pipeline {
     ///
     /// Each rank sums its own part, as [`average_gradients`] averages: on stages split over a
     /// tensor-parallel group the pipeline group joins the ranks of the same place in their
-    /// groups, so each sums its shard with the same shard of the other copy, which the same
-    /// plan placed alike. Parts of two sizes fail the call, naming both.
+    /// groups, so each sums its shard with the same shard of the other copy (the GPT's token
+    /// table is split by vocabulary on both ends). Parts of two shapes fail the call, naming
+    /// both.
     pub fn sum_shared<B: AutodiffBackend, const D: usize>(
         &self,
         grads: &mut GradientsParams,
@@ -507,7 +507,29 @@ impl Pipeline {
                 ),
             ));
         };
-        let (like, shape, values) = part_of(mine).map_err(|e| self.problem(0, e))?;
+        let (layout, shape, values) = part_of(mine).map_err(|e| self.problem(0, e))?;
+        // The two parts must be the same part of the tensor: their shapes first (a part split
+        // on another dimension, or a pending sum read whole against a shard, has another).
+        let dims: Vec<i64> = shape.dims::<D>().iter().map(|&d| d as i64).collect();
+        let shape_sent = self.group.send(dims.clone(), other);
+        let their_dims = self
+            .group
+            .recv(vec![0i64; D], other)
+            .wait()
+            .map_err(|source| self.transfer(what, 0, source))?;
+        shape_sent
+            .wait()
+            .map_err(|source| self.transfer(what, 0, source))?;
+        if their_dims != dims {
+            return Err(self.problem(
+                0,
+                format!(
+                    "the shared parameter {}: this stage's part of its gradient has shape \
+                     {dims:?}, stage {other}'s {their_dims:?} (the two copies are not split alike)",
+                    param.id
+                ),
+            ));
+        }
         let len = values.len();
         let sent = self.group.send(values, other);
         let theirs = self
@@ -525,7 +547,7 @@ impl Pipeline {
             (&theirs, &values)
         };
         let sum: Vec<f32> = first.iter().zip(last).map(|(a, b)| a + b).collect();
-        let sum = placed_as::<B::InnerBackend, D>(&like, shape, sum);
+        let sum = placed_as::<B::InnerBackend, D>(&layout, shape, sum);
         grads.register::<B::InnerBackend, D>(param.id, sum);
         Ok(())
     }
@@ -874,7 +896,7 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     if group.size() == 1 {
         return Ok(grads);
     }
-    type Part<B> = (ParamId, FloatTensor<B>, burn::tensor::Shape, usize);
+    type Part<B> = (ParamId, Layout<B>, burn::tensor::Shape, usize);
     struct Take<B: AutodiffBackend> {
         grads: GradientsParams,
         flat: Vec<f32>,
@@ -918,12 +940,12 @@ pub fn average_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let Some((_, like, shape, len)) = self.taken.next_if(|(id, ..)| *id == p.id) else {
+            let Some((_, layout, shape, len)) = self.taken.next_if(|(id, ..)| *id == p.id) else {
                 return;
             };
             let values = self.averaged[self.at..self.at + len].to_vec();
             self.at += len;
-            let g = placed_as::<B::InnerBackend, D>(&like, shape, values);
+            let g = placed_as::<B::InnerBackend, D>(&layout, shape, values);
             self.grads.register::<B::InnerBackend, D>(p.id, g);
         }
     }

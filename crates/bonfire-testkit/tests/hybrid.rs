@@ -313,7 +313,8 @@ struct StageAverage {
 
 /// `bonfire::pipeline::average_gradients`, a pipeline stage's average over its data-parallel
 /// group, on a stage split over its tensor-parallel group (as `bonfire train gpt --dp 2 --tp 2
-/// --pp 2` splits each stage, on `Autodiff<Hybrid<_>>` with no replicated parameters): every
+/// --pp 2` splits each stage, on `Autodiff<Hybrid<_>>` with the model not `replicate`d, so no
+/// data-parallel hook averages in backward): every
 /// gradient stays split (each rank holds its shard's bytes after the average as before it),
 /// nothing is gathered over the tensor-parallel group, and the averaged gradients equal one
 /// device's on the union batch.

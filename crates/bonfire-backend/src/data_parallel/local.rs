@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{OnceLock, RwLock};
 
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, ExecutionError, Shape, TensorData, TensorMetadata};
+use burn_backend::{Backend, DType, ExecutionError, Shape, TensorData, TensorMetadata};
 
 pub use super::scatter::ShardAtRest;
 
@@ -137,36 +137,53 @@ pub(crate) fn write<B: Backend>(
         .expect("LocalParts::write returns the primitive it was registered for")
 }
 
-/// This rank's part of `t` (see [`read`]) as f32 values with their shape, and `t`'s primitive,
-/// the `like` that places new values of that part as `t` is placed ([`placed_as`]).
+/// How [`placed_as`] places new values of a tensor's part ([`part_of`]).
+pub(crate) enum Layout<B: Backend> {
+    /// As this tensor, of a backend that splits tensors ([`LocalParts::write`]).
+    Like(FloatTensor<B>),
+    /// Whole, on this device, in this dtype: the tensor itself is not kept.
+    Whole(B::Device, DType),
+}
+
+/// This rank's part of `t` (see [`read`]) as f32 values with their shape, and the [`Layout`]
+/// that places new values of that part as `t` is placed ([`placed_as`]). Only a backend that
+/// splits tensors keeps `t` itself for that (its part, which the values copy, stays alive until
+/// they are placed); any other drops it here.
 pub(crate) fn part_of<B: Backend, const D: usize>(
     t: burn::tensor::Tensor<B, D>,
-) -> Result<(FloatTensor<B>, Shape, Vec<f32>), String> {
-    let like = t.into_primitive().tensor();
-    let data = read::<B>(like.clone()).map_err(|e| format!("cannot read a tensor's part: {e}"))?;
+) -> Result<(Layout<B>, Shape, Vec<f32>), String> {
+    let t = t.into_primitive().tensor();
+    let layout = match parts_of::<FloatTensor<B>>() {
+        Some(_) => Layout::Like(t.clone()),
+        None => Layout::Whole(B::float_device(&t), t.dtype()),
+    };
+    let data = read::<B>(t).map_err(|e| format!("cannot read a tensor's part: {e}"))?;
     let shape = data.shape.clone();
     let values = data
         .convert::<f32>()
         .into_vec::<f32>()
         .map_err(|e| format!("cannot read a tensor's part: {e:?}"))?;
-    Ok((like, shape, values))
+    Ok((layout, shape, values))
 }
 
-/// A tensor placed as `like` whose part on this rank is `values` of `shape` (the inverse of
-/// [`part_of`]).
+/// A tensor placed as `layout` says whose part on this rank is `values` of `shape`, in the
+/// dtype of the tensor it was read from (the inverse of [`part_of`]).
 pub(crate) fn placed_as<B: Backend, const D: usize>(
-    like: &FloatTensor<B>,
+    layout: &Layout<B>,
     shape: Shape,
     values: Vec<f32>,
 ) -> burn::tensor::Tensor<B, D> {
-    let device = B::float_device(like);
     let data = TensorData::new(values, shape);
-    burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(write::<B>(
-        Some(like),
-        data,
-        &device,
-        None,
-    )))
+    let placed = match layout {
+        Layout::Like(like) => write::<B>(
+            Some(like),
+            data.convert_dtype(like.dtype()),
+            &B::float_device(like),
+            None,
+        ),
+        Layout::Whole(device, dtype) => B::float_from_data(data.convert_dtype(*dtype), device),
+    };
+    burn::tensor::Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(placed))
 }
 
 /// How parameter `param` is sharded at rest over the data-parallel ranks (ZeRO stage 3), if it

@@ -44,8 +44,8 @@ pub(crate) use context::{failure_policy, process_wide};
 pub use error::SyncError;
 #[cfg(feature = "cuda")]
 pub use lane::{CommCross, CommLink, NodeLane};
+pub(crate) use local::{Layout, part_of, placed_as};
 pub use local::{LocalParts, ShardAtRest, register as register_local_parts};
-pub(crate) use local::{part_of, placed_as};
 pub use outer::{
     DILOCO_OUTER, DeltaDType, LocalSgd, LocalSgdRecord, MeetingInFlight, Outer, OuterState,
     OuterStats, diloco, local_sgd,

@@ -6,8 +6,9 @@
 //!
 //! A save loads back on any number of ranks ([`load_sharded_checkpoint`]): on the mesh it was
 //! written by, each rank reads only its own file and its slices are taken as they are, so the
-//! run resumes bit for bit; on another, each parameter and each tensor of its state is put
-//! together from every rank's file and cut again for the new mesh. On one device, on any
+//! run resumes bit for bit; on another, each rank's new slice of each parameter and of each
+//! tensor of its state is copied together out of every rank's file, the files read one at a time
+//! (so a rank never holds them all: the whole model and state). On one device, on any
 //! autodiff backend, [`consolidate_sharded_checkpoint`] gives the whole model and the unwrapped
 //! optimizer's record (save them with any Burn recorder), [`consolidate_sharded_model`] the
 //! model alone on any backend, and [`shard_checkpoint`] turns a whole model and record back into
@@ -518,6 +519,124 @@ fn words_hex(words: &[i64]) -> String {
         .collect()
 }
 
+/// One rank's part of a tensor: the tensor split as `split` over `ranks` (whole when `None`),
+/// rank `rank`'s slice.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Part {
+    split: Option<SplitAt>,
+    ranks: usize,
+    rank: usize,
+}
+
+impl Part {
+    const WHOLE: Part = Part {
+        split: None,
+        ranks: 1,
+        rank: 0,
+    };
+
+    /// The part's shape, of a tensor of `shape`.
+    fn shape(self, shape: &[usize]) -> Vec<usize> {
+        match self.split {
+            Some(s) => s.local(shape, self.ranks),
+            None => shape.to_vec(),
+        }
+    }
+
+    /// The ranges of dimension `dim` (of size `size`) the part holds, in its own order.
+    fn ranges(self, dim: usize, size: usize) -> Vec<std::ops::Range<usize>> {
+        match self.split {
+            Some(s) if s.dim == dim => {
+                super::placement::owned_ranges(size, s.blocks, self.ranks, self.rank)
+            }
+            _ => std::iter::once(0..size).collect(),
+        }
+    }
+}
+
+/// Copies into `to`, part `into` of a tensor of `shape` (row-major bytes, `elem` bytes an
+/// element), every element it shares with `from`, part `of` of the same tensor: what the two
+/// parts overlap in, and nothing else (a saved rank's slice into a new rank's, without the whole
+/// tensor).
+fn copy_overlap(shape: &[usize], elem: usize, from: &[u8], of: Part, to: &mut [u8], into: Part) {
+    // Per dimension, the runs both parts hold: (length, start in `from`'s part, start in `to`'s).
+    let runs: Vec<Vec<(usize, usize, usize)>> = (shape.iter().enumerate())
+        .map(|(dim, &size)| {
+            let (a, b) = (of.ranges(dim, size), into.ranges(dim, size));
+            let (mut out, mut at_a, mut at_b) = (Vec::new(), 0, 0);
+            let (mut ia, mut ib) = (a.iter().peekable(), b.iter().peekable());
+            while let (Some(ra), Some(rb)) = (ia.peek(), ib.peek()) {
+                let (lo, hi) = (ra.start.max(rb.start), ra.end.min(rb.end));
+                if lo < hi {
+                    out.push((hi - lo, at_a + lo - ra.start, at_b + lo - rb.start));
+                }
+                if ra.end <= rb.end {
+                    at_a += ra.len();
+                    ia.next();
+                } else {
+                    at_b += rb.len();
+                    ib.next();
+                }
+            }
+            out
+        })
+        .collect();
+    let strides = |local: &[usize]| {
+        let mut strides = vec![elem; local.len()];
+        for d in (0..local.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * local[d + 1];
+        }
+        strides
+    };
+    let (sf, st) = (strides(&of.shape(shape)), strides(&into.shape(shape)));
+    fn walk(
+        dim: usize,
+        runs: &[Vec<(usize, usize, usize)>],
+        (sf, st): (&[usize], &[usize]),
+        (from, to): (&[u8], &mut [u8]),
+        (at_from, at_to): (usize, usize),
+    ) {
+        if dim + 1 == runs.len() {
+            for &(len, a, b) in &runs[dim] {
+                let (f, t) = (at_from + a * sf[dim], at_to + b * st[dim]);
+                to[t..t + len * st[dim]].copy_from_slice(&from[f..f + len * sf[dim]]);
+            }
+            return;
+        }
+        for &(len, a, b) in &runs[dim] {
+            for j in 0..len {
+                let at = (at_from + (a + j) * sf[dim], at_to + (b + j) * st[dim]);
+                walk(dim + 1, runs, (sf, st), (from, &mut *to), at);
+            }
+        }
+    }
+    if shape.is_empty() {
+        to.copy_from_slice(from);
+    } else {
+        walk(0, &runs, (&sf, &st), (from, to), (0, 0));
+    }
+}
+
+/// What a load wants of one saved parameter on another mesh: its index in the save and the
+/// part the loading rank takes.
+struct Want {
+    index: usize,
+    part: Part,
+}
+
+/// A wanted parameter's part and the optimizer's record item for it, put together from every
+/// rank's file ([`Save::stream`]).
+struct Streamed {
+    /// The part it was put together for.
+    part: Part,
+    /// The parameter's saved id (rank 0's).
+    id: u64,
+    /// The parameter's part, until taken.
+    data: Option<TensorData>,
+    /// Its state's record item, until taken (`None` when the save has no state for it).
+    state: Option<ciborium::Value>,
+}
+
 /// A save's manifest and its rank files, each read, checked (size and SHA-256 against the
 /// manifest, its own trailing sum, its rank and parameters against the manifest) when first
 /// needed.
@@ -529,6 +648,10 @@ struct Save {
     index: HashMap<String, usize>,
     /// The saved parameters the model has named so far ([`Save::locate`]).
     seen: Vec<bool>,
+    /// Parts put together ahead by [`Save::stream`], by index, until taken.
+    streamed: HashMap<usize, Streamed>,
+    /// The most rank files this save has held in memory at once.
+    held_most: usize,
 }
 
 impl Save {
@@ -579,6 +702,8 @@ impl Save {
             files,
             index,
             seen,
+            streamed: HashMap::new(),
+            held_most: 0,
         })
     }
 
@@ -586,8 +711,170 @@ impl Save {
         if self.files[rank].is_none() {
             let file = self.read(rank)?;
             self.files[rank] = Some(file);
+            let held = self.files.iter().filter(|f| f.is_some()).count();
+            self.held_most = self.held_most.max(held);
         }
         Ok(self.files[rank].as_ref().expect("just read"))
+    }
+
+    /// Puts together, ahead of the load that takes them ([`Save::value`], [`Save::state`]),
+    /// the `wanted` parts of parameters and of their state, reading the rank files one at a
+    /// time and letting each go before the next: a rank loading at another mesh holds one
+    /// file and its own parts, never every file (the whole model and state).
+    fn stream(&mut self, wanted: &[Want]) -> Result<()> {
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let (saved_ranks, dir) = (self.manifest.ranks, self.dir.clone());
+        let decode = |path: &str, bytes: &[u8]| -> Result<ciborium::Value> {
+            ciborium::from_reader(bytes).map_err(|e| ShardedCheckpointError::Mismatch {
+                dir: dir.clone(),
+                param: path.to_string(),
+                problem: format!("its state: {e}"),
+            })
+        };
+        // Per wanted parameter: its part's bytes, and its state's tree (rank 0's) with each of
+        // the tree's tensors as it will be (a split one filled from every rank's).
+        /// A tensor of a state as it will be: its bytes, shape and dtype.
+        type Made = (Vec<u8>, Vec<usize>, burn::tensor::DType);
+        struct Building {
+            data: Vec<u8>,
+            dtype: burn::tensor::DType,
+            id: u64,
+            tree: Option<ciborium::Value>,
+            tensors: Vec<Option<Made>>,
+        }
+        let mut building: Vec<Building> = Vec::with_capacity(wanted.len());
+        for r in 0..saved_ranks {
+            let file = match self.files[r].take() {
+                Some(file) => file,
+                None => self.read(r)?,
+            };
+            self.held_most = self.held_most.max(1 + self.files.iter().flatten().count());
+            let saved_part = |split| Part {
+                split,
+                ranks: saved_ranks,
+                rank: r,
+            };
+            for (k, w) in wanted.iter().enumerate() {
+                let saved = &self.manifest.params[w.index];
+                let held = &file.params[w.index];
+                let dtype = held.data.dtype;
+                let elem = dtype.size();
+                if r == 0 {
+                    let len = w.part.shape(&saved.shape).iter().product::<usize>() * elem;
+                    building.push(Building {
+                        data: vec![0u8; len],
+                        dtype,
+                        id: held.id,
+                        tree: None,
+                        tensors: Vec::new(),
+                    });
+                }
+                let b = &mut building[k];
+                // An unsplit parameter is every rank's alike: rank 0's is taken.
+                if saved.split.is_some() || r == 0 {
+                    let of = saved_part(saved.split);
+                    copy_overlap(
+                        &saved.shape,
+                        elem,
+                        held.data.as_bytes(),
+                        of,
+                        &mut b.data,
+                        w.part,
+                    );
+                }
+                if !saved.state || (r > 0 && saved.split.is_none()) {
+                    continue;
+                }
+                let bytes = held.state.clone().unwrap_or_default();
+                let tree = decode(&saved.path, &bytes)?;
+                let found = tensors(&tree);
+                let saved_local = saved.split.map(|s| s.local(&saved.shape, saved_ranks));
+                let is_part =
+                    |t: &TensorData| saved_local.as_ref().is_some_and(|l| t.shape.to_vec() == *l);
+                if r == 0 {
+                    b.tensors = found
+                        .iter()
+                        .map(|t| {
+                            // A slice of every rank's, or one whole on every rank (cut like the
+                            // parameter where it has the parameter's shape).
+                            let of = if is_part(t) {
+                                saved_part(saved.split)
+                            } else {
+                                Part::WHOLE
+                            };
+                            let whole_shape = if is_part(t) {
+                                saved.shape.clone()
+                            } else {
+                                t.shape.to_vec()
+                            };
+                            let into = if whole_shape == saved.shape {
+                                w.part
+                            } else {
+                                Part::WHOLE
+                            };
+                            let shape = into.shape(&whole_shape);
+                            let len = shape.iter().product::<usize>() * t.dtype.size();
+                            let mut out = vec![0u8; len];
+                            copy_overlap(
+                                &whole_shape,
+                                t.dtype.size(),
+                                t.as_bytes(),
+                                of,
+                                &mut out,
+                                into,
+                            );
+                            Some((out, shape, t.dtype))
+                        })
+                        .collect();
+                    b.tree = Some(tree);
+                } else if saved.split.is_some() {
+                    if found.len() != b.tensors.len() {
+                        return Err(self.mismatch(
+                            &saved.path,
+                            "its state: the ranks' states hold different tensors".into(),
+                        ));
+                    }
+                    for (t, out) in found.iter().zip(&mut b.tensors) {
+                        if !is_part(t) {
+                            continue;
+                        }
+                        let (bytes, _, _) = out.as_mut().expect("made from rank 0's");
+                        let of = saved_part(saved.split);
+                        copy_overlap(
+                            &saved.shape,
+                            t.dtype.size(),
+                            t.as_bytes(),
+                            of,
+                            bytes,
+                            w.part,
+                        );
+                    }
+                }
+            }
+            drop(file);
+        }
+        for (w, b) in wanted.iter().zip(building) {
+            let saved = &self.manifest.params[w.index];
+            let data = TensorData::from_bytes_vec(b.data, w.part.shape(&saved.shape), b.dtype);
+            let state = b.tree.map(|mut tree| {
+                let mut made = b.tensors.into_iter();
+                map_tensors(&mut tree, &mut |t| match made.next().flatten() {
+                    Some((bytes, shape, dtype)) => TensorData::from_bytes_vec(bytes, shape, dtype),
+                    None => t,
+                });
+                tree
+            });
+            let streamed = Streamed {
+                part: w.part,
+                id: b.id,
+                data: Some(data),
+                state,
+            };
+            self.streamed.insert(w.index, streamed);
+        }
+        Ok(())
     }
 
     fn read(&self, rank: usize) -> Result<RankFile> {
@@ -721,6 +1008,9 @@ impl Save {
         ranks: usize,
         split: Option<SplitAt>,
     ) -> Result<TensorData> {
+        if let Some(data) = self.take_streamed(i, Part { split, ranks, rank }, |s| s.data.take()) {
+            return Ok(data);
+        }
         if self.same_mesh(i, ranks, split) {
             return Ok(self.file(rank)?.params[i].data.clone());
         }
@@ -735,6 +1025,86 @@ impl Save {
             }
         };
         self.recut(&saved.path, whole, rank, ranks, split)
+    }
+
+    /// Parameter `i`'s saved id (rank 0's).
+    fn saved_id(&mut self, i: usize) -> Result<u64> {
+        match self.streamed.get(&i) {
+            Some(s) => Ok(s.id),
+            None => Ok(self.file(0)?.params[i].id),
+        }
+    }
+
+    /// The parts of the model's parameters that rank `rank` of `ranks` takes and that its own
+    /// file does not hold as they are (every part, on another mesh), as `part_of` a parameter
+    /// (by its module path and value) says; each parameter is located in the save (errors as
+    /// [`Save::locate`]'s).
+    fn wanted<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(
+        &mut self,
+        model: &M,
+        part_of: impl Fn(&TensorPrimitive<B>) -> Part,
+    ) -> Result<Vec<Want>> {
+        struct Wants<'a, F> {
+            save: &'a mut Save,
+            part_of: F,
+            path: Vec<String>,
+            wanted: Vec<Want>,
+            error: Option<ShardedCheckpointError>,
+        }
+        impl<B, F> ModuleVisitor<B> for Wants<'_, F>
+        where
+            B: burn::tensor::backend::Backend,
+            F: Fn(&TensorPrimitive<B>) -> Part,
+        {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if self.error.is_some() {
+                    return;
+                }
+                let tensor = param.val();
+                let name = self.path.join(".");
+                match self.save.locate(&name, &tensor.shape().to_vec()) {
+                    Ok(i) => {
+                        let part = (self.part_of)(&tensor.into_primitive());
+                        if !self.save.same_mesh(i, part.ranks, part.split) {
+                            self.wanted.push(Want { index: i, part });
+                        }
+                    }
+                    Err(e) => self.error = Some(e),
+                }
+            }
+        }
+        let mut wants = Wants {
+            save: self,
+            part_of,
+            path: Vec::new(),
+            wanted: Vec::new(),
+            error: None,
+        };
+        model.visit(&mut wants);
+        match wants.error {
+            Some(e) => Err(e),
+            None => Ok(wants.wanted),
+        }
+    }
+
+    /// What `take` takes of parameter `i`'s [`Save::stream`]ed part, if it was put together
+    /// for `part`.
+    fn take_streamed<T>(
+        &mut self,
+        i: usize,
+        part: Part,
+        take: impl FnOnce(&mut Streamed) -> Option<T>,
+    ) -> Option<T> {
+        self.streamed
+            .get_mut(&i)
+            .filter(|s| s.part == part)
+            .and_then(take)
     }
 
     /// `whole` cut for rank `rank` of `ranks` as `split` says (whole when `None`).
@@ -773,6 +1143,10 @@ impl Save {
     ) -> Result<Option<ciborium::Value>> {
         if !self.manifest.params[i].state {
             return Ok(None);
+        }
+        let streamed = self.take_streamed(i, Part { split, ranks, rank }, |s| s.state.take());
+        if streamed.is_some() {
+            return Ok(streamed);
         }
         let saved = self.manifest.params[i].clone();
         let dir = self.dir.clone();
@@ -970,9 +1344,10 @@ where
 ///
 /// On the mesh that wrote the save each rank reads only its own file, and takes its slices as
 /// they are: the run continues bit for bit. On another number of ranks, or on one device, every
-/// rank reads every rank's file (all of them held in memory while it loads: the whole model and
-/// state, as bytes), puts each parameter and each tensor of its state together, one parameter
-/// at a time, and keeps its own slice of it. No communication.
+/// rank reads every rank's file once, one at a time, copying out of each the elements its own
+/// slices share with it (of each parameter and each tensor of its state) before it lets the file
+/// go: it holds one file and its own slices, never every file (the whole model and state). No
+/// communication.
 ///
 /// Errors: no manifest (no complete save); a file missing, changed or from another save (its
 /// size or SHA-256 is not the manifest's); a parameter the model lacks, or of another shape; a
@@ -1072,6 +1447,19 @@ where
             }
         }
     }
+    // On another mesh the rank files are read one at a time for this rank's parts, ahead of
+    // the loading below.
+    let wanted = save.wanted(&model, |t: &TensorPrimitive<B>| {
+        let TensorPrimitive::Float(t) = t else {
+            return Part::WHOLE;
+        };
+        let split = match B::tp_part(t.clone()).placement() {
+            Placement::Shard { dim, blocks } if ranks > 1 => Some(SplitAt { dim, blocks }),
+            _ => None,
+        };
+        Part { split, ranks, rank }
+    })?;
+    save.stream(&wanted)?;
     let mut load = Load::<O, B> {
         save: &mut save,
         rank,
@@ -1123,7 +1511,7 @@ where
         ) -> Result<Tensor<B, D>> {
             let name = self.path.join(".");
             let i = self.save.locate(&name, &tensor.shape().to_vec())?;
-            let saved_id = ParamId::from(self.save.file(0)?.params[i].id);
+            let saved_id = ParamId::from(self.save.saved_id(i)?);
             let data = self.save.value(i, 0, 1, None)?;
             let t = Tensor::<B, D>::from_data(data, &tensor.device());
             self.params.push((saved_id, i, name));
@@ -1161,6 +1549,8 @@ where
             }
         }
     }
+    let wanted = save.wanted(&model, |_| Part::WHOLE)?;
+    save.stream(&wanted)?;
     let mut whole = Whole {
         save,
         params: Vec::new(),
@@ -1351,6 +1741,182 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every way a part can be laid out over `shape`: whole, and each dimension in 1 or 2
+    /// blocks over 1 to 4 ranks, where they divide it.
+    fn layouts(shape: &[usize]) -> Vec<(Option<SplitAt>, usize)> {
+        let mut out = vec![(None, 1)];
+        for (dim, &size) in shape.iter().enumerate() {
+            for blocks in [1, 2] {
+                for ranks in 1..=4 {
+                    if size.is_multiple_of(blocks * ranks) {
+                        out.push((Some(SplitAt { dim, blocks }), ranks));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn counting(shape: &[usize]) -> TensorData {
+        let n: usize = shape.iter().product();
+        TensorData::new(
+            (0..n).map(|v| v as f32).collect::<Vec<f32>>(),
+            shape.to_vec(),
+        )
+    }
+
+    /// Rank `rank`'s part of `whole` as `split` over `ranks` lays it out (the oracle: `cut`).
+    fn oracle(whole: &TensorData, split: Option<SplitAt>, ranks: usize, rank: usize) -> TensorData {
+        match split {
+            Some(s) => cut(whole, s.dim, s.blocks, ranks, rank).unwrap(),
+            None => whole.clone(),
+        }
+    }
+
+    /// A new rank's part put together from the saved ranks' parts by `copy_overlap`, one saved
+    /// part at a time, equals cutting the whole tensor for it, for every saved layout and every
+    /// new one of three shapes.
+    #[test]
+    fn parts_put_together_from_overlaps_equal_the_whole_cut_again() {
+        for shape in [vec![12], vec![4, 6], vec![2, 6, 4]] {
+            let whole = counting(&shape);
+            for (saved, n) in layouts(&shape) {
+                let parts: Vec<TensorData> = (0..n).map(|r| oracle(&whole, saved, n, r)).collect();
+                for (split, ranks) in layouts(&shape) {
+                    for rank in 0..ranks {
+                        let into = Part { split, ranks, rank };
+                        let want = oracle(&whole, split, ranks, rank);
+                        let mut got = vec![0u8; want.as_bytes().len()];
+                        for (r, part) in parts.iter().enumerate() {
+                            let of = Part {
+                                split: saved,
+                                ranks: n,
+                                rank: r,
+                            };
+                            copy_overlap(&shape, 4, part.as_bytes(), of, &mut got, into);
+                        }
+                        assert_eq!(
+                            got,
+                            want.as_bytes(),
+                            "{shape:?} saved {saved:?} over {n}, loaded {split:?} over {ranks}, \
+                             rank {rank}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A state's record item as a test writes it: one moment with the parameter's slice's shape
+    /// and a step count.
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Moment {
+        step: usize,
+        moment: TensorData,
+    }
+
+    /// A save of `n` ranks of two parameters (one split along dimension 1 in 2 blocks, one
+    /// whole), each with a state, written as `save_sharded_checkpoint` writes one; and the
+    /// split one's whole value.
+    fn fake_save(dir: &Path, n: usize) -> TensorData {
+        let shape = vec![3, 8];
+        let whole = counting(&shape);
+        let split = SplitAt { dim: 1, blocks: 2 };
+        let bias = counting(&[5]);
+        let mut files = Vec::new();
+        let mut first = None;
+        for rank in 0..n {
+            let slice = cut(&whole, 1, 2, n, rank).unwrap();
+            let state = |t: &TensorData| {
+                let moment = TensorData::new(
+                    t.to_vec::<f32>().unwrap().iter().map(|v| v * 0.5).collect(),
+                    t.shape.clone(),
+                );
+                Some(encode_item(&Moment { step: 3, moment }).unwrap())
+            };
+            let params = vec![
+                ParamPart {
+                    path: "w".into(),
+                    id: 7,
+                    shape: shape.clone(),
+                    split: Some(split),
+                    state: state(&slice),
+                    data: slice,
+                },
+                ParamPart {
+                    path: "b".into(),
+                    id: 9,
+                    shape: vec![5],
+                    split: None,
+                    state: state(&bias),
+                    data: bias.clone(),
+                },
+            ];
+            let file = RankFile {
+                magic: MAGIC.into(),
+                rank,
+                ranks: n,
+                params,
+            };
+            files.push(write_rank_file(dir, &file).unwrap());
+            first.get_or_insert(file);
+        }
+        let manifest = manifest_of(n, "test", listed(&first.unwrap()), files);
+        write_manifest(dir, &manifest, 0).unwrap();
+        whole
+    }
+
+    /// Loading a save of 4 ranks at 3 (and on one device) holds one rank file at a time, where
+    /// reading the parts on demand held all 4; both give the same parts and states.
+    #[test]
+    fn a_load_at_another_mesh_holds_one_rank_file_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("bonfire-stream-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let whole = fake_save(&dir, 4);
+        let (w, b) = (0, 1);
+        for (split, ranks) in [(Some(SplitAt { dim: 0, blocks: 1 }), 3), (None, 1)] {
+            for rank in 0..ranks {
+                let into = Part { split, ranks, rank };
+                let mut streamed = Save::open(&dir).unwrap();
+                let wanted = vec![
+                    Want {
+                        index: w,
+                        part: into,
+                    },
+                    Want {
+                        index: b,
+                        part: Part::WHOLE,
+                    },
+                ];
+                streamed.stream(&wanted).unwrap();
+                let mut on_demand = Save::open(&dir).unwrap();
+                for save in [&mut streamed, &mut on_demand] {
+                    let value = save.value(w, rank, ranks, split).unwrap();
+                    assert_eq!(value, oracle(&whole, split, ranks, rank));
+                    let state = save.state(w, rank, ranks, split).unwrap().unwrap();
+                    let state: Moment = state.deserialized().unwrap();
+                    assert_eq!(state.step, 3);
+                    let half = TensorData::new(
+                        value
+                            .to_vec::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v * 0.5)
+                            .collect(),
+                        value.shape.clone(),
+                    );
+                    assert_eq!(state.moment, half);
+                    assert_eq!(save.value(b, 0, 1, None).unwrap(), counting(&[5]));
+                    assert_eq!(save.saved_id(w).unwrap(), 7);
+                }
+                assert_eq!(streamed.held_most, 1, "{split:?} over {ranks}");
+                assert_eq!(on_demand.held_most, 4, "{split:?} over {ranks}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn sums_travel_as_four_words() {

@@ -718,14 +718,29 @@ impl Save {
     }
 
     /// Puts together, ahead of the load that takes them ([`Save::value`], [`Save::state`]),
-    /// the `wanted` parts of parameters and of their state, reading the rank files one at a
-    /// time and letting each go before the next: a rank loading at another mesh holds one
-    /// file and its own parts, never every file (the whole model and state).
-    fn stream(&mut self, wanted: &[Want]) -> Result<()> {
+    /// the `wanted` parts of parameters and (`with_state`) of their state, reading the rank
+    /// files one at a time and letting each go before the next: a rank loading at another mesh
+    /// holds one file and its own parts, never every file (the whole model and state).
+    fn stream(&mut self, wanted: &[Want], with_state: bool) -> Result<()> {
         if wanted.is_empty() {
             return Ok(());
         }
         let (saved_ranks, dir) = (self.manifest.ranks, self.dir.clone());
+        for w in wanted {
+            let saved = &self.manifest.params[w.index];
+            if let Some(s) = w.part.split {
+                let size = saved.shape.get(s.dim).copied().unwrap_or(0);
+                if s.blocks == 0 || !size.is_multiple_of(s.blocks * w.part.ranks) {
+                    return Err(self.mismatch(
+                        &saved.path,
+                        format!(
+                            "dimension {} of {:?} does not split in {} blocks over {} ranks",
+                            s.dim, saved.shape, s.blocks, w.part.ranks
+                        ),
+                    ));
+                }
+            }
+        }
         let decode = |path: &str, bytes: &[u8]| -> Result<ciborium::Value> {
             ciborium::from_reader(bytes).map_err(|e| ShardedCheckpointError::Mismatch {
                 dir: dir.clone(),
@@ -733,16 +748,26 @@ impl Save {
                 problem: format!("its state: {e}"),
             })
         };
-        // Per wanted parameter: its part's bytes, and its state's tree (rank 0's) with each of
-        // the tree's tensors as it will be (a split one filled from every rank's).
-        /// A tensor of a state as it will be: its bytes, shape and dtype.
-        type Made = (Vec<u8>, Vec<usize>, burn::tensor::DType);
+        let differ = |path: &str, problem: &str| ShardedCheckpointError::Mismatch {
+            dir: dir.clone(),
+            param: path.to_string(),
+            problem: format!("its state: the ranks' states hold different tensors ({problem})"),
+        };
+        // Per wanted parameter: its part's bytes; and its state's tree (rank 0's, its tensors
+        // taken out) with each of the tree's tensors as it will be (a slice filled from every
+        // rank's), whether rank 0's was a slice, and its dtype.
+        struct Made {
+            bytes: Vec<u8>,
+            shape: Vec<usize>,
+            dtype: burn::tensor::DType,
+            slice: bool,
+        }
         struct Building {
             data: Vec<u8>,
             dtype: burn::tensor::DType,
             id: u64,
             tree: Option<ciborium::Value>,
-            tensors: Vec<Option<Made>>,
+            tensors: Vec<Made>,
         }
         let mut building: Vec<Building> = Vec::with_capacity(wanted.len());
         for r in 0..saved_ranks {
@@ -759,6 +784,7 @@ impl Save {
             for (k, w) in wanted.iter().enumerate() {
                 let saved = &self.manifest.params[w.index];
                 let held = &file.params[w.index];
+                // `read` checked the part's shape and dtype against the manifest.
                 let dtype = held.data.dtype;
                 let elem = dtype.size();
                 if r == 0 {
@@ -784,14 +810,22 @@ impl Save {
                         w.part,
                     );
                 }
-                if !saved.state || (r > 0 && saved.split.is_none()) {
+                if !with_state || !saved.state || (r > 0 && saved.split.is_none()) {
                     continue;
                 }
                 let bytes = held.state.clone().unwrap_or_default();
-                let tree = decode(&saved.path, &bytes)?;
+                let mut tree = decode(&saved.path, &bytes)?;
                 let found = tensors(&tree);
+                if let Some(t) = found.iter().find(|t| {
+                    t.as_bytes().len() != t.shape.iter().product::<usize>() * t.dtype.size()
+                }) {
+                    return Err(differ(
+                        &saved.path,
+                        &format!("a tensor of shape {:?} has other bytes", t.shape),
+                    ));
+                }
                 let saved_local = saved.split.map(|s| s.local(&saved.shape, saved_ranks));
-                let is_part =
+                let is_slice =
                     |t: &TensorData| saved_local.as_ref().is_some_and(|l| t.shape.to_vec() == *l);
                 if r == 0 {
                     b.tensors = found
@@ -799,15 +833,11 @@ impl Save {
                         .map(|t| {
                             // A slice of every rank's, or one whole on every rank (cut like the
                             // parameter where it has the parameter's shape).
-                            let of = if is_part(t) {
-                                saved_part(saved.split)
+                            let slice = is_slice(t);
+                            let (of, whole_shape) = if slice {
+                                (saved_part(saved.split), saved.shape.clone())
                             } else {
-                                Part::WHOLE
-                            };
-                            let whole_shape = if is_part(t) {
-                                saved.shape.clone()
-                            } else {
-                                t.shape.to_vec()
+                                (Part::WHOLE, t.shape.to_vec())
                             };
                             let into = if whole_shape == saved.shape {
                                 w.part
@@ -816,40 +846,46 @@ impl Save {
                             };
                             let shape = into.shape(&whole_shape);
                             let len = shape.iter().product::<usize>() * t.dtype.size();
-                            let mut out = vec![0u8; len];
-                            copy_overlap(
-                                &whole_shape,
-                                t.dtype.size(),
-                                t.as_bytes(),
-                                of,
-                                &mut out,
-                                into,
-                            );
-                            Some((out, shape, t.dtype))
+                            let mut bytes = vec![0u8; len];
+                            let elem = t.dtype.size();
+                            copy_overlap(&whole_shape, elem, t.as_bytes(), of, &mut bytes, into);
+                            Made {
+                                bytes,
+                                shape,
+                                dtype: t.dtype,
+                                slice,
+                            }
                         })
                         .collect();
+                    // Only the tree's shape is kept until the end: its tensors are in `tensors`.
+                    map_tensors(&mut tree, &mut |t| {
+                        TensorData::from_bytes_vec(Vec::new(), vec![0], t.dtype)
+                    });
                     b.tree = Some(tree);
-                } else if saved.split.is_some() {
+                } else {
                     if found.len() != b.tensors.len() {
-                        return Err(self.mismatch(
+                        return Err(differ(
                             &saved.path,
-                            "its state: the ranks' states hold different tensors".into(),
+                            &format!(
+                                "{} tensors on rank {r}, {} on rank 0",
+                                found.len(),
+                                b.tensors.len()
+                            ),
                         ));
                     }
-                    for (t, out) in found.iter().zip(&mut b.tensors) {
-                        if !is_part(t) {
-                            continue;
+                    for (t, made) in found.iter().zip(&mut b.tensors) {
+                        if is_slice(t) != made.slice || t.dtype != made.dtype {
+                            return Err(differ(
+                                &saved.path,
+                                &format!("a {:?} of shape {:?} on rank {r}", t.dtype, t.shape),
+                            ));
                         }
-                        let (bytes, _, _) = out.as_mut().expect("made from rank 0's");
-                        let of = saved_part(saved.split);
-                        copy_overlap(
-                            &saved.shape,
-                            t.dtype.size(),
-                            t.as_bytes(),
-                            of,
-                            bytes,
-                            w.part,
-                        );
+                        if made.slice {
+                            let of = saved_part(saved.split);
+                            let elem = t.dtype.size();
+                            let (from, into) = (t.as_bytes(), &mut made.bytes);
+                            copy_overlap(&saved.shape, elem, from, of, into, w.part);
+                        }
                     }
                 }
             }
@@ -860,8 +896,8 @@ impl Save {
             let data = TensorData::from_bytes_vec(b.data, w.part.shape(&saved.shape), b.dtype);
             let state = b.tree.map(|mut tree| {
                 let mut made = b.tensors.into_iter();
-                map_tensors(&mut tree, &mut |t| match made.next().flatten() {
-                    Some((bytes, shape, dtype)) => TensorData::from_bytes_vec(bytes, shape, dtype),
+                map_tensors(&mut tree, &mut |t| match made.next() {
+                    Some(m) => TensorData::from_bytes_vec(m.bytes, m.shape, m.dtype),
                     None => t,
                 });
                 tree
@@ -1336,6 +1372,15 @@ where
     Ok(AdaptorRecord::from_item(item, device))
 }
 
+/// Where a rank of `ranks` holding a tensor placed as `placement` keeps it split: `None` when it
+/// is whole (or the rank alone).
+fn split_of(placement: Placement, ranks: usize) -> Option<SplitAt> {
+    match placement {
+        Placement::Shard { dim, blocks } if ranks > 1 => Some(SplitAt { dim, blocks }),
+        _ => None,
+    }
+}
+
 /// Loads the save in `dir` ([`save_sharded_checkpoint`]) into `model` and `optim` on every rank:
 /// `model` laid out as it will train (by [`crate::fully_shard`] on the ranks that load it, or
 /// whole on one device), `optim` a fresh `Sharded` optimizer, at [`crate::ZeroStage::Three`]
@@ -1390,10 +1435,7 @@ where
             let i = self.save.locate(&name, &tensor.shape().to_vec())?;
             let tp = B::tp_part(tensor.clone().into_primitive().tensor());
             let device = tp.device();
-            let split = match tp.placement() {
-                Placement::Shard { dim, blocks } if self.ranks > 1 => Some(SplitAt { dim, blocks }),
-                _ => None,
-            };
+            let split = split_of(tp.placement(), self.ranks);
             let data = self.save.value(i, self.rank, self.ranks, split)?;
             let local = <B::Inner as burn_backend::ops::FloatTensorOps<B::Inner>>::float_from_data(
                 data, &device,
@@ -1450,16 +1492,10 @@ where
     // On another mesh the rank files are read one at a time for this rank's parts, ahead of
     // the loading below.
     let wanted = save.wanted(&model, |t: &TensorPrimitive<B>| {
-        let TensorPrimitive::Float(t) = t else {
-            return Part::WHOLE;
-        };
-        let split = match B::tp_part(t.clone()).placement() {
-            Placement::Shard { dim, blocks } if ranks > 1 => Some(SplitAt { dim, blocks }),
-            _ => None,
-        };
+        let split = split_of(B::tp_part(t.clone().tensor()).placement(), ranks);
         Part { split, ranks, rank }
     })?;
-    save.stream(&wanted)?;
+    save.stream(&wanted, true)?;
     let mut load = Load::<O, B> {
         save: &mut save,
         rank,
@@ -1487,13 +1523,18 @@ where
     M: burn::module::Module<B>,
 {
     let mut save = Save::open(dir)?;
-    whole_model(&mut save, model).map(|(model, _)| model)
+    whole_model(&mut save, model, false).map(|(model, _)| model)
 }
 
 /// `model` with every parameter whole from `save`, each given its saved id; and each parameter's
-/// id, index in the save and module path.
+/// id, index in the save and module path. With `with_state`, each parameter's state is put
+/// together whole too, for [`Save::state`] to take.
 #[allow(clippy::type_complexity)]
-fn whole_model<B, M>(save: &mut Save, model: M) -> Result<(M, Vec<(ParamId, usize, String)>)>
+fn whole_model<B, M>(
+    save: &mut Save,
+    model: M,
+    with_state: bool,
+) -> Result<(M, Vec<(ParamId, usize, String)>)>
 where
     B: burn::tensor::backend::Backend,
     M: burn::module::Module<B>,
@@ -1550,7 +1591,7 @@ where
         }
     }
     let wanted = save.wanted(&model, |_| Part::WHOLE)?;
-    save.stream(&wanted)?;
+    save.stream(&wanted, with_state)?;
     let mut whole = Whole {
         save,
         params: Vec::new(),
@@ -1586,7 +1627,7 @@ where
     let device = model.devices().into_iter().next().unwrap_or_default();
     let mut save = Save::open(dir)?;
     save.check_optimizer::<O>()?;
-    let (model, params) = whole_model(&mut save, model)?;
+    let (model, params) = whole_model(&mut save, model, true)?;
     let mut states = StateRecord::<O, M, B>::default();
     for (id, i, name) in params {
         if let Some(tree) = save.state(i, 0, 1, None)? {
@@ -1814,6 +1855,17 @@ mod tests {
     struct Moment {
         step: usize,
         moment: TensorData,
+        /// Whole on every rank, of the parameter's whole shape (as AMSGrad's maximum is).
+        most: TensorData,
+    }
+
+    /// The whole-kept tensor of a parameter of `shape`'s test state.
+    fn most(shape: &[usize]) -> TensorData {
+        let n: usize = shape.iter().product();
+        TensorData::new(
+            (0..n).map(|v| 100.0 + v as f32).collect::<Vec<f32>>(),
+            shape.to_vec(),
+        )
     }
 
     /// A save of `n` ranks of two parameters (one split along dimension 1 in 2 blocks, one
@@ -1828,12 +1880,20 @@ mod tests {
         let mut first = None;
         for rank in 0..n {
             let slice = cut(&whole, 1, 2, n, rank).unwrap();
-            let state = |t: &TensorData| {
+            let state = |t: &TensorData, whole: &[usize]| {
                 let moment = TensorData::new(
                     t.to_vec::<f32>().unwrap().iter().map(|v| v * 0.5).collect(),
                     t.shape.clone(),
                 );
-                Some(encode_item(&Moment { step: 3, moment }).unwrap())
+                let most = most(whole);
+                Some(
+                    encode_item(&Moment {
+                        step: 3,
+                        moment,
+                        most,
+                    })
+                    .unwrap(),
+                )
             };
             let params = vec![
                 ParamPart {
@@ -1841,7 +1901,7 @@ mod tests {
                     id: 7,
                     shape: shape.clone(),
                     split: Some(split),
-                    state: state(&slice),
+                    state: state(&slice, &shape),
                     data: slice,
                 },
                 ParamPart {
@@ -1849,7 +1909,7 @@ mod tests {
                     id: 9,
                     shape: vec![5],
                     split: None,
-                    state: state(&bias),
+                    state: state(&bias, &[5]),
                     data: bias.clone(),
                 },
             ];
@@ -1890,7 +1950,7 @@ mod tests {
                         part: Part::WHOLE,
                     },
                 ];
-                streamed.stream(&wanted).unwrap();
+                streamed.stream(&wanted, true).unwrap();
                 let mut on_demand = Save::open(&dir).unwrap();
                 for save in [&mut streamed, &mut on_demand] {
                     let value = save.value(w, rank, ranks, split).unwrap();
@@ -1908,6 +1968,7 @@ mod tests {
                         value.shape.clone(),
                     );
                     assert_eq!(state.moment, half);
+                    assert_eq!(state.most, oracle(&most(&[3, 8]), split, ranks, rank));
                     assert_eq!(save.value(b, 0, 1, None).unwrap(), counting(&[5]));
                     assert_eq!(save.saved_id(w).unwrap(), 7);
                 }

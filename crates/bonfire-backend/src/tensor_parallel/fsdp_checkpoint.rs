@@ -1071,14 +1071,14 @@ impl Save {
         }
     }
 
-    /// The parts of the model's parameters that rank `rank` of `ranks` takes and that its own
-    /// file does not hold as they are (every part, on another mesh), as `part_of` a parameter
-    /// (by its module path and value) says; each parameter is located in the save (errors as
-    /// [`Save::locate`]'s).
+    /// The parts of the model's parameters that this rank takes and that its own file does not
+    /// hold as they are (every part, on another mesh), as `part_of` a parameter's value says
+    /// (`None` for a parameter not drawn yet, which this pass leaves undrawn); each parameter is
+    /// located in the save (errors as [`Save::locate`]'s).
     fn wanted<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(
         &mut self,
         model: &M,
-        part_of: impl Fn(&TensorPrimitive<B>) -> Part,
+        part_of: impl Fn(Option<TensorPrimitive<B>>) -> Part,
     ) -> Result<Vec<Want>> {
         struct Wants<'a, F> {
             save: &'a mut Save,
@@ -1090,7 +1090,7 @@ impl Save {
         impl<B, F> ModuleVisitor<B> for Wants<'_, F>
         where
             B: burn::tensor::backend::Backend,
-            F: Fn(&TensorPrimitive<B>) -> Part,
+            F: Fn(Option<TensorPrimitive<B>>) -> Part,
         {
             fn enter_module(&mut self, name: &str, _container_type: &str) {
                 self.path.push(name.to_string());
@@ -1102,11 +1102,11 @@ impl Save {
                 if self.error.is_some() {
                     return;
                 }
-                let tensor = param.val();
                 let name = self.path.join(".");
-                match self.save.locate(&name, &tensor.shape().to_vec()) {
+                match self.save.locate(&name, &param.lazy_shape().to_vec()) {
                     Ok(i) => {
-                        let part = (self.part_of)(&tensor.into_primitive());
+                        let drawn = param.is_initialized().then(|| param.val().into_primitive());
+                        let part = (self.part_of)(drawn);
                         if !self.save.same_mesh(i, part.ranks, part.split) {
                             self.wanted.push(Want { index: i, part });
                         }
@@ -1491,8 +1491,9 @@ where
     }
     // On another mesh the rank files are read one at a time for this rank's parts, ahead of
     // the loading below.
-    let wanted = save.wanted(&model, |t: &TensorPrimitive<B>| {
-        let split = split_of(B::tp_part(t.clone().tensor()).placement(), ranks);
+    let wanted = save.wanted(&model, |t: Option<TensorPrimitive<B>>| {
+        // A parameter not drawn yet is drawn whole (`fully_shard` draws what it shards).
+        let split = t.and_then(|t| split_of(B::tp_part(t.tensor()).placement(), ranks));
         Part { split, ranks, rank }
     })?;
     save.stream(&wanted, true)?;

@@ -92,6 +92,17 @@ where
     R: Send + 'static,
     F: Fn(M, &MeshGroups, &Device) -> R + Send + Sync + 'static,
 {
+    split_on_the_mesh(make, true, train)
+}
+
+/// [`on_the_mesh`], the model replicated over the data-parallel group (its gradients averaged
+/// in backward) only when `replicated`; otherwise only the tensor-parallel group is bound.
+fn split_on_the_mesh<M, R, F>(make: fn(&Device) -> M, replicated: bool, train: F) -> Vec<R>
+where
+    M: TpNet<HybridFlex> + AutodiffModule<HybridFlex> + 'static,
+    R: Send + 'static,
+    F: Fn(M, &MeshGroups, &Device) -> R + Send + Sync + 'static,
+{
     run_ranks(
         Communicator::in_process(DP * TP, comm_config()),
         Duration::from_secs(180),
@@ -101,11 +112,13 @@ where
                 .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
                 .expect("split the mesh");
             let model = seeded::<HybridFlex, _>(1, &device, make);
-            let _dp = bonfire::backend::bind_thread(groups.dp.clone(), dp_config());
+            let _dp =
+                replicated.then(|| bonfire::backend::bind_thread(groups.dp.clone(), dp_config()));
             let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
             let model =
                 bonfire::tensor_parallel(model, &M::plan(), &groups.tp).expect("the plan applies");
-            train(replicate(model), &groups, &device)
+            let model = if replicated { replicate(model) } else { model };
+            train(model, &groups, &device)
         },
     )
 }
@@ -331,20 +344,12 @@ fn a_split_pipeline_stage_averages_its_gradients_shard_by_shard() {
         loss_and_grads(&model, &batch, &device).1
     };
     let whole: usize = want.iter().map(Vec::len).sum();
-    let ranks = run_ranks(
-        Communicator::in_process(DP * TP, comm_config()),
-        Duration::from_secs(180),
-        move |world| {
-            let device = Device::default();
-            let groups = world
-                .split_mesh(&Mesh::new(DP * TP, TP).expect("mesh"))
-                .expect("split the mesh");
-            let _tp = tensor_parallel::bind_thread(groups.tp.clone()).expect("bind the tp group");
-            let model = seeded::<HybridFlex, _>(1, &device, TpGpt::new);
-            let model = bonfire::tensor_parallel(model, &TpGpt::<HybridFlex>::plan(), &groups.tp)
-                .expect("the plan applies");
+    let ranks = split_on_the_mesh(
+        TpGpt::new,
+        false,
+        move |model: TpGpt<HybridFlex>, groups, device| {
             let part = batch.part(groups.dp.rank(), DP);
-            let loss = model.loss(&part, &device);
+            let loss = model.loss(&part, device);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             let before = bonfire::gradient_bytes(&model, &grads);
             let tp_before = tensor_parallel::stats().expect("tp stats");
